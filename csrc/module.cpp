@@ -1,0 +1,29 @@
+// The Python module `specdec_inductor._C`: importing it runs every TORCH_LIBRARY registration
+// in this library (the op schemas live beside their kernels, one file per op family) and exposes
+// the ISA queries and kernel-path counters of cpu_features.h.
+#include <torch/extension.h>
+
+#include "cpu_features.h"
+
+TORCH_LIBRARY(specdec, m) {
+  // Op families add their schemas with TORCH_LIBRARY_FRAGMENT in their own files.
+}
+
+PYBIND11_MODULE(_C, m) {
+  using namespace specdec;
+  m.def("detected_isa", [] { return std::string(isa_name(detected_isa())); },
+        "Best path the CPU and OS support: portable, avx512 or amx.");
+  m.def("built_isas", [] {
+    std::vector<std::string> out;
+    for (Isa isa : {Isa::PORTABLE, Isa::AVX512, Isa::AMX}) {
+      if (isa_built(isa)) out.emplace_back(isa_name(isa));
+    }
+    return out;
+  }, "Paths compiled into this build.");
+  m.def("active_isa", [] { return std::string(isa_name(active_isa())); },
+        "Path the kernels use now (SPECDEC_ISA or the best supported one).");
+  m.def("set_active_isa", [](const std::string& name) { set_active_isa(isa_from_name(name)); },
+        "Force a path; raises ValueError if this machine or build cannot run it.");
+  m.def("kernel_path_counts", &kernel_path_counts, "Calls per '<op>:<path>' since the last reset.");
+  m.def("reset_kernel_path_counts", &reset_kernel_path_counts);
+}

@@ -1,0 +1,18 @@
+"""Python side of the `torch.ops.specdec` ops: one wrapper with a docstring and one fake kernel
+per op (schemas and CPU kernels live in csrc/, references in reference.py)."""
+from specdec_inductor.ops.tree import (  # noqa: F401
+    TreeMaskMode,
+    build_tree,
+    reconstruct_tree_from_mask,
+    verify_tree_greedy,
+    verify_tree_greedy_out,
+)
+from specdec_inductor.ops.kv_slots import (  # noqa: F401
+    assign_draft_cache_locs,
+    assign_req_to_token,
+    build_draft_decode_table,
+    compact_accepted_cache_locs,
+    fill_bonus_tokens,
+    gather_extend_cache_locs,
+    move_kv_slots,
+)
