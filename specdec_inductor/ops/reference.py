@@ -1,0 +1,261 @@
+"""Readable pure-PyTorch references of every `torch.ops.specdec` op: `<op>_ref` computes what
+kernels.md says the op computes, nothing more. Tests check each C++ kernel against its
+reference before anything is timed; benchmarks time the references as the eager baseline.
+
+They are written for clarity, not speed. Tree walks use Python loops over requests; the
+attention references build the explicit prefix + tree mask and call SDPA in fp32.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from specdec_inductor.ops.tree import TreeMaskMode, bitpacked_mask_dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft trees (kernels.md sections 1-4)
+# ---------------------------------------------------------------------------------------------
+
+
+def tree_parents_ref(parent_list: Tensor, selected_index: Tensor, topk: int) -> List[List[int]]:
+    """Parent node of every node (root: -1) per request, from the draft numbering of section 1."""
+    parents = []
+    for b in range(selected_index.shape[0]):
+        sel = selected_index[b].tolist()
+        node_of_id = {s: j + 1 for j, s in enumerate(sel)}
+        row = [-1]
+        for j, s in enumerate(sel):
+            p = s // topk
+            if p == 0:
+                row.append(0)
+                continue
+            parent_id = int(parent_list[b, p])
+            if parent_id not in node_of_id or node_of_id[parent_id] > j:
+                raise ValueError(f"malformed tree: selected_index[{b}, {j}] has no selected parent")
+            row.append(node_of_id[parent_id])
+        parents.append(row)
+    return parents
+
+
+def _linkage_from_parents(parents: List[List[int]], seq_lens: Tensor):
+    """positions, retrieve_index, next_token, next_sibling from per-request parent lists."""
+    bs, n = len(parents), len(parents[0])
+    positions = torch.empty(bs * n, dtype=torch.int64)  # [B*N]
+    retrieve_index = torch.arange(bs * n, dtype=torch.int64).view(bs, n)  # [B, N]
+    next_token = torch.full((bs, n), -1, dtype=torch.int64)  # [B, N]
+    next_sibling = torch.full((bs, n), -1, dtype=torch.int64)  # [B, N]
+    for b, par in enumerate(parents):
+        depth = [0] * n
+        for i in range(1, n):
+            depth[i] = depth[par[i]] + 1
+        for i in range(n):
+            positions[b * n + i] = int(seq_lens[b]) + depth[i]
+            children = [c for c in range(i + 1, n) if par[c] == i]
+            if children:
+                next_token[b, i] = children[0]
+            if i > 0:
+                later = [c for c in range(i + 1, n) if par[c] == par[i]]
+                if later:
+                    next_sibling[b, i] = later[0]
+    return positions, retrieve_index, next_token, next_sibling
+
+
+def _ancestor_rows(par: List[int]) -> List[List[bool]]:
+    n = len(par)
+    rows = []
+    for i in range(n):
+        row = [False] * n
+        j = i
+        while j >= 0:
+            row[j] = True
+            j = par[j]
+        rows.append(row)
+    return rows
+
+
+def build_tree_ref(parent_list, selected_index, seq_lens, topk, depth, num_draft_tokens,
+                   tree_mask_mode=TreeMaskMode.QLEN_ONLY):
+    n = num_draft_tokens
+    parents = tree_parents_ref(parent_list, selected_index, topk)
+    positions, retrieve_index, next_token, next_sibling = _linkage_from_parents(parents, seq_lens)
+    chunks = []
+    for b, par in enumerate(parents):
+        rows = _ancestor_rows(par)
+        if tree_mask_mode == TreeMaskMode.QLEN_ONLY_BITPACKING:
+            dtype = bitpacked_mask_dtype(n)
+            width = torch.iinfo(dtype).bits
+            words = [sum(1 << j for j in range(n) if r[j]) for r in rows]
+            if dtype.is_signed:  # same bits, two's-complement value
+                words = [w - (1 << width) if w >> (width - 1) else w for w in words]
+            chunks.append(torch.tensor(words, dtype=dtype))
+            continue
+        tree = torch.tensor(rows, dtype=torch.bool)  # [N, N]
+        if tree_mask_mode == TreeMaskMode.FULL_MASK:
+            prefix = torch.ones(n, int(seq_lens[b]), dtype=torch.bool)  # [N, seq_len]
+            tree = torch.cat([prefix, tree], dim=1)
+        chunks.append(tree.flatten())
+    mask = torch.cat(chunks)
+    return mask, positions, retrieve_index, next_token, next_sibling
+
+
+def verify_tree_greedy_ref(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling,
+                           target_predict, num_spec_steps):
+    bs, n = candidates.shape
+    predicts = torch.full((bs * n,), -1, dtype=torch.int32)  # [B*N]
+    accept_index = torch.full((bs, num_spec_steps), -1, dtype=torch.int32)  # [B, S]
+    accept_token_num = torch.zeros(bs, dtype=torch.int32)  # [B]
+    flat_target = target_predict.reshape(-1)
+    for b in range(bs):
+        last = int(retrieve_index[b, 0])
+        node = 0
+        accept_index[b, 0] = last
+        for level in range(1, num_spec_steps):
+            want = int(flat_target[last])  # the target's token after `node`
+            child = int(retrieve_next_token[b, node])
+            while child != -1 and int(candidates[b, child]) != want:
+                child = int(retrieve_next_sibling[b, child])
+            if child == -1:
+                break
+            predicts[last] = want
+            node, last = child, int(retrieve_index[b, child])
+            accept_index[b, level] = last
+            accept_token_num[b] += 1
+        predicts[last] = int(flat_target[last])  # bonus token
+    return predicts, accept_index, accept_token_num
+
+
+def reconstruct_tree_from_mask_ref(tree_mask, seq_lens, num_draft_tokens):
+    n = num_draft_tokens
+    mask = tree_mask.view(-1, n, n)  # [B, N, N]
+    parents = []
+    for b in range(mask.shape[0]):
+        par = [-1]
+        for t in range(1, n):
+            above = [j for j in range(t) if bool(mask[b, t, j])]
+            par.append(above[-1] if above else -1)
+        if _ancestor_rows(par) != mask[b].tolist():
+            raise ValueError(f"malformed tree: tree_mask of request {b} is not an ancestor mask")
+        parents.append(par)
+    return _linkage_from_parents(parents, seq_lens)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV-slot bookkeeping (kernels.md section 5)
+# ---------------------------------------------------------------------------------------------
+
+
+def _ranges(start, end):
+    return [(int(s), int(e)) for s, e in zip(start.tolist(), end.tolist())]
+
+
+def assign_req_to_token_ref(req_to_token, req_rows, start, end, cache_loc):
+    offset = 0
+    for row, (s, e) in zip(req_rows.tolist(), _ranges(start, end)):
+        req_to_token[row, s:e] = cache_loc[offset:offset + e - s].to(torch.int32)
+        offset += e - s
+
+
+def assign_draft_cache_locs_ref(req_to_token, req_rows, seq_lens, topk, steps):
+    out = [req_to_token[row, n:n + topk * steps] for row, n in zip(req_rows.tolist(), seq_lens.tolist())]
+    return torch.cat(out).to(torch.int64)  # [B*topk*steps], candidate-major
+
+
+def gather_extend_cache_locs_ref(req_to_token, req_rows, start, end, total=None):
+    out = [req_to_token[row, s:e] for row, (s, e) in zip(req_rows.tolist(), _ranges(start, end))]
+    return torch.cat(out).to(torch.int64) if out else torch.empty(0, dtype=torch.int64)
+
+
+def build_draft_decode_table_ref(req_to_token, req_rows, seq_lens, topk, steps):
+    width = req_to_token.shape[1]
+    table = torch.full((len(req_rows) * topk, width), -1, dtype=torch.int32)  # [B*topk, L]
+    for b, (row, n) in enumerate(zip(req_rows.tolist(), seq_lens.tolist())):
+        for k in range(topk):
+            table[b * topk + k, :n] = req_to_token[row, :n]
+            table[b * topk + k, n:n + steps] = req_to_token[row, n + k * steps:n + (k + 1) * steps]
+    return table
+
+
+def fill_bonus_tokens_ref(accept_tokens, accept_lens):
+    rows = torch.arange(accept_tokens.shape[0])
+    return accept_tokens[rows, accept_lens.long() - 1]
+
+
+def compact_accepted_cache_locs_ref(cache_loc, accept_index):
+    flat = accept_index.reshape(-1).long()
+    kept = cache_loc.long()[flat[flat >= 0]]
+    out = torch.full((flat.numel(),), -1, dtype=torch.int64)
+    out[:kept.numel()] = kept
+    return out, torch.tensor(kept.numel(), dtype=torch.int64)
+
+
+def move_kv_slots_ref(k_buffers, v_buffers, src, dst):
+    for buf in list(k_buffers) + list(v_buffers):
+        rows = buf[src.long()].clone()  # every source read before any write
+        buf[dst.long()] = rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention over the slot pool (kernels.md section 6)
+# ---------------------------------------------------------------------------------------------
+# Layouts: k_pool / v_pool [S, Hkv, D]; q [B, T, H, D] (rows t >= extend_lens[b] are padding);
+# req_to_token [R, L] int32; the new tokens' K/V are already stored at positions
+# [prefix_lens[b], prefix_lens[b] + extend_lens[b]) of row req_rows[b].
+
+
+def store_kv_ref(k_pool, v_pool, k, v, slots):
+    """k_pool[slots[b, t]] = k[b, t] (and v) for every slot >= 0; -1 marks padding."""
+    flat_slots = slots.reshape(-1).long()
+    keep = flat_slots >= 0
+    k_pool[flat_slots[keep]] = k.reshape(-1, *k.shape[2:])[keep].to(k_pool.dtype)
+    v_pool[flat_slots[keep]] = v.reshape(-1, *v.shape[2:])[keep].to(v_pool.dtype)
+
+
+def unpack_tree_mask_ref(tree_mask: Tensor, bs: int, n: int) -> Tensor:
+    """[B, N, N] bool from a QLEN_ONLY bool mask [B*N*N] or a bit-packed one [B*N]."""
+    if tree_mask.dtype == torch.bool:
+        return tree_mask.view(bs, n, n)
+    bits = tree_mask.to(torch.int64).view(bs, n, 1)  # [B, N, 1] (sign extension keeps low bits)
+    return (bits >> torch.arange(n).view(1, 1, n)) & 1 == 1
+
+
+def extend_attention_ref(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens,
+                         tree_mask: Optional[Tensor], scale: float, sliding_window: int = -1,
+                         logit_cap: float = 0.0):
+    """Each request's new tokens attend its prefix (all of it) plus the new tokens the tree
+    mask allows (causal without a mask), in fp32 SDPA with an explicit bool mask."""
+    bs, t_max, h, d = q.shape
+    h_kv = k_pool.shape[1]
+    out = torch.zeros(bs, t_max, h, d, dtype=q.dtype)  # [B, T, H, D]
+    tree = unpack_tree_mask_ref(tree_mask, bs, t_max) if tree_mask is not None else None
+    for b in range(bs):
+        prefix, ext = int(prefix_lens[b]), int(extend_lens[b])
+        if ext == 0:
+            continue
+        slots = req_to_token[int(req_rows[b]), :prefix + ext].long()
+        k = k_pool[slots].float().repeat_interleave(h // h_kv, dim=1)  # [K, H, D]
+        v = v_pool[slots].float().repeat_interleave(h // h_kv, dim=1)  # [K, H, D]
+        new = tree[b, :ext, :ext] if tree is not None else torch.ones(ext, ext, dtype=torch.bool).tril()
+        mask = torch.cat([torch.ones(ext, prefix, dtype=torch.bool), new], dim=1)  # [ext, K]
+        if sliding_window > 0:
+            qpos = torch.arange(prefix, prefix + ext).view(-1, 1)
+            kpos = torch.arange(prefix + ext).view(1, -1)
+            mask &= kpos > qpos - sliding_window
+        qb = q[b, :ext].float().transpose(0, 1)  # [H, ext, D]
+        scores = (qb @ k.permute(1, 2, 0)) * scale  # [H, ext, K]
+        if logit_cap > 0:
+            scores = logit_cap * torch.tanh(scores / logit_cap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[b, :ext] = (scores.softmax(-1) @ v.transpose(0, 1)).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def decode_attention_ref(q, k_pool, v_pool, req_to_token, req_rows, kv_lens, scale: float,
+                         sliding_window: int = -1, logit_cap: float = 0.0):
+    """One query per row [B, H, D] over req_to_token[req_rows[b], :kv_lens[b]] (the current
+    token's K/V included)."""
+    bs = q.shape[0]
+    ones = torch.zeros(bs, dtype=torch.int64) + 1
+    out = extend_attention_ref(q.unsqueeze(1), k_pool, v_pool, req_to_token, req_rows,
+                               kv_lens.long() - 1, ones, None, scale, sliding_window, logit_cap)
+    return out.squeeze(1)  # [B, H, D]
