@@ -7,6 +7,8 @@ environment variable SPECDEC_ISA forces one; kernel_path_counts() tells which pa
 import contextlib
 import os
 
+import torch  # noqa: F401  (loads libc10 / libtorch before the extension needs them)
+
 BUILD_COMMAND = "pip install --no-build-isolation -e .  (from the repository root, torch installed)"
 
 try:
