@@ -4,7 +4,7 @@ import torch
 
 from specdec_inductor import ops
 
-from draft_trees import random_draft, random_verify_inputs
+from specdec_inductor.testing import random_draft, random_verify_inputs
 
 
 def _draft_step(parent_list, selected_index, seq_lens, candidates, target, cache_loc):

@@ -7,7 +7,7 @@ from torch.library import opcheck
 
 from specdec_inductor.ops import TreeMaskMode
 
-from draft_trees import random_draft, random_verify_inputs
+from specdec_inductor.testing import random_draft, random_verify_inputs
 
 OPS = torch.ops.specdec
 T = torch.tensor

@@ -10,7 +10,7 @@ from specdec_inductor import ops
 from specdec_inductor.ops import TreeMaskMode, reference as ref
 from specdec_inductor.compat import sglang
 
-from draft_trees import random_draft, random_verify_inputs
+from specdec_inductor.testing import random_draft, random_verify_inputs
 
 T = torch.tensor
 

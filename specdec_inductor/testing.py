@@ -1,6 +1,7 @@
 """Random draft trees made the way a real multi-step top-k draft loop makes them (kernels.md
 section 1): cumulative log-prob scores, topk beams kept per step, the N-1 best ids selected and
-sorted. Also random greedy-verify inputs that accept, reject and hop siblings."""
+sorted; and random greedy-verify inputs that accept, reject and hop siblings. Used by the tests
+and the benchmarks."""
 from dataclasses import dataclass
 
 import torch
