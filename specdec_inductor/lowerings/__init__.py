@@ -1,0 +1,1 @@
+"""Inductor lowerings and graph passes for the specdec backend (see README.md)."""
