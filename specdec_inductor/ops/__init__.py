@@ -16,3 +16,8 @@ from specdec_inductor.ops.kv_slots import (  # noqa: F401
     gather_extend_cache_locs,
     move_kv_slots,
 )
+from specdec_inductor.ops.sampling import (  # noqa: F401
+    chain_speculative_sampling,
+    top_k_top_p_renorm,
+    tree_speculative_sampling,
+)
