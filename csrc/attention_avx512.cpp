@@ -130,6 +130,55 @@ void pv_tile(const float* p, const float* alpha, const float* const* vrow, int64
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + dc + 16 * c, a[r][c]);
 }
 
+// bf16 variant: p holds bf16 probabilities as key-pair words [R, 32], vp the block's V rows as
+// key-pair words [32, D] (word (j/2, d) = (v[j][d], v[j+1][d])), so one _mm512_dpbf16_ps adds
+// two keys' contributions to 16 outputs.
+template <int R, int C>
+void pv_tile_bf16(const uint32_t* p, const float* alpha, const uint32_t* vp, int64_t npairs,
+                  int64_t dc, float* acc, int64_t D) {
+  __m512 a[R][C];
+  for (int r = 0; r < R; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < C; ++c) a[r][c] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + r * D + dc + 16 * c));
+  }
+  for (int64_t j2 = 0; j2 < npairs; ++j2) {
+    __m512i v[C];
+    for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_si512(vp + j2 * D + dc + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512i pb = _mm512_set1_epi32(static_cast<int>(p[r * (kKeyBlock / 2) + j2]));
+      for (int c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], (__m512bh)pb, (__m512bh)v[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + dc + 16 * c, a[r][c]);
+}
+
+template <int R>
+void pv_cols_bf16(const uint32_t* p, const float* alpha, const uint32_t* vp, int64_t npairs,
+                  float* acc, int64_t D) {
+  int64_t dc = 0;
+  for (; dc + 64 <= D; dc += 64) pv_tile_bf16<R, 4>(p, alpha, vp, npairs, dc, acc, D);
+  switch ((D - dc) / 16) {
+    case 3: pv_tile_bf16<R, 3>(p, alpha, vp, npairs, dc, acc, D); break;
+    case 2: pv_tile_bf16<R, 2>(p, alpha, vp, npairs, dc, acc, D); break;
+    case 1: pv_tile_bf16<R, 1>(p, alpha, vp, npairs, dc, acc, D); break;
+    default: break;
+  }
+}
+
+void pv_rows_bf16(const uint32_t* p, const float* alpha, const uint32_t* vp, int64_t npairs,
+                  int64_t M, float* acc, int64_t D) {
+  constexpr int64_t W = kKeyBlock / 2;
+  int64_t m = 0;
+  for (; m + kRowBlock <= M; m += kRowBlock) pv_cols_bf16<4>(p + m * W, alpha + m, vp, npairs, acc + m * D, D);
+  switch (M - m) {
+    case 3: pv_cols_bf16<3>(p + m * W, alpha + m, vp, npairs, acc + m * D, D); break;
+    case 2: pv_cols_bf16<2>(p + m * W, alpha + m, vp, npairs, acc + m * D, D); break;
+    case 1: pv_cols_bf16<1>(p + m * W, alpha + m, vp, npairs, acc + m * D, D); break;
+    default: break;
+  }
+}
+
 template <int R>
 void pv_cols(const float* p, const float* alpha, const float* const* vrow, int64_t nk, float* acc,
              int64_t D) {
@@ -180,9 +229,17 @@ uint64_t visible_bits(const AttnChunk& c, int64_t t, int64_t kb0, int64_t nk) {
   return bits;
 }
 
+void prefetch_rows(const AttnChunk& c, const char* base, int64_t stride, int64_t p0, int64_t n,
+                   int64_t row_bytes) {
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = base + c.slots[(p0 + j) * c.slot_stride] * stride * (row_bytes / c.head_dim);
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+  }
+}
+
 struct Scratch {
-  std::vector<uint32_t> q, kt, zero;
-  std::vector<float> s, vf, alpha;
+  std::vector<uint32_t> q, kt, zero, pb, vp;
+  std::vector<float> s, alpha;
 };
 thread_local Scratch tls;
 
@@ -198,7 +255,10 @@ void attention_chunk_avx512(const AttnChunk& c) {
   s.zero.assign(W, 0);
   s.s.resize(M * kKeyBlock);
   s.alpha.resize(M);
-  if (bf16) s.vf.resize(kKeyBlock * D);
+  if (bf16) {
+    s.pb.resize(M * kKeyBlock / 2);
+    s.vp.resize(kKeyBlock / 2 * D);
+  }
 
   // Queries as 32-bit words, vector m = (row m / heads, head m % heads).
   for (int64_t m = 0; m < M; ++m) {
@@ -224,12 +284,11 @@ void attention_chunk_avx512(const AttnChunk& c) {
                              kbase + c.slots[(kb0 + j) * c.slot_stride] * c.k_stride_slot * elem)
                        : s.zero.data();
     }
-    if (kb0 + kKeyBlock < c.key_end) {  // prefetch the next block's first K lines
-      for (int64_t j = 0; j < std::min<int64_t>(kKeyBlock, c.key_end - kb0 - kKeyBlock); ++j) {
-        _mm_prefetch(kbase + c.slots[(kb0 + kKeyBlock + j) * c.slot_stride] * c.k_stride_slot * elem,
-                     _MM_HINT_T0);
-      }
-    }
+    // Slots are scattered over the pool, so the hardware prefetcher cannot follow: request this
+    // block's V rows (read after the softmax) and the next block's K rows now.
+    prefetch_rows(c, vbase, c.v_stride_slot, kb0, nk, D * elem);
+    prefetch_rows(c, kbase, c.k_stride_slot, kb0 + kKeyBlock,
+                  std::min<int64_t>(kKeyBlock, c.key_end - kb0 - kKeyBlock), D * elem);
     for (int64_t jt = 0; jt < kKeyBlock; jt += 16) {
       for (int64_t w0 = 0; w0 < W; w0 += 16) {
         __m512 r[16];
@@ -263,38 +322,65 @@ void attention_chunk_avx512(const AttnChunk& c) {
       const float m_new = std::max(c.max[m], block_max);
       if (bits == 0 || m_new == -std::numeric_limits<float>::infinity()) {
         std::memset(sr, 0, kKeyBlock * sizeof(float));
+        if (bf16) std::memset(s.pb.data() + m * (kKeyBlock / 2), 0, kKeyBlock / 2 * sizeof(uint32_t));
         s.alpha[m] = 1.0f;
         continue;
       }
       const float alpha = std::exp(c.max[m] - m_new);  // 0 when the row had no key yet
       const __m512 mn = _mm512_set1_ps(m_new);
       __m512 sum = _mm512_setzero_ps();
+      __m512 p[4];
       for (int k = 0; k < 4; ++k) {
         const __mmask16 vis = static_cast<__mmask16>(bits >> (16 * k));
-        const __m512 p = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(x[k], mn)));
-        sum = _mm512_add_ps(sum, p);
-        _mm512_storeu_ps(sr + 16 * k, p);
+        p[k] = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(x[k], mn)));
+      }
+      if (bf16) {  // P.V runs on bf16 probabilities; the row sum uses the same rounded values
+        uint32_t* pr = s.pb.data() + m * (kKeyBlock / 2);
+        for (int k = 0; k < 4; k += 2) {
+          const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p[k + 1], p[k]);  // bf16 p[16k .. 16k+31]
+          _mm512_storeu_si512(pr + 8 * k, h);
+          sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));  // even keys
+          sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(-65536))));  // odd keys
+        }
+      } else {
+        for (int k = 0; k < 4; ++k) {
+          sum = _mm512_add_ps(sum, p[k]);
+          _mm512_storeu_ps(sr + 16 * k, p[k]);
+        }
       }
       c.sum[m] = c.sum[m] * alpha + _mm512_reduce_add_ps(sum);
       c.max[m] = m_new;
       s.alpha[m] = alpha;
     }
 
-    // V rows: fp32 straight from the pool; bf16 widened to fp32 once for the whole group.
-    for (int64_t j = 0; j < nk; ++j) {
-      const char* src = vbase + c.slots[(kb0 + j) * c.slot_stride] * c.v_stride_slot * elem;
-      if (!bf16) {
-        vrow[j] = reinterpret_cast<const float*>(src);
-        continue;
+    if (!bf16) {  // fp32 V rows straight from the pool
+      for (int64_t j = 0; j < nk; ++j) {
+        vrow[j] = reinterpret_cast<const float*>(
+            vbase + c.slots[(kb0 + j) * c.slot_stride] * c.v_stride_slot * elem);
       }
-      float* dst = s.vf.data() + j * D;
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d * 2));
-        _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-      }
-      vrow[j] = dst;
+      pv_rows(s.s.data(), s.alpha.data(), vrow, nk, M, c.acc, D);
+      continue;
     }
-    pv_rows(s.s.data(), s.alpha.data(), vrow, nk, M, c.acc, D);
+    // bf16: interleave V rows j, j+1 into key-pair words once for the whole group (an odd last
+    // key pairs with zeros; its probability is zero too).
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                                24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                                1, 16, 0);
+    const int64_t npairs = (nk + 1) / 2;
+    for (int64_t j2 = 0; j2 < npairs; ++j2) {
+      const char* r0 = vbase + c.slots[(kb0 + 2 * j2) * c.slot_stride] * c.v_stride_slot * elem;
+      const char* r1 = 2 * j2 + 1 < nk
+          ? vbase + c.slots[(kb0 + 2 * j2 + 1) * c.slot_stride] * c.v_stride_slot * elem
+          : reinterpret_cast<const char*>(s.zero.data());
+      uint32_t* dst = s.vp.data() + j2 * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d * 2));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + d * 2));
+        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+        _mm512_storeu_si512(dst + d, _mm512_permutexvar_epi16(interleave, ab));
+      }
+    }
+    pv_rows_bf16(s.pb.data(), s.alpha.data(), s.vp.data(), npairs, M, c.acc, D);
   }
 }
 
