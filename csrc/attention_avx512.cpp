@@ -233,7 +233,7 @@ void prefetch_rows(const AttnChunk& c, const char* base, int64_t stride, int64_t
                    int64_t row_bytes) {
   for (int64_t j = 0; j < n; ++j) {
     const char* row = base + c.slots[(p0 + j) * c.slot_stride] * stride * (row_bytes / c.head_dim);
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
   }
 }
 
@@ -285,7 +285,8 @@ void attention_chunk_avx512(const AttnChunk& c) {
                        : s.zero.data();
     }
     // Slots are scattered over the pool, so the hardware prefetcher cannot follow: request this
-    // block's V rows (read after the softmax) and the next block's K rows now.
+    // block's V rows (read after the softmax) and the next block's K rows now, into L2 (the
+    // 32 KB L1 would evict them again before use).
     prefetch_rows(c, vbase, c.v_stride_slot, kb0, nk, D * elem);
     prefetch_rows(c, kbase, c.k_stride_slot, kb0 + kKeyBlock,
                   std::min<int64_t>(kKeyBlock, c.key_end - kb0 - kKeyBlock), D * elem);
