@@ -177,10 +177,11 @@ def main():
         flex_note = "flex skipped (--no-flex)"
 
     bw = measure_read_bandwidth(5 if args.quick else 10)
+    si.reset_kernel_path_counts()
     print(f"# CPU: {cpu_name()}; threads: {torch.get_num_threads()}; os.cpu_count: {os.cpu_count()}")
     print(f"# torch {torch.__version__}; specdec detected ISA: {si.detected_isa()}, "
-          f"kernel path: {si.active_isa()} (the attention kernels have no AMX variant: "
-          f"amx runs the avx512 kernel)")
+          f"active path: {si.active_isa()} (AMX attention kernel: bf16 only, fp32 on amx runs "
+          f"avx512)")
     print(f"# measured read bandwidth (x.sum over 512 MiB): {bw / 1e9:.1f} GB/s; roofline = "
           f"(K/V + q + out bytes) / bandwidth")
     print(f"# times in microseconds (median of {repeats}); ratios = baseline time / ours; "
@@ -235,6 +236,9 @@ def main():
             if r["flex_err"] > (1e-3 if dt == torch.float32 else 5e-2):
                 print(f"#   warning: flex and ours differ by {r['flex_err']:.3g}")
         ratios["roof"].append(roof / r["ours"])
+    print("# kernel paths that ran: " + ", ".join(
+        f"{k}={v}" for k, v in sorted(si.kernel_path_counts().items()) if "attention" in k))
+    si.reset_kernel_path_counts()
     print("# verify medians over shapes: " + ", ".join(
         f"x {k} {statistics.median(v):.2f}" for k, v in ratios.items() if v))
 
@@ -252,6 +256,8 @@ def main():
         dratios["sdpa+gather"].append(r["sdpa+gather"] / r["ours"])
         dratios["sdpa"].append(r["sdpa"] / r["ours"])
         dratios["roof"].append(roof / r["ours"])
+    print("# kernel paths that ran: " + ", ".join(
+        f"{k}={v}" for k, v in sorted(si.kernel_path_counts().items()) if "attention" in k))
     print("# decode medians over shapes: " + ", ".join(
         f"x {k} {statistics.median(v):.2f}" for k, v in dratios.items() if v))
 
