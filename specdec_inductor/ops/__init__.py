@@ -16,6 +16,11 @@ from specdec_inductor.ops.kv_slots import (  # noqa: F401
     gather_extend_cache_locs,
     move_kv_slots,
 )
+from specdec_inductor.ops.attention import (  # noqa: F401
+    decode_attention,
+    extend_attention,
+    store_kv,
+)
 from specdec_inductor.ops.sampling import (  # noqa: F401
     chain_speculative_sampling,
     top_k_top_p_renorm,
