@@ -45,8 +45,6 @@ def test_one_graph_per_bucket_and_kind_and_no_recompiles(compiled_engine):
         out_b = engine.generate([[2, 2, 2, 2, 5], list(range(20, 45))], max_new_tokens=129)
     assert unique_graphs() - before == 2
     assert [len(o) for o in out_a + out_b] == [129] * 4
-    engine.generate([[1, 2]], max_new_tokens=2)  # bucket 1: its own two graphs
-    assert unique_graphs() - before == 4
     engine.pool.check_consistent()
     assert engine.pool.num_free_slots == engine.pool.num_slots
 

@@ -171,7 +171,8 @@ class Engine:
             prefix = prompt_lens.clamp(max=start)  # [B]
             ext = (prompt_lens - start).clamp(0, chunk)  # [B]
             positions = prefix.view(bs, 1) + t.view(1, chunk)  # [B, C]
-            logits = self.extend(ids[:, start:start + chunk], positions, req_rows, prefix, ext)
+            chunk_ids = ids[:, start:start + chunk].contiguous()  # [B, C]; strides are guarded
+            logits = self.extend(chunk_ids, positions, req_rows, prefix, ext)
             ends_here = (ext > 0) & (prefix + ext == prompt_lens)  # [B]
             idx = (ext - 1).clamp(min=0).view(bs, 1, 1).expand(bs, 1, logits.shape[-1])
             last = torch.where(ends_here.view(bs, 1), logits.gather(1, idx)[:, 0].to(last.dtype),
@@ -195,7 +196,8 @@ class Engine:
             req_rows = torch.tensor(rows, dtype=torch.int64)  # [B]
             t0 = time.perf_counter()
             logits = self.prefill(prompts, req_rows)
-            tokens = logits.argmax(-1)  # [B]
+            with torch.inference_mode():  # like every later step's tokens: no graph re-guard
+                tokens = logits.argmax(-1)  # [B]
             stats.prefill_s += time.perf_counter() - t0
             stats.prompt_tokens += sum(len(p) for p in prompts)
             seq_lens = torch.tensor([len(p) for p in prompts] + [1] * (bucket - bs_real),

