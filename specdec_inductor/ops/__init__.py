@@ -16,3 +16,8 @@ from specdec_inductor.ops.kv_slots import (  # noqa: F401
     gather_extend_cache_locs,
     move_kv_slots,
 )
+from specdec_inductor.ops.attention import (  # noqa: F401
+    decode_attention,
+    extend_attention,
+    store_kv,
+)

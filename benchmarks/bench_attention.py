@@ -1,0 +1,251 @@
+"""Benchmark of extend_attention (tree verify) and decode_attention over the paged KV pool,
+against plain PyTorch SDPA with an exact-length bool mask (K/V gathered from the pool by index,
+and, separately, SDPA alone on pre-gathered K/V), compiled flex_attention with the tree as its
+mask_mod, and the memory roofline (K/V bytes read / bandwidth measured here by summing a large
+tensor). Prints medians over repeats and ratios measured in the same run; never asserts.
+
+    python benchmarks/bench_attention.py [--quick] [--isa portable|avx512|amx] [--no-flex]
+"""
+import argparse
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import specdec_inductor as si  # noqa: E402
+from specdec_inductor.ops import decode_attention, extend_attention  # noqa: E402
+
+
+def median_time(fn, repeats, warmup=3):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_read_bandwidth(repeats):
+    """Bytes/s of x.sum() over a 512 MiB fp32 tensor (all threads): the read roofline."""
+    x = torch.ones(128 * 1024 * 1024)  # [128M] fp32 = 512 MiB
+    t = median_time(lambda: x.sum(), repeats, warmup=2)
+    return x.numel() * 4 / t
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def make_problem(bs, h, h_kv, d, n, prefix, dtype, seed=0):
+    """Pool with each request's slots scattered at random (as after many allocations)."""
+    g = torch.Generator().manual_seed(seed)
+    total = bs * (prefix + n)
+    k_pool = torch.randn(total + 16, h_kv, d, generator=g).to(dtype)  # [S, Hkv, D]
+    v_pool = torch.randn(total + 16, h_kv, d, generator=g).to(dtype)  # [S, Hkv, D]
+    table = torch.randperm(total + 16, generator=g)[:total].view(bs, prefix + n).int()  # [B, L]
+    q = torch.randn(bs, n, h, d, generator=g).to(dtype)  # [B, N, H, D]
+    tree = torch.zeros(bs, n, n, dtype=torch.bool)  # [B, N, N] random tree (ancestor rows)
+    for b in range(bs):
+        for i in range(n):
+            tree[b, i, i] = True
+            if i:
+                tree[b, i] |= tree[b, int(torch.randint(0, i, (1,), generator=g))]
+    return q, k_pool, v_pool, table, tree
+
+
+def bench_verify(bs, h, h_kv, d, n, prefix, dtype, repeats, use_flex, flex_fn):
+    q, k_pool, v_pool, table, tree = make_problem(bs, h, h_kv, d, n, prefix, dtype)
+    rows = torch.arange(bs)
+    pre = torch.full((bs,), prefix, dtype=torch.int32)
+    ext = torch.full((bs,), n, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(d)
+    flat_tree = tree.reshape(-1)
+    res = {}
+    res["ours"] = median_time(lambda: extend_attention(q, k_pool, v_pool, table, rows, pre, ext,
+                                                       flat_tree, scale), repeats)
+    mask = torch.cat([torch.ones(bs, n, prefix, dtype=torch.bool), tree], dim=2)  # [B, N, L]
+    mask = mask.unsqueeze(1)  # [B, 1, N, L]
+    qt = q.transpose(1, 2)  # [B, H, N, D]
+    slots = table.long()
+
+    def sdpa_gather():
+        k = k_pool[slots].transpose(1, 2)  # [B, Hkv, L, D]
+        v = v_pool[slots].transpose(1, 2)
+        return F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    res["sdpa+gather"] = median_time(sdpa_gather, repeats)
+    k_dense = k_pool[slots].transpose(1, 2).contiguous()  # [B, Hkv, L, D]
+    v_dense = v_pool[slots].transpose(1, 2).contiguous()
+    res["sdpa"] = median_time(lambda: F.scaled_dot_product_attention(
+        qt, k_dense, v_dense, attn_mask=mask, scale=scale, enable_gqa=True), repeats)
+    if use_flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, hh, qi, ki):
+            e = ki - prefix
+            return (ki < prefix) | ((e >= 0) & tree[b, qi, e.clamp(0, n - 1)])
+
+        block_mask = create_block_mask(mask_mod, bs, None, n, prefix + n, device="cpu")
+        qc = qt.contiguous()
+        res["flex"] = median_time(lambda: flex_fn(qc, k_dense, v_dense, block_mask=block_mask,
+                                                  scale=scale, enable_gqa=True), repeats)
+        out = flex_fn(qc, k_dense, v_dense, block_mask=block_mask, scale=scale, enable_gqa=True)
+        ours = extend_attention(q, k_pool, v_pool, table, rows, pre, ext, flat_tree, scale)
+        res["flex_err"] = (out.transpose(1, 2).float() - ours.float()).abs().max().item()
+    kv_bytes = bs * (prefix + n) * h_kv * d * 2 * k_pool.element_size()
+    qo_bytes = 2 * q.numel() * q.element_size()
+    res["bytes"] = kv_bytes + qo_bytes
+    return res
+
+
+def bench_decode(bs, h, h_kv, d, kv_len, dtype, repeats):
+    q4, k_pool, v_pool, table, _ = make_problem(bs, h, h_kv, d, 1, kv_len - 1, dtype)
+    q = q4[:, 0]  # [B, H, D]
+    rows = torch.arange(bs)
+    lens = torch.full((bs,), kv_len, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(d)
+    res = {"ours": median_time(lambda: decode_attention(q, k_pool, v_pool, table, rows, lens, scale),
+                               repeats)}
+    mask = torch.ones(bs, 1, 1, kv_len, dtype=torch.bool)  # exact lengths (all equal here)
+    qt = q.unsqueeze(2)  # [B, H, 1, D]
+    slots = table.long()
+
+    def sdpa_gather():
+        k = k_pool[slots].transpose(1, 2)  # [B, Hkv, L, D]
+        v = v_pool[slots].transpose(1, 2)
+        return F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    res["sdpa+gather"] = median_time(sdpa_gather, repeats)
+    k_dense = k_pool[slots].transpose(1, 2).contiguous()
+    v_dense = v_pool[slots].transpose(1, 2).contiguous()
+    res["sdpa"] = median_time(lambda: F.scaled_dot_product_attention(
+        qt, k_dense, v_dense, attn_mask=mask, scale=scale, enable_gqa=True), repeats)
+    res["bytes"] = bs * kv_len * h_kv * d * 2 * k_pool.element_size() + 2 * q.numel() * q.element_size()
+    return res
+
+
+def fmt_us(t):
+    return f"{t * 1e6:9.0f}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few shapes, fewer repeats")
+    ap.add_argument("--isa", choices=["portable", "avx512", "amx"], default=None,
+                    help="force the kernel path (default: the best this machine supports)")
+    ap.add_argument("--no-flex", action="store_true", help="skip compiled flex_attention")
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args()
+    if args.isa:
+        si.set_active_isa(args.isa)
+    repeats = args.repeats or (10 if args.quick else 20)
+
+    flex_fn, flex_note = None, ""
+    if not args.no_flex:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+            import torch._dynamo
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            flex_fn = torch.compile(flex_attention)
+        except Exception as exc:  # noqa: BLE001 (reported, not swallowed)
+            flex_note = f"flex_attention unavailable: {type(exc).__name__}: {exc}"
+    else:
+        flex_note = "flex skipped (--no-flex)"
+
+    bw = measure_read_bandwidth(5 if args.quick else 10)
+    print(f"# CPU: {cpu_name()}; threads: {torch.get_num_threads()}; os.cpu_count: {os.cpu_count()}")
+    print(f"# torch {torch.__version__}; specdec detected ISA: {si.detected_isa()}, "
+          f"kernel path: {si.active_isa()} (the attention kernels have no AMX variant: "
+          f"amx runs the avx512 kernel)")
+    print(f"# measured read bandwidth (x.sum over 512 MiB): {bw / 1e9:.1f} GB/s; roofline = "
+          f"(K/V + q + out bytes) / bandwidth")
+    print(f"# times in microseconds (median of {repeats}); ratios = baseline time / ours; "
+          f"roof% = roofline time / ours")
+    if flex_note:
+        print("# " + flex_note)
+
+    if args.quick:
+        verify_shapes = [(bs, h, hk, 64, n, p, dt) for dt in (torch.float32, torch.bfloat16)
+                         for (bs, h, hk, n, p) in ((1, 32, 8, 8, 4096), (1, 9, 3, 16, 2048),
+                                                   (4, 32, 8, 64, 2048))]
+        decode_shapes = [(bs, h, hk, 64, L, dt) for dt in (torch.float32, torch.bfloat16)
+                         for (bs, h, hk, L) in ((1, 32, 8, 4096), (4, 9, 3, 2048))]
+    else:
+        verify_shapes = [(bs, h, hk, 64, n, p, dt) for dt in (torch.float32, torch.bfloat16)
+                         for bs in (1, 4) for (h, hk) in ((9, 3), (32, 8))
+                         for n in (8, 16, 64) for p in (512, 2048, 4096)]
+        decode_shapes = [(bs, h, hk, 64, L, dt) for dt in (torch.float32, torch.bfloat16)
+                         for bs in (1, 4) for (h, hk) in ((9, 3), (32, 8))
+                         for L in (512, 2048, 4096)]
+
+    print("\n## verify: extend_attention with a random tree mask")
+    hdr = (f"{'dtype':5} {'bs':>2} {'H/Hkv':>5} {'N':>3} {'prefix':>6} | {'ours':>9} {'sdpa+gat':>9} "
+           f"{'sdpa':>9} {'flex':>9} {'roof':>9} | {'x sdpa+g':>8} {'x sdpa':>7} {'x flex':>7} "
+           f"{'roof%':>6}")
+    print(hdr)
+    ratios = {"sdpa+gather": [], "sdpa": [], "flex": [], "roof": []}
+    for (bs, h, hk, d, n, p, dt) in verify_shapes:
+        use_flex = flex_fn is not None
+        try:
+            r = bench_verify(bs, h, hk, d, n, p, dt, repeats, use_flex, flex_fn)
+        except Exception as exc:  # noqa: BLE001  flex can fail to compile on some CPUs/builds
+            if not use_flex:
+                raise
+            msg = " ".join(str(exc).split())
+            print(f"# flex_attention failed on this shape ({type(exc).__name__}: {msg[:300]} ... "
+                  f"{msg[-400:]}); continuing without flex")
+            flex_fn = None
+            r = bench_verify(bs, h, hk, d, n, p, dt, repeats, False, None)
+        roof = r["bytes"] / bw
+        flex_t = r.get("flex")
+        row = (f"{str(dt)[6:]:5} {bs:2d} {h:2d}/{hk:<2d} {n:3d} {p:6d} | {fmt_us(r['ours'])} "
+               f"{fmt_us(r['sdpa+gather'])} {fmt_us(r['sdpa'])} "
+               f"{fmt_us(flex_t) if flex_t else '        -'} {fmt_us(roof)} | "
+               f"{r['sdpa+gather'] / r['ours']:8.2f} {r['sdpa'] / r['ours']:7.2f} "
+               f"{(flex_t / r['ours']) if flex_t else float('nan'):7.2f} {100 * roof / r['ours']:5.0f}%")
+        print(row, flush=True)
+        ratios["sdpa+gather"].append(r["sdpa+gather"] / r["ours"])
+        ratios["sdpa"].append(r["sdpa"] / r["ours"])
+        if flex_t:
+            ratios["flex"].append(flex_t / r["ours"])
+            if r["flex_err"] > (1e-3 if dt == torch.float32 else 5e-2):
+                print(f"#   warning: flex and ours differ by {r['flex_err']:.3g}")
+        ratios["roof"].append(roof / r["ours"])
+    print("# verify medians over shapes: " + ", ".join(
+        f"x {k} {statistics.median(v):.2f}" for k, v in ratios.items() if v))
+
+    print("\n## decode: decode_attention (one query per request)")
+    print(f"{'dtype':5} {'bs':>2} {'H/Hkv':>5} {'kv_len':>6} | {'ours':>9} {'sdpa+gat':>9} {'sdpa':>9} "
+          f"{'roof':>9} | {'x sdpa+g':>8} {'x sdpa':>7} {'roof%':>6}")
+    dratios = {"sdpa+gather": [], "sdpa": [], "roof": []}
+    for (bs, h, hk, d, L, dt) in decode_shapes:
+        r = bench_decode(bs, h, hk, d, L, dt, repeats)
+        roof = r["bytes"] / bw
+        print(f"{str(dt)[6:]:5} {bs:2d} {h:2d}/{hk:<2d} {L:6d} | {fmt_us(r['ours'])} "
+              f"{fmt_us(r['sdpa+gather'])} {fmt_us(r['sdpa'])} {fmt_us(roof)} | "
+              f"{r['sdpa+gather'] / r['ours']:8.2f} {r['sdpa'] / r['ours']:7.2f} "
+              f"{100 * roof / r['ours']:5.0f}%", flush=True)
+        dratios["sdpa+gather"].append(r["sdpa+gather"] / r["ours"])
+        dratios["sdpa"].append(r["sdpa"] / r["ours"])
+        dratios["roof"].append(roof / r["ours"])
+    print("# decode medians over shapes: " + ", ".join(
+        f"x {k} {statistics.median(v):.2f}" for k, v in dratios.items() if v))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,536 @@
+// Attention over the paged KV pool: store_kv, extend_attention (prefill and tree verify),
+// decode_attention. Contract: shared/spec/kernels.md section 6; readable references in
+// specdec_inductor/ops/reference.py.
+// ISA paths: the attention ops cut each call into chunks (request, KV head, query-row block, key
+// range) run with at::parallel_for; every query head of a GQA group shares one pass over the KV
+// rows. A chunk runs the AVX-512 kernel (attention_avx512.cpp) when active_isa() >= AVX512 and
+// the head dim allows it (fp32: D % 16 == 0, bf16: D % 32 == 0), else the portable kernel below;
+// the path that ran is recorded per op. There is no AMX kernel yet: on AMX machines the AVX-512
+// kernel runs and is recorded as "avx512". When there are fewer (request, head, row-block) items
+// than 2x the threads, key ranges are split (flash-decoding) and merged here.
+// store_kv is a row copy (portable path only; it converts k/v to the pool's dtype).
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "attention_isa.h"
+#include "common.h"
+
+namespace specdec {
+
+bool attention_avx512_supports(AttnDtype dtype, int64_t head_dim) {
+  return dtype == AttnDtype::FLOAT32 ? head_dim % 16 == 0 : head_dim % 32 == 0;
+}
+
+namespace {
+
+float bf16_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+
+void load_row(const void* base, int64_t offset, AttnDtype dtype, int64_t D, float* out) {
+  if (dtype == AttnDtype::FLOAT32) {
+    std::memcpy(out, static_cast<const float*>(base) + offset, D * sizeof(float));
+  } else {
+    const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
+    for (int64_t d = 0; d < D; ++d) out[d] = bf16_to_float(p[d]);
+  }
+}
+
+bool visible(const AttnChunk& c, int64_t t, int64_t p) {
+  if (c.window > 0 && p <= c.prefix + t - c.window) return false;
+  if (p < c.prefix) return true;
+  const int64_t e = p - c.prefix;
+  return c.tree == nullptr ? e <= t : c.tree[t * c.tree_stride + e] != 0;
+}
+
+}  // namespace
+
+// Scalar online softmax, one key at a time: the readable version of the chunk contract.
+void attention_chunk_portable(const AttnChunk& c) {
+  const int64_t D = c.head_dim, M = c.rows * c.heads;
+  std::vector<float> q(M * D), k(D), v(D);  // q [M, D]
+  for (int64_t m = 0; m < M; ++m) {
+    load_row(c.q, (m / c.heads) * c.q_stride_row + (m % c.heads) * c.q_stride_head, c.dtype, D,
+             q.data() + m * D);
+    c.max[m] = -std::numeric_limits<float>::infinity();
+    c.sum[m] = 0.0f;
+  }
+  std::fill(c.acc, c.acc + M * D, 0.0f);
+  for (int64_t p = c.key_begin; p < c.key_end; ++p) {
+    const int64_t slot = c.slots[p * c.slot_stride];
+    load_row(c.k, slot * c.k_stride_slot, c.dtype, D, k.data());
+    load_row(c.v, slot * c.v_stride_slot, c.dtype, D, v.data());
+    for (int64_t m = 0; m < M; ++m) {
+      if (!visible(c, c.row0 + m / c.heads, p)) continue;
+      const float* qm = q.data() + m * D;
+      float dot = 0.0f;
+      for (int64_t d = 0; d < D; ++d) dot += qm[d] * k[d];
+      float s = dot * c.scale;
+      if (c.logit_cap > 0) s = c.logit_cap * std::tanh(s / c.logit_cap);
+      float* acc = c.acc + m * D;
+      if (s > c.max[m]) {
+        const float alpha = std::exp(c.max[m] - s);
+        for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+        c.sum[m] *= alpha;
+        c.max[m] = s;
+      }
+      const float w = std::exp(s - c.max[m]);
+      c.sum[m] += w;
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * v[d];
+    }
+  }
+}
+
+namespace {
+
+// Rows of one (request, KV head, query-row block); its key range may be split into `splits`.
+struct WorkItem {
+  int64_t b, g, row0, rows, key_begin, key_end, splits, first_task;
+};
+struct Task {
+  int64_t item, key_begin, key_end;
+};
+
+constexpr int64_t kMaxQueriesPerChunk = 128;  // rows * heads of a chunk (acc [M, D] stays in L2)
+constexpr int64_t kMinSplitKeys = 256;        // a key-range split is never shorter than this
+
+void check_pool(const at::Tensor& pool, const char* name) {
+  check_cpu(pool, name);
+  check_dim(pool, 3, name);
+  TORCH_CHECK_VALUE(pool.stride(2) == 1, "argument '", name,
+                    "' must be dense in its last (head_dim) dimension, got strides ",
+                    pool.strides());
+}
+
+AttnDtype attn_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
+                   "argument '", name, "' must be float32 or bfloat16, got ", t.scalar_type());
+  return t.scalar_type() == at::kFloat ? AttnDtype::FLOAT32 : AttnDtype::BFLOAT16;
+}
+
+// Tree mask as uint8 visibility [B, T, T]: a bool QLEN_ONLY mask is used in place, a bit-packed
+// one (one integer per query row, bit j = new key j) is expanded into `storage`.
+const uint8_t* tree_visibility(const at::Tensor& tree_mask, int64_t bs, int64_t T,
+                               at::Tensor& holder, std::vector<uint8_t>& storage) {
+  check_cpu(tree_mask, "tree_mask");
+  const at::ScalarType st = tree_mask.scalar_type();
+  if (st == at::kBool) {
+    TORCH_CHECK_VALUE(tree_mask.numel() == bs * T * T, "argument 'tree_mask' (bool QLEN_ONLY) "
+                      "must have B*T*T = ", bs * T * T, " elements, got shape ", tree_mask.sizes());
+    holder = tree_mask.contiguous();
+    return reinterpret_cast<const uint8_t*>(holder.const_data_ptr<bool>());
+  }
+  int bits = 0;
+  switch (st) {
+    case at::kByte: bits = 8; break;
+    case at::kShort: bits = 16; break;
+    case at::kInt: bits = 32; break;
+    case at::kLong: bits = 64; break;
+    default:
+      TORCH_CHECK_TYPE(false, "argument 'tree_mask' must be bool (QLEN_ONLY) or a bit-packed "
+                       "uint8/int16/int32/int64, got ", st);
+  }
+  TORCH_CHECK_VALUE(tree_mask.numel() == bs * T, "argument 'tree_mask' (bit-packed) must have "
+                    "B*T = ", bs * T, " elements, got shape ", tree_mask.sizes());
+  TORCH_CHECK_VALUE(T <= bits, "argument 'tree_mask' is bit-packed in ", bits, "-bit integers, "
+                    "which hold at most ", bits, " new tokens, but q has T = ", T);
+  const at::Tensor flat = tree_mask.to(at::kLong).contiguous();  // [B*T], sign extension keeps bits
+  const int64_t* w = flat.const_data_ptr<int64_t>();
+  storage.assign(bs * T * T, 0);
+  for (int64_t r = 0; r < bs * T; ++r) {
+    for (int64_t j = 0; j < T; ++j) storage[r * T + j] = (static_cast<uint64_t>(w[r]) >> j) & 1;
+  }
+  return storage.data();
+}
+
+// Writes rows normalised by their softmax sums into out [B, T, H, D] (contiguous); rows that saw
+// no key are zero.
+void write_rows(const WorkItem& it, const float* acc, const float* sum, int64_t hpg, int64_t T,
+                int64_t H, int64_t D, at::Tensor& out) {
+  const int64_t M = it.rows * hpg;
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t t = it.row0 + m / hpg, h = it.g * hpg + m % hpg;
+    const int64_t off = ((it.b * T + t) * H + h) * D;
+    const float inv = sum[m] > 0 ? 1.0f / sum[m] : 0.0f;
+    const float* a = acc + m * D;
+    if (out.scalar_type() == at::kFloat) {
+      float* o = out.data_ptr<float>() + off;
+      for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+    } else {
+      at::BFloat16* o = out.data_ptr<at::BFloat16>() + off;
+      for (int64_t d = 0; d < D; ++d) o[d] = at::BFloat16(a[d] * inv);
+    }
+  }
+}
+
+// Shared body of extend_attention and decode_attention. q [B, T, H, D]; per request b the keys
+// are positions [0, prefix[b] + extend[b]) of row rows[b]; query row t < extend[b] is new token t.
+at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor& k_pool,
+                             const at::Tensor& v_pool, const at::Tensor& req_to_token,
+                             const std::vector<int64_t>& rows, const std::vector<int64_t>& prefix,
+                             const std::vector<int64_t>& extend,
+                             const std::optional<at::Tensor>& tree_mask, double scale,
+                             int64_t sliding_window, double logit_cap) {
+  const AttnDtype dtype = attn_dtype(q_in, "q");
+  check_pool(k_pool, "k_pool");
+  check_pool(v_pool, "v_pool");
+  TORCH_CHECK_TYPE(k_pool.scalar_type() == q_in.scalar_type(), "argument 'k_pool' must have q's "
+                   "dtype ", q_in.scalar_type(), ", got ", k_pool.scalar_type());
+  TORCH_CHECK_TYPE(v_pool.scalar_type() == q_in.scalar_type(), "argument 'v_pool' must have q's "
+                   "dtype ", q_in.scalar_type(), ", got ", v_pool.scalar_type());
+  TORCH_CHECK_VALUE(v_pool.sizes() == k_pool.sizes(), "argument 'v_pool' must have k_pool's shape ",
+                    k_pool.sizes(), ", got ", v_pool.sizes());
+  const int64_t B = q_in.size(0), T = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
+  const int64_t num_slots = k_pool.size(0), Hkv = k_pool.size(1);
+  TORCH_CHECK_VALUE(k_pool.size(2) == D, "argument 'k_pool' must have head_dim ", D,
+                    " (q's last dimension), got shape ", k_pool.sizes());
+  TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "argument 'q' has ", H, " heads, which is not a "
+                    "multiple of k_pool's ", Hkv, " KV heads");
+  TORCH_CHECK_VALUE(D >= 1, "argument 'q' must have head_dim >= 1, got shape ", q_in.sizes());
+  check_dtype(req_to_token, at::kInt, "req_to_token");
+  check_dim(req_to_token, 2, "req_to_token");
+  TORCH_CHECK_VALUE(std::isfinite(scale), "argument 'scale' must be finite, got ", scale);
+  TORCH_CHECK_VALUE(std::isfinite(logit_cap) && logit_cap >= 0, "argument 'logit_cap' must be "
+                    ">= 0 (0 disables the soft cap), got ", logit_cap);
+  TORCH_CHECK_VALUE(!(sliding_window > 0 && tree_mask.has_value()), "argument 'sliding_window' "
+                    "(", sliding_window, ") is not supported together with a tree_mask: tree "
+                    "drafts' positions are their depths, not their rows");
+  const int64_t R = req_to_token.size(0), L = req_to_token.size(1);
+  const int32_t* table = req_to_token.const_data_ptr<int32_t>();
+  const int64_t ts0 = req_to_token.stride(0), ts1 = req_to_token.stride(1);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_INDEX(rows[b] >= 0 && rows[b] < R, "argument 'req_rows' [", b, "] = ", rows[b],
+                      " is outside req_to_token's rows [0, ", R, ")");
+    const int64_t n = prefix[b] + extend[b];
+    TORCH_CHECK_INDEX(n <= L, "request ", b, ": prefix + new tokens = ", n,
+                      " exceeds req_to_token's width ", L);
+    for (int64_t p = 0; p < n; ++p) {
+      const int64_t slot = table[rows[b] * ts0 + p * ts1];
+      TORCH_CHECK_INDEX(slot >= 0 && slot < num_slots, "argument 'req_to_token' [", rows[b], ", ",
+                        p, "] = ", slot, " (request ", b, ") is outside the pool's ", num_slots,
+                        " slots");
+    }
+  }
+  at::Tensor tree_holder;
+  std::vector<uint8_t> tree_storage;
+  const uint8_t* tree = tree_mask.has_value()
+      ? tree_visibility(*tree_mask, B, T, tree_holder, tree_storage) : nullptr;
+
+  // q rows must be dense in D for the kernels; any other strides are read in place.
+  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  at::Tensor out = at::zeros({B, T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (B == 0 || T == 0 || H == 0) return out;  // [B, T, H, D]
+
+  const Isa isa = active_isa();
+  const bool use_avx512 = isa >= Isa::AVX512 && isa_built(Isa::AVX512) &&
+                          attention_avx512_supports(dtype, D);
+  void (*kernel)(const AttnChunk&) = attention_chunk_portable;
+#ifdef SPECDEC_BUILT_AVX512
+  if (use_avx512) kernel = attention_chunk_avx512;
+#endif
+  *ran = kernel == attention_chunk_portable ? Isa::PORTABLE : Isa::AVX512;
+
+  // Work items and their key-range splits.
+  const int64_t hpg = H / Hkv;
+  const int64_t rows_per_item = std::max<int64_t>(1, kMaxQueriesPerChunk / hpg);
+  std::vector<WorkItem> items;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t g = 0; g < Hkv; ++g) {
+      for (int64_t r0 = 0; r0 < extend[b]; r0 += rows_per_item) {
+        const int64_t nr = std::min(rows_per_item, extend[b] - r0);
+        const int64_t kend = tree ? prefix[b] + extend[b] : prefix[b] + r0 + nr;
+        const int64_t kbeg = sliding_window > 0
+            ? std::max<int64_t>(0, prefix[b] + r0 - sliding_window + 1) : 0;
+        items.push_back({b, g, r0, nr, kbeg, kend, 1, 0});
+      }
+    }
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  std::vector<Task> tasks;
+  int64_t split_floats = 0;  // workspace for split items: acc [M, D] + max [M] + sum [M] per task
+  for (int64_t i = 0; i < n_items; ++i) {
+    WorkItem& it = items[i];
+    const int64_t keys = it.key_end - it.key_begin;
+    if (n_items < 2 * threads) {
+      const int64_t want = (2 * threads + n_items - 1) / n_items;
+      it.splits = std::max<int64_t>(1, std::min(want, keys / kMinSplitKeys));
+    }
+    it.first_task = static_cast<int64_t>(tasks.size());
+    const int64_t step = ((keys + it.splits - 1) / it.splits + 63) / 64 * 64;
+    int64_t made = 0;
+    for (int64_t k0 = it.key_begin; k0 < it.key_end || made == 0; k0 += step, ++made) {
+      tasks.push_back({i, k0, std::min(it.key_end, k0 + step)});
+    }
+    it.splits = made;
+    if (made > 1) split_floats += made * it.rows * hpg * (D + 2);
+  }
+  std::vector<float> workspace(split_floats);
+  std::vector<int64_t> task_offset(tasks.size(), -1);
+  for (int64_t off = 0, t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
+    const WorkItem& it = items[tasks[t].item];
+    if (it.splits > 1) {
+      task_offset[t] = off;
+      off += it.rows * hpg * (D + 2);
+    }
+  }
+
+  const int64_t elem = q.element_size();
+  const char* qbase = static_cast<const char*>(q.const_data_ptr());
+  const char* kbase = static_cast<const char*>(k_pool.const_data_ptr());
+  const char* vbase = static_cast<const char*>(v_pool.const_data_ptr());
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> local;
+    for (int64_t t = t0; t < t1; ++t) {
+      const WorkItem& it = items[tasks[t].item];
+      const int64_t M = it.rows * hpg;
+      float* ws;
+      if (task_offset[t] >= 0) {
+        ws = workspace.data() + task_offset[t];
+      } else {
+        local.resize(M * (D + 2));
+        ws = local.data();
+      }
+      AttnChunk c;
+      c.dtype = dtype;
+      c.head_dim = D;
+      c.q = qbase + (it.b * q.stride(0) + it.row0 * q.stride(1) + it.g * hpg * q.stride(2)) * elem;
+      c.q_stride_row = q.stride(1);
+      c.q_stride_head = q.stride(2);
+      c.rows = it.rows;
+      c.heads = hpg;
+      c.row0 = it.row0;
+      c.k = kbase + it.g * k_pool.stride(1) * elem;
+      c.v = vbase + it.g * v_pool.stride(1) * elem;
+      c.k_stride_slot = k_pool.stride(0);
+      c.v_stride_slot = v_pool.stride(0);
+      c.slots = table + rows[it.b] * ts0;
+      c.slot_stride = ts1;
+      c.key_begin = tasks[t].key_begin;
+      c.key_end = tasks[t].key_end;
+      c.prefix = prefix[it.b];
+      c.tree = tree ? tree + it.b * T * T : nullptr;
+      c.tree_stride = T;
+      c.window = sliding_window;
+      c.scale = static_cast<float>(scale);
+      c.logit_cap = static_cast<float>(logit_cap);
+      c.acc = ws;
+      c.max = ws + M * D;
+      c.sum = ws + M * D + M;
+      kernel(c);
+      if (it.splits == 1) write_rows(it, c.acc, c.sum, hpg, T, H, D, out);
+    }
+  });
+
+  // Merge key-range splits: rescale each split's partial sums to the common row max.
+  at::parallel_for(0, n_items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> acc, sum;
+    for (int64_t i = i0; i < i1; ++i) {
+      const WorkItem& it = items[i];
+      if (it.splits == 1) continue;
+      const int64_t M = it.rows * hpg;
+      acc.assign(M * D, 0.0f);
+      sum.assign(M, 0.0f);
+      for (int64_t m = 0; m < M; ++m) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < it.splits; ++s) {
+          mx = std::max(mx, workspace[task_offset[it.first_task + s] + M * D + m]);
+        }
+        if (mx == -std::numeric_limits<float>::infinity()) continue;
+        for (int64_t s = 0; s < it.splits; ++s) {
+          const float* ws = workspace.data() + task_offset[it.first_task + s];
+          if (ws[M * D + M + m] == 0.0f) continue;
+          const float w = std::exp(ws[M * D + m] - mx);
+          sum[m] += w * ws[M * D + M + m];
+          for (int64_t d = 0; d < D; ++d) acc[m * D + d] += w * ws[m * D + d];
+        }
+      }
+      write_rows(it, acc.data(), sum.data(), hpg, T, H, D, out);
+    }
+  });
+  return out;
+}
+
+std::vector<int64_t> read_lengths(const at::Tensor& t, int64_t bs, const char* name) {
+  check_index(t, 1, name);
+  check_size(t, 0, bs, name);
+  const IndexView view(t);
+  std::vector<int64_t> out(bs);
+  for (int64_t b = 0; b < bs; ++b) {
+    out[b] = view(b);
+    TORCH_CHECK_VALUE(out[b] >= 0, "argument '", name, "' [", b, "] = ", out[b], " must be >= 0");
+  }
+  return out;
+}
+
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& req_to_token, const at::Tensor& req_rows,
+                            const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
+                            const std::optional<at::Tensor>& tree_mask, double scale,
+                            int64_t sliding_window, double logit_cap) {
+  check_cpu(q, "q");
+  check_dim(q, 4, "q");
+  const int64_t B = q.size(0), T = q.size(1);
+  const std::vector<int64_t> rows = read_lengths(req_rows, B, "req_rows");
+  const std::vector<int64_t> prefix = read_lengths(prefix_lens, B, "prefix_lens");
+  const std::vector<int64_t> extend = read_lengths(extend_lens, B, "extend_lens");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(extend[b] <= T, "argument 'extend_lens' [", b, "] = ", extend[b],
+                      " exceeds q's ", T, " rows per request");
+  }
+  Isa ran = Isa::PORTABLE;
+  at::Tensor out = attention_forward(&ran, q, k_pool, v_pool, req_to_token, rows, prefix, extend,
+                                     tree_mask, scale, sliding_window, logit_cap);
+  SPECDEC_RECORD_PATH("extend_attention", ran);
+  return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& req_to_token, const at::Tensor& req_rows,
+                            const at::Tensor& kv_lens, double scale, int64_t sliding_window,
+                            double logit_cap) {
+  check_cpu(q, "q");
+  check_dim(q, 3, "q");
+  const int64_t B = q.size(0);
+  const std::vector<int64_t> rows = read_lengths(req_rows, B, "req_rows");
+  std::vector<int64_t> prefix = read_lengths(kv_lens, B, "kv_lens");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(prefix[b] >= 1, "argument 'kv_lens' [", b, "] = ", prefix[b],
+                      " must be >= 1 (the current token's K/V is included)");
+    prefix[b] -= 1;  // the current token is the one new token, causal over the prefix
+  }
+  const std::vector<int64_t> extend(B, 1);
+  Isa ran = Isa::PORTABLE;
+  at::Tensor out = attention_forward(&ran, q.unsqueeze(1), k_pool, v_pool, req_to_token, rows,
+                                     prefix, extend, std::nullopt, scale, sliding_window,
+                                     logit_cap);
+  SPECDEC_RECORD_PATH("decode_attention", ran);
+  return out.squeeze(1);  // [B, H, D]
+}
+
+// ---- store_kv ---------------------------------------------------------------------------------
+
+template <typename Src, typename Dst>
+void copy_rows(const at::Tensor& src, at::Tensor& pool, const IndexView& slots, int64_t B,
+               int64_t T) {
+  const int64_t Hkv = pool.size(1), D = pool.size(2);
+  const Src* s = src.const_data_ptr<Src>();
+  Dst* p = pool.data_ptr<Dst>();
+  const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2), s3 = src.stride(3);
+  const int64_t p0 = pool.stride(0), p1 = pool.stride(1), p2 = pool.stride(2);
+  at::parallel_for(0, B * T, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / T, t = r % T, slot = slots(b, t);
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const Src* in = s + b * s0 + t * s1 + h * s2;
+        Dst* o = p + slot * p0 + h * p1;
+        if constexpr (std::is_same_v<Src, Dst>) {
+          if (s3 == 1 && p2 == 1) {
+            std::memcpy(o, in, D * sizeof(Dst));
+            continue;
+          }
+        }
+        for (int64_t d = 0; d < D; ++d) o[d * p2] = static_cast<Dst>(static_cast<float>(in[d * s3]));
+      }
+    }
+  });
+}
+
+template <typename Dst>
+void copy_into(const at::Tensor& src, at::Tensor& pool, const IndexView& slots, int64_t B, int64_t T) {
+  switch (src.scalar_type()) {
+    case at::kFloat: copy_rows<float, Dst>(src, pool, slots, B, T); break;
+    case at::kBFloat16: copy_rows<at::BFloat16, Dst>(src, pool, slots, B, T); break;
+    case at::kHalf: copy_rows<at::Half, Dst>(src, pool, slots, B, T); break;
+    default: TORCH_CHECK(false, "unreachable");
+  }
+}
+
+void store_one(const at::Tensor& src, at::Tensor& pool, const IndexView& slots, int64_t B, int64_t T) {
+  switch (pool.scalar_type()) {
+    case at::kFloat: copy_into<float>(src, pool, slots, B, T); break;
+    case at::kBFloat16: copy_into<at::BFloat16>(src, pool, slots, B, T); break;
+    case at::kHalf: copy_into<at::Half>(src, pool, slots, B, T); break;
+    default: TORCH_CHECK(false, "unreachable");
+  }
+}
+
+void check_float(const at::Tensor& t, const char* name) {
+  const at::ScalarType st = t.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "argument '", name,
+                   "' must be float32, bfloat16 or float16, got ", st);
+}
+
+void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slots) {
+  check_cpu(k_pool, "k_pool");
+  check_dim(k_pool, 3, "k_pool");
+  check_float(k_pool, "k_pool");
+  check_cpu(v_pool, "v_pool");
+  check_dim(v_pool, 3, "v_pool");
+  check_float(v_pool, "v_pool");
+  TORCH_CHECK_VALUE(v_pool.sizes() == k_pool.sizes(), "argument 'v_pool' must have k_pool's shape ",
+                    k_pool.sizes(), ", got ", v_pool.sizes());
+  const auto check_new = [&](const at::Tensor& t, const char* name) {
+    check_cpu(t, name);
+    check_dim(t, 4, name);
+    check_float(t, name);
+    TORCH_CHECK_VALUE(t.size(2) == k_pool.size(1) && t.size(3) == k_pool.size(2), "argument '",
+                      name, "' must be [B, T, ", k_pool.size(1), ", ", k_pool.size(2),
+                      "] to match the pool, got shape ", t.sizes());
+  };
+  check_new(k, "k");
+  check_new(v, "v");
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "argument 'v' must have k's shape ", k.sizes(),
+                    ", got ", v.sizes());
+  check_index(slots, 2, "slots");
+  const int64_t B = k.size(0), T = k.size(1), S = k_pool.size(0);
+  TORCH_CHECK_VALUE(slots.size(0) == B && slots.size(1) == T, "argument 'slots' must be [B, T] = [",
+                    B, ", ", T, "], got shape ", slots.sizes());
+  const IndexView sv(slots);
+  std::vector<int64_t> used;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t s = sv(b, t);
+      TORCH_CHECK_INDEX(s >= -1 && s < S, "argument 'slots' [", b, ", ", t, "] = ", s,
+                        " is outside the pool's ", S, " slots (-1 marks padding)");
+      if (s >= 0) used.push_back(s);
+    }
+  }
+  std::sort(used.begin(), used.end());
+  const auto dup = std::adjacent_find(used.begin(), used.end());
+  TORCH_CHECK_VALUE(dup == used.end(), "argument 'slots' names slot ",
+                    dup == used.end() ? -1 : *dup, " more than once");
+  store_one(k, k_pool, sv, B, T);
+  store_one(v, v_pool, sv, B, T);
+  SPECDEC_RECORD_PATH("store_kv", Isa::PORTABLE);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("store_kv(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor k, Tensor v, Tensor slots) -> ()");
+  m.def("extend_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor req_to_token, "
+        "Tensor req_rows, Tensor prefix_lens, Tensor extend_lens, Tensor? tree_mask, float scale, "
+        "int sliding_window=-1, float logit_cap=0.0) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor req_to_token, "
+        "Tensor req_rows, Tensor kv_lens, float scale, int sliding_window=-1, "
+        "float logit_cap=0.0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("store_kv", &store_kv);
+  m.impl("extend_attention", &extend_attention);
+  m.impl("decode_attention", &decode_attention);
+}
+
+}  // namespace specdec

@@ -1,0 +1,51 @@
+// One attention "chunk" over the paged KV pool, as a plain struct, plus the per-ISA kernels that
+// compute it. The dispatcher (attention.cpp) cuts every call into chunks -- (request, KV head,
+// query-row block, key range) -- runs them with at::parallel_for and merges key-range splits.
+// No ATen types cross this boundary: attention_<isa>.cpp are compiled with that ISA's flags.
+#pragma once
+#include <cstdint>
+
+namespace specdec {
+
+enum class AttnDtype : int { FLOAT32 = 0, BFLOAT16 = 1 };
+
+// Query vectors of a chunk: M = rows * heads, vector m = (row r = m / heads, head hh = m % heads),
+// i.e. query row t = row0 + r and query head g * heads + hh, all of which share KV head g.
+// Keys: positions [key_begin, key_end) of one request's req_to_token row; position p lives in pool
+// slot slots[p * slot_stride] (validated by the dispatcher). Positions < prefix are the committed
+// prefix (always visible); position prefix + e is new token e, visible to row t when
+// tree == nullptr ? e <= t : tree[t * tree_stride + e] != 0. With window > 0 a key is visible
+// only if p > prefix + t - window.
+struct AttnChunk {
+  AttnDtype dtype;
+  int64_t head_dim;  // D
+  const void* q;     // &q[b, row0, g * heads, 0]
+  int64_t q_stride_row, q_stride_head;  // elements; q's last dimension is dense
+  int64_t rows, heads, row0;
+  const void* k;  // &k_pool[0, g, 0]
+  const void* v;  // &v_pool[0, g, 0]
+  int64_t k_stride_slot, v_stride_slot;  // elements; rows of D are dense
+  const int32_t* slots;
+  int64_t slot_stride;
+  int64_t key_begin, key_end, prefix;
+  const uint8_t* tree;  // [T, T] visibility of new keys for this request, or nullptr (causal)
+  int64_t tree_stride;
+  int64_t window;   // <= 0: none
+  float scale;      // applied to q.k before the cap
+  float logit_cap;  // <= 0: none; else s = cap * tanh(s / cap)
+  // Outputs, fp32: acc [M, D] = sum_j exp(s_mj - max_m) v_j (unnormalized), max [M], sum [M] =
+  // sum_j exp(s_mj - max_m). A row that sees no key gets max = -inf, sum = 0, acc = 0.
+  float* acc;
+  float* max;
+  float* sum;
+};
+
+// Plain C++ (attention.cpp); any head_dim.
+void attention_chunk_portable(const AttnChunk& c);
+
+// AVX-512 (attention_avx512.cpp): fp32 FMA, bf16 q.k via avx512_bf16 dot products. Requires
+// head_dim % 16 == 0 (fp32) or head_dim % 32 == 0 (bf16); see attention_avx512_supports.
+bool attention_avx512_supports(AttnDtype dtype, int64_t head_dim);
+void attention_chunk_avx512(const AttnChunk& c);
+
+}  // namespace specdec

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Device check for the attention kernels on an AMX machine (e.g. a 16-core Xeon, Python 3.12,
+# torch preinstalled, no network): builds the extension in place, then runs the attention tests
+# and the quick attention benchmark with SPECDEC_ISA=amx and SPECDEC_ISA=avx512. Every step has
+# its own time limit (150 + 2x75 + 90 + 70 s) so the whole script fits in 8 minutes; results go to $OUT (or ./out).
+# Note: the attention ops have no AMX kernel yet; with SPECDEC_ISA=amx they run (and record) the
+# AVX-512 kernel, which the tests assert through kernel_path_counts().
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PYTHON="${PYTHON:-python3}"
+OUT="${OUT:-$ROOT/out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}"
+status=0
+
+step() {  # step NAME LIMIT_SECONDS COMMAND...: runs with a time limit, logs to $OUT/NAME.log
+  local name="$1" limit="$2"
+  shift 2
+  echo "== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 40 "$OUT/$name.log"
+  echo "== $name: rc=$rc in $((SECONDS - t0))s"
+  [ "$rc" -eq 0 ] || status=1
+  return "$rc"
+}
+
+{
+  echo "host: $(nproc) cores; $(grep -m1 'model name' /proc/cpuinfo)"
+  grep -o -w 'amx_tile\|amx_bf16\|avx512_bf16' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+  "$PYTHON" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)"
+} | tee "$OUT/env.log"
+
+step build 150 env MAX_JOBS="$(nproc)" "$PYTHON" setup.py build_ext --inplace || {
+  echo "build failed: see $OUT/build.log"; exit 1; }
+"$PYTHON" -c "import specdec_inductor as s; print('detected', s.detected_isa(), 'built', s.built_isas())" \
+  | tee -a "$OUT/env.log"
+
+if "$PYTHON" -c "import pytest" 2>/dev/null; then
+  for isa in amx avx512; do
+    step "test_attention_$isa" 75 env SPECDEC_ISA="$isa" "$PYTHON" -m pytest -q -p no:cacheprovider \
+      tests/test_attention.py
+  done
+else
+  echo "pytest is not installed here: attention tests NOT run" | tee -a "$OUT/env.log"
+  status=1
+fi
+
+# flex_attention's numbers do not depend on our path: compile it only in the first run.
+step bench_attention_amx 90 env SPECDEC_ISA=amx "$PYTHON" benchmarks/bench_attention.py --quick --isa amx
+step bench_attention_avx512 70 env SPECDEC_ISA=avx512 "$PYTHON" benchmarks/bench_attention.py \
+  --quick --isa avx512 --no-flex
+exit "$status"

@@ -1,0 +1,411 @@
+"""Tests of store_kv / extend_attention / decode_attention against the fp32 references in
+specdec_inductor/ops/reference.py, on every ISA path this machine runs (kernel_path_counts()
+proves which one ran). Float results follow the 2x rule: the kernel's error against the fp32
+reference is at most twice the error of plain PyTorch doing the same math in the same dtype,
+plus a small absolute floor."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import specdec_inductor as si
+from specdec_inductor.ops import (
+    build_draft_decode_table,
+    decode_attention,
+    extend_attention,
+    store_kv,
+)
+from specdec_inductor.ops.reference import (
+    decode_attention_ref,
+    extend_attention_ref,
+    store_kv_ref,
+    unpack_tree_mask_ref,
+)
+
+ISAS = ["portable"] + [i for i in ("avx512", "amx")
+                       if i in si.built_isas() and ["portable", "avx512", "amx"].index(si.detected_isa())
+                       >= ["portable", "avx512", "amx"].index(i)]
+# There is no AMX attention kernel yet: forcing "amx" runs (and records) the AVX-512 kernel.
+RECORDED = {"portable": "portable", "avx512": "avx512", "amx": "avx512"}
+DTYPES = [torch.float32, torch.bfloat16]
+FLOOR = {torch.float32: 1e-5, torch.bfloat16: 2e-3}
+
+
+# ---- fixtures ---------------------------------------------------------------------------------
+
+def make_batch(prefixes, n, h, h_kv, d, dtype, seed=0, pool_slack=7, width_slack=5):
+    """A KV pool [S, Hkv, D] whose rows are scattered at random over the slots, a req_to_token
+    table [B + 2, L] (requests use rows 2.. in reverse order, so req_rows matter), and q."""
+    g = torch.Generator().manual_seed(seed)
+    bs = len(prefixes)
+    width = max(prefixes) + n + width_slack
+    num_slots = sum(p + n for p in prefixes) + pool_slack
+    k_pool = torch.randn(num_slots, h_kv, d, generator=g).to(dtype)  # [S, Hkv, D]
+    v_pool = torch.randn(num_slots, h_kv, d, generator=g).to(dtype)  # [S, Hkv, D]
+    perm = torch.randperm(num_slots, generator=g)
+    req_to_token = torch.full((bs + 2, width), -1, dtype=torch.int32)  # [R, L]
+    req_rows = torch.arange(bs + 1, 1, -1)  # [B]
+    used = 0
+    for b, p in enumerate(prefixes):
+        req_to_token[req_rows[b], : p + n] = perm[used: used + p + n].int()
+        used += p + n
+    q = torch.randn(bs, n, h, d, generator=g).to(dtype)  # [B, N, H, D]
+    return q, k_pool, v_pool, req_to_token, req_rows
+
+
+def random_tree(bs, n, seed=0):
+    """QLEN_ONLY bool [B*N*N]: node i's parent is a random earlier node; rows are ancestor sets."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(bs, n, n, dtype=torch.bool)  # [B, N, N]
+    for b in range(bs):
+        for i in range(n):
+            mask[b, i, i] = True
+            if i > 0:
+                parent = int(torch.randint(0, i, (1,), generator=g))
+                mask[b, i] |= mask[b, parent]
+    return mask.reshape(-1)
+
+
+def chain_tree(bs, n):
+    return torch.ones(n, n, dtype=torch.bool).tril().expand(bs, n, n).reshape(-1)
+
+
+def bitpack(mask_bool, bs, n):
+    """Bit-packed QLEN_ONLY_BITPACKING [B*N] in the smallest integer type that holds N bits."""
+    rows = mask_bool.view(bs * n, n).long()
+    packed = (rows << torch.arange(n)).sum(-1)  # [B*N]
+    if n <= 8:
+        return packed.to(torch.uint8)
+    if n <= 16:
+        return packed.to(torch.int16)  # wraps bit 15 into the sign: still the same 16 bits
+    if n <= 32:
+        return packed.to(torch.int32)
+    return packed  # int64 (bit 63 is the sign bit, kept by two's complement)
+
+
+def plain_torch_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens,
+                          tree_mask, scale, sliding_window=-1, logit_cap=0.0):
+    """The reference's math done by plain PyTorch in q's own dtype (the 2x rule's yardstick)."""
+    bs, t_max, h, d = q.shape
+    h_kv = k_pool.shape[1]
+    out = torch.zeros_like(q)  # [B, T, H, D]
+    tree = unpack_tree_mask_ref(tree_mask, bs, t_max) if tree_mask is not None else None
+    for b in range(bs):
+        prefix, ext = int(prefix_lens[b]), int(extend_lens[b])
+        if ext == 0:
+            continue
+        slots = req_to_token[int(req_rows[b]), :prefix + ext].long()
+        k = k_pool[slots].repeat_interleave(h // h_kv, dim=1).transpose(0, 1)  # [H, K, D]
+        v = v_pool[slots].repeat_interleave(h // h_kv, dim=1).transpose(0, 1)  # [H, K, D]
+        new = tree[b, :ext, :ext] if tree is not None else torch.ones(ext, ext, dtype=torch.bool).tril()
+        mask = torch.cat([torch.ones(ext, prefix, dtype=torch.bool), new], dim=1)  # [ext, K]
+        if sliding_window > 0:
+            qpos = torch.arange(prefix, prefix + ext).view(-1, 1)
+            mask &= torch.arange(prefix + ext).view(1, -1) > qpos - sliding_window
+        scores = (q[b, :ext].transpose(0, 1) @ k.transpose(1, 2)) * scale  # [H, ext, K]
+        if logit_cap > 0:
+            scores = logit_cap * torch.tanh(scores / logit_cap)
+        scores = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out[b, :ext] = (scores @ v).transpose(0, 1)
+    return out
+
+
+def check_2x(out, ref32, plain, dtype):
+    """Kernel error vs the fp32 reference <= 2 x plain PyTorch's error + floor."""
+    assert out.dtype == dtype
+    err = (out.float() - ref32).abs().max().item()
+    plain_err = (plain.float() - ref32).abs().max().item()
+    bound = 2 * plain_err + FLOOR[dtype]
+    assert err <= bound, f"kernel error {err:.3g} > 2 x plain-torch error {plain_err:.3g} + floor"
+
+
+def run_extend(isa, q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens,
+               tree_mask, scale, **kw):
+    si.reset_kernel_path_counts()
+    with si.forced_isa(isa):
+        out = extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens,
+                               extend_lens, tree_mask, scale, **kw)
+    assert si.kernel_path_counts() == {f"extend_attention:{RECORDED[isa]}": 1}
+    return out
+
+
+def check_extend(isa, dtype, q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens,
+                 tree_mask, **kw):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = run_extend(isa, q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens,
+                     tree_mask, scale, **kw)
+    assert out.shape == q.shape and out.is_contiguous()
+    ref32 = extend_attention_ref(q.float(), k_pool.float(), v_pool.float(), req_to_token, req_rows,
+                                 prefix_lens, extend_lens, tree_mask, scale, **kw)
+    plain = plain_torch_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens,
+                                  extend_lens, tree_mask, scale, **kw)
+    check_2x(out, ref32, plain, dtype)
+    for b in range(q.shape[0]):  # padding rows come out exactly zero
+        assert (out[b, int(extend_lens[b]):] == 0).all()
+    return out
+
+
+# ---- verify (tree) attention ------------------------------------------------------------------
+
+# (prefixes per request, N, H, Hkv, D, tree kind)
+VERIFY_CASES = [
+    ([0], 1, 4, 4, 64, "chain"),
+    ([5], 4, 9, 3, 64, "random"),
+    ([100, 3], 8, 8, 2, 64, "random"),
+    ([37, 0, 250], 16, 5, 5, 64, "random"),
+    ([130], 64, 3, 1, 128, "random"),
+    ([700, 64], 64, 4, 4, 64, "chain"),
+    ([4096], 8, 4, 1, 64, "random"),
+    ([2000, 17], 16, 6, 2, 128, "chain"),
+]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: f"p{c[0]}-n{c[1]}-h{c[2]}x{c[3]}-d{c[4]}-{c[5]}")
+@pytest.mark.parametrize("packed", [False, True], ids=["bool", "bits"])
+def test_verify_matches_reference(isa, dtype, case, packed):
+    prefixes, n, h, h_kv, d, kind = case
+    bs = len(prefixes)
+    q, k_pool, v_pool, table, rows = make_batch(prefixes, n, h, h_kv, d, dtype, seed=n + h)
+    tree = chain_tree(bs, n) if kind == "chain" else random_tree(bs, n, seed=d)
+    mask = bitpack(tree, bs, n) if packed else tree
+    prefix_lens = torch.tensor(prefixes, dtype=torch.int32)
+    extend_lens = torch.full((bs,), n, dtype=torch.int64)
+    check_extend(isa, dtype, q, k_pool, v_pool, table, rows, prefix_lens, extend_lens, mask)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_ragged_extend_and_noncontiguous_q(isa, dtype):
+    """Ragged new-token counts (padding rows zero) and a q read through transposed strides."""
+    q, k_pool, v_pool, table, rows = make_batch([300, 0, 41], 12, 6, 3, 64, dtype, seed=3)
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, N, H, D] with strides of [B, H, N, D]
+    assert not q_t.is_contiguous()
+    tree = random_tree(3, 12, seed=5)
+    extend_lens = torch.tensor([12, 5, 1])
+    check_extend(isa, dtype, q_t, k_pool, v_pool, table, rows, torch.tensor([300, 0, 41]),
+                 extend_lens, tree)
+    check_extend(isa, dtype, q_t, k_pool, v_pool, table, rows, torch.tensor([300, 0, 41]),
+                 extend_lens, None)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_prefill_causal(isa, dtype):
+    """Long causal prefill: several query-row blocks per request, and key-range splits."""
+    q, k_pool, v_pool, table, rows = make_batch([0, 60], 400, 4, 1, 64, dtype, seed=7)
+    check_extend(isa, dtype, q, k_pool, v_pool, table, rows, torch.tensor([0, 60]),
+                 torch.tensor([400, 333]), None)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_sliding_window_and_logit_cap(isa):
+    q, k_pool, v_pool, table, rows = make_batch([500, 20], 40, 4, 2, 64, torch.float32, seed=9)
+    q = q * 4  # large scores, so the soft cap matters
+    args = (q, k_pool, v_pool, table, rows, torch.tensor([500, 20]), torch.tensor([40, 33]), None)
+    for kw in ({"sliding_window": 100}, {"logit_cap": 5.0}, {"sliding_window": 7, "logit_cap": 2.0}):
+        out = check_extend(isa, torch.float32, *args, **kw)
+        plain = check_extend(isa, torch.float32, *args)
+        assert (out - plain).abs().max() > 1e-2, f"{kw} had no effect"
+
+
+def test_verify_invariant_prefix_is_seq_len():
+    """Drafts' K/V live at positions [seq_len, seq_len + N) and the prefix is exactly seq_len:
+    the result equals attention over explicitly assembled keys and differs from a prefix off by
+    N in either direction."""
+    seq_len, n, h, d = 50, 8, 2, 64
+    q, k_pool, v_pool, table, rows = make_batch([seq_len + n], n, h, h, d, torch.float32, seed=11)
+    row = table[int(rows[0])].long()
+    # Give the N keys on each side of the boundary strong, distinct content.
+    k_pool[row[seq_len - n: seq_len + 2 * n]] *= 3
+    tree = random_tree(1, n, seed=2)
+    scale = 1.0 / math.sqrt(d)
+    tm = tree.view(n, n)
+
+    def explicit(prefix):  # plain SDPA over keys assembled by hand
+        keys = torch.cat([row[:prefix], row[prefix: prefix + n]])
+        k = k_pool[keys].transpose(0, 1)  # [H, K, D]
+        v = v_pool[keys].transpose(0, 1)  # [H, K, D]
+        mask = torch.cat([torch.ones(n, prefix, dtype=torch.bool), tm], dim=1)  # [N, K]
+        return F.scaled_dot_product_attention(q[0].transpose(0, 1), k, v, attn_mask=mask,
+                                              scale=scale).transpose(0, 1)  # [N, H, D]
+
+    for isa in ISAS:
+        with si.forced_isa(isa):
+            out = extend_attention(q, k_pool, v_pool, table, rows, torch.tensor([seq_len]),
+                                   torch.tensor([n]), tree, scale)[0]
+        torch.testing.assert_close(out, explicit(seq_len), atol=1e-5, rtol=1e-5)
+        for wrong in (seq_len - n, seq_len + n):
+            assert (out - explicit(wrong)).abs().max() > 0.05
+
+
+# ---- decode -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 8, 8, 64, [3000]), (3, 9, 3, 128, [1, 77, 1500]),
+                                   (2, 7, 1, 64, [640, 5])], ids=str)
+def test_decode_matches_reference(isa, dtype, shape):
+    bs, h, h_kv, d, lens = shape
+    q4, k_pool, v_pool, table, rows = make_batch([x - 1 for x in lens], 1, h, h_kv, d, dtype, seed=h)
+    q = q4[:, 0]  # [B, H, D]
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(d)
+    si.reset_kernel_path_counts()
+    with si.forced_isa(isa):
+        out = decode_attention(q, k_pool, v_pool, table, rows, kv_lens, scale)
+    assert si.kernel_path_counts() == {f"decode_attention:{RECORDED[isa]}": 1}
+    assert out.shape == q.shape
+    ref32 = decode_attention_ref(q.float(), k_pool.float(), v_pool.float(), table, rows, kv_lens, scale)
+    plain = plain_torch_attention(q4, k_pool, v_pool, table, rows, kv_lens - 1, torch.ones(bs), None,
+                                  scale)[:, 0]
+    check_2x(out, ref32, plain, dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_window_cap_and_draft_table(isa):
+    """Draft decode over build_draft_decode_table rows, with a window and a soft cap."""
+    topk, steps, seq_len = 3, 2, 900
+    q4, k_pool, v_pool, table, rows = make_batch([seq_len], topk * steps, 4, 2, 64, torch.float32, seed=4)
+    draft_table = build_draft_decode_table(table, rows, torch.tensor([seq_len]), topk, steps)
+    q = torch.randn(topk, 4, 64) * 3  # [B*topk, H, D]
+    kv_lens = torch.full((topk,), seq_len + steps)
+    branch_rows = torch.arange(topk)
+    for kw in ({}, {"sliding_window": 64, "logit_cap": 3.0}):
+        with si.forced_isa(isa):
+            out = decode_attention(q, k_pool, v_pool, draft_table, branch_rows, kv_lens, 0.125, **kw)
+        ref = decode_attention_ref(q, k_pool, v_pool, draft_table, branch_rows, kv_lens, 0.125, **kw)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_head_dim_without_avx512_kernel_runs_portable(isa):
+    """D = 40 has no AVX-512 tile shape: the portable kernel runs and is recorded as such."""
+    q, k_pool, v_pool, table, rows = make_batch([33], 4, 2, 1, 40, torch.float32)
+    si.reset_kernel_path_counts()
+    with si.forced_isa(isa):
+        out = extend_attention(q, k_pool, v_pool, table, rows, torch.tensor([33]), torch.tensor([4]),
+                               None, 0.2)
+    assert si.kernel_path_counts() == {"extend_attention:portable": 1}
+    ref = extend_attention_ref(q, k_pool, v_pool, table, rows, torch.tensor([33]), torch.tensor([4]),
+                               None, 0.2)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+# ---- store_kv ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pool_dtype,new_dtype", [(torch.float32, torch.float32),
+                                                  (torch.bfloat16, torch.bfloat16),
+                                                  (torch.bfloat16, torch.float32),
+                                                  (torch.float16, torch.float32)])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_store_kv_exact(pool_dtype, new_dtype, slot_dtype):
+    bs, t, h_kv, d, num_slots = 2, 5, 3, 64, 40
+    k_hf = torch.randn(bs, h_kv, t, d).to(new_dtype)  # HF layout [B, Hkv, T, D]
+    v_hf = torch.randn(bs, h_kv, t, d).to(new_dtype)
+    slots = torch.randperm(num_slots)[: bs * t].view(bs, t).to(slot_dtype)
+    slots[1, 3:] = -1  # padding
+    k_pool = torch.randn(num_slots, h_kv, d).to(pool_dtype)
+    v_pool = torch.randn(num_slots, h_kv, d).to(pool_dtype)
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    store_kv(k_pool, v_pool, k_hf.transpose(1, 2), v_hf.transpose(1, 2), slots)
+    store_kv_ref(k_ref, v_ref, k_hf.transpose(1, 2), v_hf.transpose(1, 2), slots)
+    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+
+
+# ---- opcheck and torch.compile ----------------------------------------------------------------
+
+def opcheck_samples():
+    for index_dtype in (torch.int32, torch.int64):
+        q, k_pool, v_pool, table, rows = make_batch([20, 9], 4, 4, 2, 64, torch.float32, seed=1)
+        pre = torch.tensor([20, 9], dtype=index_dtype)
+        ext = torch.tensor([4, 3], dtype=index_dtype)
+        rows = rows.to(index_dtype)
+        tree = random_tree(2, 4)
+        q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # transposed strides
+        q_wide = torch.randn(2, 4, 8, 64)[:, :, ::2]  # sliced heads
+        for qq, tm in ((q, tree), (q_t, bitpack(tree, 2, 4)), (q_wide, None)):
+            yield "extend_attention", (qq, k_pool, v_pool, table, rows, pre, ext, tm, 0.125)
+        yield "decode_attention", (q[:, 0], k_pool, v_pool, table, rows, pre, 0.125)
+        yield "decode_attention", (q_t[:, 1], k_pool, v_pool, table[:, :25], rows, pre, 0.125, 8, 2.0)
+        k_new = torch.randn(2, 2, 3, 64).transpose(1, 2)  # [B, T, Hkv, D] from HF layout
+        slots = torch.tensor([[0, 5, -1], [7, 8, 9]], dtype=index_dtype)
+        yield "store_kv", (k_pool.clone(), v_pool.clone(), k_new, k_new * 2, slots)
+        yield "store_kv", (k_pool.clone(), v_pool.clone(), k_new[:, :2], k_new[:, :2], slots[:, :2])
+
+
+@pytest.mark.parametrize("op,args", list(opcheck_samples()), ids=lambda x: x if isinstance(x, str) else "")
+def test_opcheck(op, args):
+    torch.library.opcheck(getattr(torch.ops.specdec, op).default, args)
+
+
+def test_compile_store_then_extend_matches_eager():
+    q, k_pool, v_pool, table, rows = make_batch([30, 12], 6, 4, 2, 64, torch.float32, seed=8)
+    k_new = torch.randn(2, 2, 6, 64).transpose(1, 2)  # [B, N, Hkv, D] from HF layout
+    v_new = torch.randn(2, 2, 6, 64).transpose(1, 2)
+    slots = torch.stack([table[int(rows[0]), 30:36], table[int(rows[1]), 12:18]]).long()  # [B, N]
+    pre, ext, tree = torch.tensor([30, 12]), torch.tensor([6, 6]), random_tree(2, 6)
+
+    def step(q, k_pool, v_pool, k_new, v_new):
+        store_kv(k_pool, v_pool, k_new, v_new, slots)
+        return extend_attention(q, k_pool, v_pool, table, rows, pre, ext, tree, 0.125)
+
+    k_eager, v_eager = k_pool.clone(), v_pool.clone()
+    eager = step(q, k_eager, v_eager, k_new, v_new)
+    k_comp, v_comp = k_pool.clone(), v_pool.clone()
+    compiled = torch.compile(step, fullgraph=True)(q, k_comp, v_comp, k_new, v_new)
+    assert torch.equal(eager, compiled)
+    assert torch.equal(k_eager, k_comp) and torch.equal(v_eager, v_comp)
+    assert not torch.equal(k_eager, k_pool)  # the store really happened
+
+
+# ---- bad inputs -------------------------------------------------------------------------------
+
+def test_bad_inputs_name_the_argument():
+    q, k_pool, v_pool, table, rows = make_batch([10], 4, 4, 2, 64, torch.float32)
+    pre, ext = torch.tensor([10]), torch.tensor([4])
+
+    def ext_call(**over):
+        a = dict(q=q, k_pool=k_pool, v_pool=v_pool, req_to_token=table, req_rows=rows,
+                 prefix_lens=pre, extend_lens=ext, tree_mask=None, scale=0.1)
+        a.update(over)
+        return extend_attention(**a)
+
+    bad_table = table.clone()
+    bad_table[int(rows[0]), 3] = k_pool.shape[0]
+    cases = [
+        (lambda: ext_call(q=q.double()), TypeError, "'q'"),
+        (lambda: ext_call(q=q[0]), ValueError, "'q'"),
+        (lambda: ext_call(k_pool=k_pool.bfloat16()), TypeError, "'k_pool'"),
+        (lambda: ext_call(v_pool=v_pool[:-1]), ValueError, "'v_pool'"),
+        (lambda: ext_call(q=torch.randn(1, 4, 3, 64)), ValueError, "'q'"),  # 3 heads vs 2 KV heads
+        (lambda: ext_call(q=torch.randn(1, 4, 4, 32)), ValueError, "'k_pool'"),  # head_dim
+        (lambda: ext_call(req_to_token=table.long()), TypeError, "'req_to_token'"),
+        (lambda: ext_call(req_rows=torch.tensor([9])), IndexError, "'req_rows'"),
+        (lambda: ext_call(req_rows=torch.tensor([0.0])), TypeError, "'req_rows'"),
+        (lambda: ext_call(prefix_lens=torch.tensor([10, 1])), ValueError, "'prefix_lens'"),
+        (lambda: ext_call(prefix_lens=torch.tensor([-1])), ValueError, "'prefix_lens'"),
+        (lambda: ext_call(extend_lens=torch.tensor([5])), ValueError, "'extend_lens'"),
+        (lambda: ext_call(req_to_token=bad_table), IndexError, "'req_to_token'"),
+        (lambda: ext_call(tree_mask=torch.ones(15, dtype=torch.bool)), ValueError, "'tree_mask'"),
+        (lambda: ext_call(tree_mask=torch.ones(4, dtype=torch.float32)), TypeError, "'tree_mask'"),
+        (lambda: ext_call(tree_mask=random_tree(1, 4), sliding_window=8), ValueError, "'sliding_window'"),
+        (lambda: ext_call(logit_cap=-1.0), ValueError, "'logit_cap'"),
+        (lambda: decode_attention(q[:, 0], k_pool, v_pool, table, rows, torch.tensor([0]), 0.1),
+         ValueError, "'kv_lens'"),
+        (lambda: decode_attention(q, k_pool, v_pool, table, rows, pre, 0.1), ValueError, "'q'"),
+        (lambda: store_kv(k_pool, v_pool, q[:, :, :2], q[:, :, :2], torch.tensor([[0, 1, 2, 99]])),
+         IndexError, "'slots'"),
+        (lambda: store_kv(k_pool, v_pool, q[:, :, :2], q[:, :, :2], torch.tensor([[0, 1, 1, 2]])),
+         ValueError, "'slots'"),
+        (lambda: store_kv(k_pool, v_pool, q[:, :, :2], q[:, :, :2], torch.tensor([0, 1, 2, 3])),
+         ValueError, "'slots'"),
+        (lambda: store_kv(k_pool, v_pool, q, q, torch.tensor([[0, 1, 2, 3]])), ValueError, "'k'"),
+        (lambda: store_kv(k_pool, v_pool.int(), q[:, :, :2], q[:, :, :2], torch.tensor([[0, 1, 2, 3]])),
+         TypeError, "'v_pool'"),
+    ]
+    for i, (call, exc, name) in enumerate(cases):
+        with pytest.raises(exc, match=name):
+            call()
