@@ -21,7 +21,7 @@ PROMPTS = [
     "def fibonacci(n):",
     "Q: What is 17 times 3?\nA:",
 ]
-NEW_TOKENS = 20
+NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")

@@ -112,7 +112,10 @@ class Engine:
         Returns logits [B, T, V] (rows t >= extend_lens[b] are padding)."""
         bs, t_max = input_ids.shape
         t = torch.arange(t_max).view(1, t_max)
-        valid = t < extend_lens.view(bs, 1)  # [B, T]
+        # Padding requests (the pool's padding row) store nothing: store_kv rejects a slot
+        # named twice, and every padding request would name the padding sink.
+        real = (req_rows != self.pool.padding_row).view(bs, 1)  # [B, 1]
+        valid = (t < extend_lens.view(bs, 1)) & real  # [B, T]
         table = self.pool.req_to_token[req_rows]  # [B, L]
         store_pos = (prefix_lens.view(bs, 1) + t).clamp(max=self.max_len - 1)  # [B, T]
         slots = torch.where(valid, torch.gather(table, 1, store_pos), -1)  # [B, T]
@@ -127,6 +130,7 @@ class Engine:
         """One token per request at position seq_lens[b]; returns (argmax [B], logits [B, V])."""
         bs = tokens.shape[0]
         slots = self.pool.req_to_token[req_rows, seq_lens].view(bs, 1)  # [B, 1]
+        slots = torch.where((req_rows != self.pool.padding_row).view(bs, 1), slots, -1)
         batch = StepBatch(StepKind.DECODE, self.attention_backend, self.pool, req_rows,
                           seq_lens, torch.ones_like(seq_lens), slots, None)
         out = self.model(input_ids=tokens.view(bs, 1), position_ids=seq_lens.view(bs, 1),
