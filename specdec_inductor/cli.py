@@ -174,7 +174,8 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-batch", type=int, default=1)
         p.add_argument("--eager", action="store_true", help="no torch.compile (as SPECDEC_EAGER=1)")
         p.add_argument("--attention", choices=["ops", "torch", "reference"], default=None)
-        p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+        p.add_argument("--raw", dest="chat", action="store_false",
+                       help="feed prompts as plain text (default: the model's chat template)")
 
     g = sub.add_parser("generate", help="stream greedy text for one prompt")
     common(g)
