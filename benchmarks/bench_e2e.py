@@ -159,7 +159,11 @@ def main(argv=None):
                         help="also time HF generate with a static cache + torch.compile")
     parser.add_argument("--skip", default="", help="comma list of columns to skip")
     parser.add_argument("--json", default=None, help="write results to this file")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for torch and llama.cpp alike (default: torch's)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
     threads = torch.get_num_threads()
 

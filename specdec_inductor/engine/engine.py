@@ -152,6 +152,16 @@ class Engine:
         return self._extend_fn(input_ids, positions, req_rows, prefix_lens, extend_lens, tree_mask)
 
     @torch.inference_mode()
+    def verify(self, tokens: Tensor, positions: Tensor, req_rows: Tensor, seq_lens: Tensor,
+               tree_mask: Tensor) -> Tensor:
+        """Target pass over N draft-tree tokens per request (node 0 = the root), tokens and
+        positions [B, N]; tree_mask QLEN_ONLY [B*N*N] bool or bit-packed [B*N]. The nodes' KV
+        lands at positions [seq_len, seq_len + N) of each row and the prefix is exactly
+        seq_len (kernels.md section 6). Returns logits [B, N, V]. Its own graph per (bucket, N)."""
+        extend_lens = torch.full_like(seq_lens, tokens.shape[1])  # [B]
+        return self._extend_fn(tokens, positions, req_rows, seq_lens, extend_lens, tree_mask)
+
+    @torch.inference_mode()
     def decode(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor) -> Tuple[Tensor, Tensor]:
         """One DECODE step; (next tokens [B], logits [B, V])."""
         return self._decode_fn(tokens, req_rows, seq_lens)
