@@ -48,9 +48,10 @@ def param_bytes(model) -> int:
     return total
 
 
-def bench_ours(dtype, ids, new_tokens, repeats):
+def bench_ours(dtype, ids, new_tokens, repeats, options=None):
     model, _ = load_model(None, dtype)
-    engine = Engine(model, max_batch=1, max_len=len(ids) + new_tokens + 8)
+    engine = Engine(model, max_batch=1, max_len=len(ids) + new_tokens + 8,
+                    compile_options=options)
     t0 = time.perf_counter()
     engine.generate([ids], max_new_tokens=3)  # compiles the prefill and decode graphs
     compile_s = time.perf_counter() - t0
@@ -157,6 +158,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf-compile", action="store_true",
                         help="also time HF generate with a static cache + torch.compile")
+    parser.add_argument("--inductor-option", action="append", default=[],
+                        help="also time ours with an Inductor bool option, e.g. freezing=1")
     parser.add_argument("--skip", default="", help="comma list of columns to skip")
     parser.add_argument("--json", default=None, help="write results to this file")
     parser.add_argument("--threads", type=int, default=None,
@@ -184,6 +187,12 @@ def main(argv=None):
                                                "dynamic")),
             ("hf static fp32", lambda: bench_hf(torch.float32, ids, args.new_tokens,
                                                 args.repeats, "static"))]
+    for opt in filter(None, args.inductor_option):
+        key, value = opt.split("=")
+        options = {key: value.lower() in ("1", "true")}
+        for dt, dname in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            plan.append((f"ours {dname} +{key}={value}", lambda d=dt, o=options: bench_ours(
+                d, ids, args.new_tokens, args.repeats, o)))
     if args.hf_compile:
         plan.append(("hf static+compile fp32", lambda: bench_hf(
             torch.float32, ids, args.new_tokens, args.repeats, "static+compile")))

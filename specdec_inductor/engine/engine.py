@@ -10,6 +10,7 @@ DECODE (one token per request).
 
 Eager mode (`compile=False` or SPECDEC_EAGER=1) runs the same step functions uncompiled.
 """
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -63,13 +64,14 @@ class Engine:
         compile: torch.compile the step functions (default: not SPECDEC_EAGER).
         attention: "ops", "torch" or "reference" (default: see attention_backend.resolve_backend).
         compile_backend: torch.compile backend name ("specdec" = Inductor + our passes).
+        compile_options: Inductor config patches on top of the specdec backend's own.
         prefill_chunk: new tokens per prefill step (the EXTEND graph's T).
     """
 
     def __init__(self, model, *, max_batch: int = 4, max_len: int = 512,
                  num_slots: Optional[int] = None, compile: Optional[bool] = None,
                  attention: Optional[str] = None, compile_backend: str = "specdec",
-                 prefill_chunk: int = 64):
+                 compile_options: Optional[dict] = None, prefill_chunk: int = 64):
         self.model = model
         self.compiled = (not eager_requested()) if compile is None else compile
         self.attention_backend = ab.resolve_backend(attention)
@@ -95,7 +97,8 @@ class Engine:
             torch._dynamo.config.fail_on_recompile_limit_hit = True
             backend = compile_backend
             if backend == "specdec":
-                from specdec_inductor.backend import specdec_backend as backend
+                from specdec_inductor.backend import specdec_backend
+                backend = functools.partial(specdec_backend, options=compile_options or {})
             self._extend_fn = torch.compile(self._extend_step, fullgraph=True, dynamic=False,
                                             backend=backend)
             self._decode_fn = torch.compile(self._decode_step, fullgraph=True, dynamic=False,
