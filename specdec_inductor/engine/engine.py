@@ -42,7 +42,8 @@ def batch_buckets(max_batch: int) -> List[int]:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
-    new_tokens: int = 0
+    new_tokens: int = 0  # all generated tokens, the prefill's first one included
+    decode_tokens: int = 0  # tokens made by decode steps (new_tokens less one per request)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
@@ -50,7 +51,7 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
 
 class Engine:
@@ -234,6 +235,7 @@ class Engine:
                 stats.step_times.append(time.perf_counter() - t_step)
                 stats.decode_steps += 1
                 stats.new_tokens += bs_real
+                stats.decode_tokens += bs_real
                 yield tokens[:bs_real]
             stats.decode_s += time.perf_counter() - t_decode
         finally:
