@@ -140,8 +140,8 @@ def print_table(result: dict) -> None:
     print(f"# {result['model']} {result['dtype']}, batch 1, greedy, "
           f"attention={result['attention_backend']}, "
           f"{'compiled' if result['compiled'] else 'eager'}; {result['machine']}")
-    print(f"# warm-up/compile {result['warmup_compile_s']:.1f} s; medians of "
-          f"{result['repeats']} runs")
+    print(f"# warm-up/compile {result['warmup_compile_s']:.1f} s; tok/s = new tokens / "
+          f"end-to-end time (prefill + decode), medians of {result['repeats']} runs")
     print("| prompt | prompt tokens | new tokens | ours tok/s | HF generate tok/s | speedup | "
           "tokens == HF |")
     print("|---|---|---|---|---|---|---|")
