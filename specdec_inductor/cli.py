@@ -120,6 +120,11 @@ def run_bench(args) -> dict:
             ref = baseline.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
                                     min_new_tokens=args.max_new_tokens, do_sample=False,
                                     pad_token_id=0)[0, len(ids):].tolist()
+        # Both run past eos (HF's min_new_tokens masks it, ours has no eos stop here), so the
+        # answers are compared up to ours' first eos.
+        eos = tokenizer.eos_token_id
+        if eos in tokens:
+            tokens, ref = tokens[:tokens.index(eos) + 1], ref[:tokens.index(eos) + 1]
         match = sum(a == b for a, b in zip(tokens, ref))
         o, h = statistics.median(ours), statistics.median(hf)
         rows.append({"prompt": i, "prompt_tokens": len(ids), "new_tokens": args.max_new_tokens,
