@@ -2,9 +2,15 @@
 against plain PyTorch SDPA with an exact-length bool mask (K/V gathered from the pool by index,
 and, separately, SDPA alone on pre-gathered K/V), compiled flex_attention with the tree as its
 mask_mod, and the memory roofline (K/V bytes read / bandwidth measured here by summing a large
-tensor). Prints medians over repeats and ratios measured in the same run; never asserts.
+tensor). Every method cycles through enough copies of the K/V data (>= 96 MiB in all) that each
+call reads it from DRAM, not from the last-level cache, unless --warm. Prints medians over repeats
+and ratios measured in the same run; never asserts.
 
     python benchmarks/bench_attention.py [--quick] [--isa portable|avx512|amx] [--no-flex]
+                                         [--threads N] [--warm]
+
+flex_attention is compiled per shape (dynamic=False: its dynamic-shape CPU kernel failed to
+compile with torch 2.13), so outside --quick it runs on the prefix-2048, N in {8, 64} shapes only.
 """
 import argparse
 import math
@@ -51,6 +57,22 @@ def cpu_name():
     return platform.processor()
 
 
+COLD_BYTES = 96 << 20  # K/V footprint cycled through per method: 3x this machine's 32 MiB L3
+
+
+class Rotation:
+    """Cycles through `n` copies of some tensors, so repeated calls do not hit a warm cache."""
+
+    def __init__(self, tensors, kv_bytes, warm):
+        n = 1 if warm else max(1, min(32, -(-COLD_BYTES // kv_bytes)))
+        self.copies = [tensors] + [[t.clone() for t in tensors] for _ in range(n - 1)]
+        self.i = 0
+
+    def next(self):
+        self.i = (self.i + 1) % len(self.copies)
+        return self.copies[self.i]
+
+
 def make_problem(bs, h, h_kv, d, n, prefix, dtype, seed=0):
     """Pool with each request's slots scattered at random (as after many allocations)."""
     g = torch.Generator().manual_seed(seed)
@@ -68,15 +90,17 @@ def make_problem(bs, h, h_kv, d, n, prefix, dtype, seed=0):
     return q, k_pool, v_pool, table, tree
 
 
-def bench_verify(bs, h, h_kv, d, n, prefix, dtype, repeats, use_flex, flex_fn):
+def bench_verify(bs, h, h_kv, d, n, prefix, dtype, repeats, use_flex, flex_fn, warm):
     q, k_pool, v_pool, table, tree = make_problem(bs, h, h_kv, d, n, prefix, dtype)
     rows = torch.arange(bs)
     pre = torch.full((bs,), prefix, dtype=torch.int32)
     ext = torch.full((bs,), n, dtype=torch.int32)
     scale = 1.0 / math.sqrt(d)
     flat_tree = tree.reshape(-1)
+    kv_bytes = bs * (prefix + n) * h_kv * d * 2 * k_pool.element_size()
     res = {}
-    res["ours"] = median_time(lambda: extend_attention(q, k_pool, v_pool, table, rows, pre, ext,
+    pools = Rotation([k_pool, v_pool], kv_bytes, warm)
+    res["ours"] = median_time(lambda: extend_attention(q, *pools.next(), table, rows, pre, ext,
                                                        flat_tree, scale), repeats)
     mask = torch.cat([torch.ones(bs, n, prefix, dtype=torch.bool), tree], dim=2)  # [B, N, L]
     mask = mask.unsqueeze(1)  # [B, 1, N, L]
@@ -84,15 +108,18 @@ def bench_verify(bs, h, h_kv, d, n, prefix, dtype, repeats, use_flex, flex_fn):
     slots = table.long()
 
     def sdpa_gather():
-        k = k_pool[slots].transpose(1, 2)  # [B, Hkv, L, D]
-        v = v_pool[slots].transpose(1, 2)
+        kp, vp = pools.next()
+        k = kp[slots].transpose(1, 2)  # [B, Hkv, L, D]
+        v = vp[slots].transpose(1, 2)
         return F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
     res["sdpa+gather"] = median_time(sdpa_gather, repeats)
+    del pools
     k_dense = k_pool[slots].transpose(1, 2).contiguous()  # [B, Hkv, L, D]
     v_dense = v_pool[slots].transpose(1, 2).contiguous()
+    dense = Rotation([k_dense, v_dense], kv_bytes, warm)
     res["sdpa"] = median_time(lambda: F.scaled_dot_product_attention(
-        qt, k_dense, v_dense, attn_mask=mask, scale=scale, enable_gqa=True), repeats)
+        qt, *dense.next(), attn_mask=mask, scale=scale, enable_gqa=True), repeats)
     if use_flex:
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -102,40 +129,43 @@ def bench_verify(bs, h, h_kv, d, n, prefix, dtype, repeats, use_flex, flex_fn):
 
         block_mask = create_block_mask(mask_mod, bs, None, n, prefix + n, device="cpu")
         qc = qt.contiguous()
-        res["flex"] = median_time(lambda: flex_fn(qc, k_dense, v_dense, block_mask=block_mask,
+        res["flex"] = median_time(lambda: flex_fn(qc, *dense.next(), block_mask=block_mask,
                                                   scale=scale, enable_gqa=True), repeats)
         out = flex_fn(qc, k_dense, v_dense, block_mask=block_mask, scale=scale, enable_gqa=True)
         ours = extend_attention(q, k_pool, v_pool, table, rows, pre, ext, flat_tree, scale)
         res["flex_err"] = (out.transpose(1, 2).float() - ours.float()).abs().max().item()
-    kv_bytes = bs * (prefix + n) * h_kv * d * 2 * k_pool.element_size()
     qo_bytes = 2 * q.numel() * q.element_size()
     res["bytes"] = kv_bytes + qo_bytes
     return res
 
 
-def bench_decode(bs, h, h_kv, d, kv_len, dtype, repeats):
+def bench_decode(bs, h, h_kv, d, kv_len, dtype, repeats, warm):
     q4, k_pool, v_pool, table, _ = make_problem(bs, h, h_kv, d, 1, kv_len - 1, dtype)
     q = q4[:, 0]  # [B, H, D]
     rows = torch.arange(bs)
     lens = torch.full((bs,), kv_len, dtype=torch.int32)
     scale = 1.0 / math.sqrt(d)
-    res = {"ours": median_time(lambda: decode_attention(q, k_pool, v_pool, table, rows, lens, scale),
+    kv_bytes = bs * kv_len * h_kv * d * 2 * k_pool.element_size()
+    pools = Rotation([k_pool, v_pool], kv_bytes, warm)
+    res = {"ours": median_time(lambda: decode_attention(q, *pools.next(), table, rows, lens, scale),
                                repeats)}
     mask = torch.ones(bs, 1, 1, kv_len, dtype=torch.bool)  # exact lengths (all equal here)
     qt = q.unsqueeze(2)  # [B, H, 1, D]
     slots = table.long()
 
     def sdpa_gather():
-        k = k_pool[slots].transpose(1, 2)  # [B, Hkv, L, D]
-        v = v_pool[slots].transpose(1, 2)
+        kp, vp = pools.next()
+        k = kp[slots].transpose(1, 2)  # [B, Hkv, L, D]
+        v = vp[slots].transpose(1, 2)
         return F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
     res["sdpa+gather"] = median_time(sdpa_gather, repeats)
-    k_dense = k_pool[slots].transpose(1, 2).contiguous()
-    v_dense = v_pool[slots].transpose(1, 2).contiguous()
+    del pools
+    dense = Rotation([k_pool[slots].transpose(1, 2).contiguous(),
+                      v_pool[slots].transpose(1, 2).contiguous()], kv_bytes, warm)
     res["sdpa"] = median_time(lambda: F.scaled_dot_product_attention(
-        qt, k_dense, v_dense, attn_mask=mask, scale=scale, enable_gqa=True), repeats)
-    res["bytes"] = bs * kv_len * h_kv * d * 2 * k_pool.element_size() + 2 * q.numel() * q.element_size()
+        qt, *dense.next(), attn_mask=mask, scale=scale, enable_gqa=True), repeats)
+    res["bytes"] = kv_bytes + 2 * q.numel() * q.element_size()
     return res
 
 
@@ -150,7 +180,14 @@ def main():
                     help="force the kernel path (default: the best this machine supports)")
     ap.add_argument("--no-flex", action="store_true", help="skip compiled flex_attention")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch / kernel threads (default: torch's default); on a shared machine "
+                         "one thread gives far steadier medians")
+    ap.add_argument("--warm", action="store_true",
+                    help="reuse one copy of K/V (cache-resident when it fits the LLC)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.isa:
         si.set_active_isa(args.isa)
     repeats = args.repeats or (10 if args.quick else 20)
@@ -159,21 +196,23 @@ def main():
     if not args.no_flex:
         try:
             from torch.nn.attention.flex_attention import flex_attention
-            import torch._dynamo
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            flex_fn = torch.compile(flex_attention)
+            from torch._dynamo import config as dynamo_config
+            dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
+            flex_fn = torch.compile(flex_attention, dynamic=False)
         except Exception as exc:  # noqa: BLE001 (reported, not swallowed)
             flex_note = f"flex_attention unavailable: {type(exc).__name__}: {exc}"
     else:
         flex_note = "flex skipped (--no-flex)"
 
     bw = measure_read_bandwidth(5 if args.quick else 10)
+    si.reset_kernel_path_counts()
     print(f"# CPU: {cpu_name()}; threads: {torch.get_num_threads()}; os.cpu_count: {os.cpu_count()}")
     print(f"# torch {torch.__version__}; specdec detected ISA: {si.detected_isa()}, "
-          f"kernel path: {si.active_isa()} (the attention kernels have no AMX variant: "
-          f"amx runs the avx512 kernel)")
+          f"active path: {si.active_isa()} (AMX attention kernel: bf16 only, fp32 on amx runs "
+          f"avx512)")
     print(f"# measured read bandwidth (x.sum over 512 MiB): {bw / 1e9:.1f} GB/s; roofline = "
-          f"(K/V + q + out bytes) / bandwidth")
+          f"(K/V + q + out bytes) / bandwidth; K/V " +
+          ("reused (warm caches)" if args.warm else "cycled over >= 96 MiB of copies (cold caches)"))
     print(f"# times in microseconds (median of {repeats}); ratios = baseline time / ours; "
           f"roof% = roofline time / ours")
     if flex_note:
@@ -200,9 +239,9 @@ def main():
     print(hdr)
     ratios = {"sdpa+gather": [], "sdpa": [], "flex": [], "roof": []}
     for (bs, h, hk, d, n, p, dt) in verify_shapes:
-        use_flex = flex_fn is not None
+        use_flex = flex_fn is not None and (args.quick or (p == 2048 and n in (8, 64)))
         try:
-            r = bench_verify(bs, h, hk, d, n, p, dt, repeats, use_flex, flex_fn)
+            r = bench_verify(bs, h, hk, d, n, p, dt, repeats, use_flex, flex_fn, args.warm)
         except Exception as exc:  # noqa: BLE001  flex can fail to compile on some CPUs/builds
             if not use_flex:
                 raise
@@ -210,7 +249,7 @@ def main():
             print(f"# flex_attention failed on this shape ({type(exc).__name__}: {msg[:300]} ... "
                   f"{msg[-400:]}); continuing without flex")
             flex_fn = None
-            r = bench_verify(bs, h, hk, d, n, p, dt, repeats, False, None)
+            r = bench_verify(bs, h, hk, d, n, p, dt, repeats, False, None, args.warm)
         roof = r["bytes"] / bw
         flex_t = r.get("flex")
         row = (f"{str(dt)[6:]:5} {bs:2d} {h:2d}/{hk:<2d} {n:3d} {p:6d} | {fmt_us(r['ours'])} "
@@ -226,6 +265,9 @@ def main():
             if r["flex_err"] > (1e-3 if dt == torch.float32 else 5e-2):
                 print(f"#   warning: flex and ours differ by {r['flex_err']:.3g}")
         ratios["roof"].append(roof / r["ours"])
+    print("# kernel paths that ran: " + ", ".join(
+        f"{k}={v}" for k, v in sorted(si.kernel_path_counts().items()) if "attention" in k))
+    si.reset_kernel_path_counts()
     print("# verify medians over shapes: " + ", ".join(
         f"x {k} {statistics.median(v):.2f}" for k, v in ratios.items() if v))
 
@@ -234,7 +276,7 @@ def main():
           f"{'roof':>9} | {'x sdpa+g':>8} {'x sdpa':>7} {'roof%':>6}")
     dratios = {"sdpa+gather": [], "sdpa": [], "roof": []}
     for (bs, h, hk, d, L, dt) in decode_shapes:
-        r = bench_decode(bs, h, hk, d, L, dt, repeats)
+        r = bench_decode(bs, h, hk, d, L, dt, repeats, args.warm)
         roof = r["bytes"] / bw
         print(f"{str(dt)[6:]:5} {bs:2d} {h:2d}/{hk:<2d} {L:6d} | {fmt_us(r['ours'])} "
               f"{fmt_us(r['sdpa+gather'])} {fmt_us(r['sdpa'])} {fmt_us(roof)} | "
@@ -243,6 +285,8 @@ def main():
         dratios["sdpa+gather"].append(r["sdpa+gather"] / r["ours"])
         dratios["sdpa"].append(r["sdpa"] / r["ours"])
         dratios["roof"].append(roof / r["ours"])
+    print("# kernel paths that ran: " + ", ".join(
+        f"{k}={v}" for k, v in sorted(si.kernel_path_counts().items()) if "attention" in k))
     print("# decode medians over shapes: " + ", ".join(
         f"x {k} {statistics.median(v):.2f}" for k, v in dratios.items() if v))
 

@@ -3,11 +3,12 @@
 // specdec_inductor/ops/reference.py.
 // ISA paths: the attention ops cut each call into chunks (request, KV head, query-row block, key
 // range) run with at::parallel_for; every query head of a GQA group shares one pass over the KV
-// rows. A chunk runs the AVX-512 kernel (attention_avx512.cpp) when active_isa() >= AVX512 and
-// the head dim allows it (fp32: D % 16 == 0, bf16: D % 32 == 0), else the portable kernel below;
-// the path that ran is recorded per op. There is no AMX kernel yet: on AMX machines the AVX-512
-// kernel runs and is recorded as "avx512". When there are fewer (request, head, row-block) items
-// than 2x the threads, key ranges are split (flash-decoding) and merged here.
+// rows. Kernel per call: AMX (attention_amx.cpp) when active_isa() == AMX, q is bf16 and
+// D % 32 == 0 (unproven: no AMX machine was available when it was written); else AVX-512
+// (attention_avx512.cpp) when active_isa() >= AVX512 and D allows it (fp32: D % 16 == 0, bf16:
+// D % 32 == 0) -- so fp32 on an AMX machine runs AVX-512; else the portable kernel below. The
+// path that ran is recorded per op. When there are fewer (request, head, row-block) items than
+// 2x the threads, key ranges are split (flash-decoding) and merged here.
 // store_kv is a row copy (portable path only; it converts k/v to the pool's dtype).
 #include <torch/library.h>
 
@@ -15,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "attention_isa.h"
@@ -230,13 +232,20 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
   if (B == 0 || T == 0 || H == 0) return out;  // [B, T, H, D]
 
   const Isa isa = active_isa();
-  const bool use_avx512 = isa >= Isa::AVX512 && isa_built(Isa::AVX512) &&
-                          attention_avx512_supports(dtype, D);
   void (*kernel)(const AttnChunk&) = attention_chunk_portable;
+  *ran = Isa::PORTABLE;
 #ifdef SPECDEC_BUILT_AVX512
-  if (use_avx512) kernel = attention_chunk_avx512;
+  if (isa >= Isa::AVX512 && attention_avx512_supports(dtype, D)) {
+    kernel = attention_chunk_avx512;
+    *ran = Isa::AVX512;
+  }
 #endif
-  *ran = kernel == attention_chunk_portable ? Isa::PORTABLE : Isa::AVX512;
+#ifdef SPECDEC_BUILT_AMX
+  if (isa == Isa::AMX && dtype == AttnDtype::BFLOAT16 && D % 32 == 0) {
+    kernel = attention_chunk_amx;
+    *ran = Isa::AMX;
+  }
+#endif
 
   // Work items and their key-range splits.
   const int64_t hpg = H / Hkv;

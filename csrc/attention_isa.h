@@ -43,9 +43,13 @@ struct AttnChunk {
 // Plain C++ (attention.cpp); any head_dim.
 void attention_chunk_portable(const AttnChunk& c);
 
-// AVX-512 (attention_avx512.cpp): fp32 FMA, bf16 q.k via avx512_bf16 dot products. Requires
-// head_dim % 16 == 0 (fp32) or head_dim % 32 == 0 (bf16); see attention_avx512_supports.
+// AVX-512 (attention_avx512.cpp): fp32 FMA, bf16 products via avx512_bf16 dot products.
+// Requires head_dim % 16 == 0 (fp32) or head_dim % 32 == 0 (bf16): attention_avx512_supports
+// (defined in attention.cpp).
 bool attention_avx512_supports(AttnDtype dtype, int64_t head_dim);
 void attention_chunk_avx512(const AttnChunk& c);
+
+// AMX (attention_amx.cpp): bf16 only, head_dim % 32 == 0; both products on AMX tiles.
+void attention_chunk_amx(const AttnChunk& c);
 
 }  // namespace specdec

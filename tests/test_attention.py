@@ -4,6 +4,9 @@ proves which one ran). Float results follow the 2x rule: the kernel's error agai
 reference is at most twice the error of plain PyTorch doing the same math in the same dtype,
 plus a small absolute floor."""
 import math
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -23,11 +26,21 @@ from specdec_inductor.ops.reference import (
     unpack_tree_mask_ref,
 )
 
-ISAS = ["portable"] + [i for i in ("avx512", "amx")
-                       if i in si.built_isas() and ["portable", "avx512", "amx"].index(si.detected_isa())
-                       >= ["portable", "avx512", "amx"].index(i)]
-# There is no AMX attention kernel yet: forcing "amx" runs (and records) the AVX-512 kernel.
-RECORDED = {"portable": "portable", "avx512": "avx512", "amx": "avx512"}
+_ORDER = ["portable", "avx512", "amx"]
+ISAS = [i for i in _ORDER
+        if i in si.built_isas() and _ORDER.index(si.detected_isa()) >= _ORDER.index(i)]
+
+
+def recorded(isa, dtype, head_dim):
+    """The kernel path an op must record when `isa` is forced: the AMX kernel exists for bf16
+    only (fp32 on AMX runs AVX-512), and head dims without a SIMD tile shape run portable."""
+    if isa == "amx" and dtype == torch.bfloat16 and head_dim % 32 == 0:
+        return "amx"
+    if isa in ("avx512", "amx") and head_dim % (16 if dtype == torch.float32 else 32) == 0:
+        return "avx512"
+    return "portable"
+
+
 DTYPES = [torch.float32, torch.bfloat16]
 FLOOR = {torch.float32: 1e-5, torch.bfloat16: 2e-3}
 
@@ -126,7 +139,7 @@ def run_extend(isa, q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, exte
     with si.forced_isa(isa):
         out = extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens,
                                extend_lens, tree_mask, scale, **kw)
-    assert si.kernel_path_counts() == {f"extend_attention:{RECORDED[isa]}": 1}
+    assert si.kernel_path_counts() == {f"extend_attention:{recorded(isa, q.dtype, q.shape[-1])}": 1}
     return out
 
 
@@ -256,7 +269,7 @@ def test_decode_matches_reference(isa, dtype, shape):
     si.reset_kernel_path_counts()
     with si.forced_isa(isa):
         out = decode_attention(q, k_pool, v_pool, table, rows, kv_lens, scale)
-    assert si.kernel_path_counts() == {f"decode_attention:{RECORDED[isa]}": 1}
+    assert si.kernel_path_counts() == {f"decode_attention:{recorded(isa, dtype, d)}": 1}
     assert out.shape == q.shape
     ref32 = decode_attention_ref(q.float(), k_pool.float(), v_pool.float(), table, rows, kv_lens, scale)
     plain = plain_torch_attention(q4, k_pool, v_pool, table, rows, kv_lens - 1, torch.ones(bs), None,
@@ -278,6 +291,131 @@ def test_decode_window_cap_and_draft_table(isa):
             out = decode_attention(q, k_pool, v_pool, draft_table, branch_rows, kv_lens, 0.125, **kw)
         ref = decode_attention_ref(q, k_pool, v_pool, draft_table, branch_rows, kv_lens, 0.125, **kw)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_amx_path_is_tested_where_available():
+    """Every test above runs the AMX path when this machine has it; say so when it does not."""
+    if "amx" not in ISAS:
+        pytest.skip(f"no AMX here (detected {si.detected_isa()}, built {si.built_isas()}): "
+                    "the AMX attention kernel is not exercised")
+    q, k_pool, v_pool, table, rows = make_batch([300], 16, 8, 2, 128, torch.bfloat16)
+    check_extend("amx", torch.bfloat16, q, k_pool, v_pool, table, rows, torch.tensor([300]),
+                 torch.tensor([16]), random_tree(1, 16))
+
+
+AMX_EMULATION_HARNESS = r"""
+// Software emulation of the AMX tile intrinsics used by attention_amx.cpp (tile loads/stores by
+// the loaded config, tdpbf16ps as plain bf16 products with fp32 sums), compiled together with the
+// real kernel sources to compare the AMX kernel's tile layout and index math with the AVX-512
+// kernel on machines without AMX.
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+#include <cstdio>
+#include <cmath>
+#include <random>
+#include <vector>
+namespace emu {
+struct Cfg { uint8_t palette_id, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+Cfg cfg; bool configured = false;
+alignas(64) uint8_t tiles[8][16][64];
+inline float bf(uint16_t h) { uint32_t w = uint32_t(h) << 16; float f; std::memcpy(&f, &w, 4); return f; }
+inline void loadconfig(const void* p) { std::memcpy(&cfg, p, 64); configured = true; }
+inline void release() { configured = false; }
+inline void loadd(int t, const void* base, long stride) {
+  if (!configured) { std::printf("tile op without config\n"); std::abort(); }
+  for (int r = 0; r < cfg.rows[t]; ++r) std::memcpy(tiles[t][r], (const char*)base + r * stride, cfg.colsb[t]);
+}
+inline void stored(int t, void* base, long stride) {
+  for (int r = 0; r < cfg.rows[t]; ++r) std::memcpy((char*)base + r * stride, tiles[t][r], cfg.colsb[t]);
+}
+inline void zero(int t) { std::memset(tiles[t], 0, sizeof(tiles[t])); }
+inline void dpbf16(int c, int a, int b) {
+  // C [M x N fp32] += A [M x K pairs] . B [K x N pairs]; M = rows[a], K = colsb[a]/4, N = colsb[b]/4
+  const int M = cfg.rows[a], K = cfg.colsb[a] / 4, N = cfg.colsb[b] / 4;
+  if (cfg.rows[b] != K || cfg.rows[c] != M || cfg.colsb[c] != N * 4) { std::printf("shape mismatch\n"); std::abort(); }
+  for (int m = 0; m < M; ++m) for (int n = 0; n < N; ++n) {
+    float acc; std::memcpy(&acc, &tiles[c][m][4 * n], 4);
+    for (int k = 0; k < K; ++k) {
+      uint16_t a0, a1, b0, b1;
+      std::memcpy(&a0, &tiles[a][m][4 * k], 2); std::memcpy(&a1, &tiles[a][m][4 * k + 2], 2);
+      std::memcpy(&b0, &tiles[b][k][4 * n], 2); std::memcpy(&b1, &tiles[b][k][4 * n + 2], 2);
+      acc += bf(a0) * bf(b0) + bf(a1) * bf(b1);
+    }
+    std::memcpy(&tiles[c][m][4 * n], &acc, 4);
+  }
+}
+}  // namespace emu
+#undef _tile_loadconfig
+#undef _tile_release
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_dpbf16ps
+#define _tile_loadconfig(p) emu::loadconfig(p)
+#define _tile_release() emu::release()
+#define _tile_loadd(t, base, stride) emu::loadd(t, base, stride)
+#define _tile_stored(t, base, stride) emu::stored(t, base, stride)
+#define _tile_zero(t) emu::zero(t)
+#define _tile_dpbf16ps(c, a, b) emu::dpbf16(c, a, b)
+#include "attention_amx.cpp"
+#include "attention_avx512.cpp"
+
+uint16_t to_bf(float f) { uint32_t w; std::memcpy(&w, &f, 4); w += 0x7FFF + ((w >> 16) & 1); return uint16_t(w >> 16); }
+
+int main() {
+  using namespace specdec;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  int fails = 0;
+  struct Case { int64_t D, rows, heads, prefix, ext; bool tree; };
+  for (Case cs : {Case{64, 8, 4, 300, 8, true}, Case{128, 16, 3, 130, 16, true}, Case{96, 1, 4, 1000, 1, false},
+                  Case{64, 5, 7, 70, 5, false}, Case{128, 64, 1, 0, 64, true}, Case{32, 3, 2, 10, 3, false}}) {
+    const int64_t S = cs.prefix + cs.ext + 10, D = cs.D;
+    std::vector<uint16_t> k(S * D), v(S * D), q(cs.rows * cs.heads * D);
+    for (auto& x : k) x = to_bf(nd(rng)); for (auto& x : v) x = to_bf(nd(rng)); for (auto& x : q) x = to_bf(nd(rng));
+    std::vector<int32_t> slots(cs.prefix + cs.ext);
+    for (size_t i = 0; i < slots.size(); ++i) slots[i] = (i * 7 + 3) % S;
+    std::vector<uint8_t> tree(cs.ext * cs.ext);
+    for (int64_t t = 0; t < cs.ext; ++t) for (int64_t j = 0; j < cs.ext; ++j) tree[t * cs.ext + j] = (j == t) || (j < t && (rng() & 1));
+    const int64_t M = cs.rows * cs.heads;
+    std::vector<float> out[2];
+    for (int which = 0; which < 2; ++which) {
+      std::vector<float> acc(M * D), mx(M), sm(M);
+      AttnChunk c{};
+      c.dtype = AttnDtype::BFLOAT16; c.head_dim = D; c.q = q.data(); c.q_stride_row = cs.heads * D; c.q_stride_head = D;
+      c.rows = cs.rows; c.heads = cs.heads; c.row0 = 0; c.k = k.data(); c.v = v.data(); c.k_stride_slot = D; c.v_stride_slot = D;
+      c.slots = slots.data(); c.slot_stride = 1; c.key_begin = 0; c.key_end = cs.prefix + cs.ext; c.prefix = cs.prefix;
+      c.tree = cs.tree ? tree.data() : nullptr; c.tree_stride = cs.ext; c.window = -1; c.scale = 0.125f; c.logit_cap = 0;
+      c.acc = acc.data(); c.max = mx.data(); c.sum = sm.data();
+      if (which == 0) attention_chunk_amx(c); else attention_chunk_avx512(c);
+      out[which].resize(M * D);
+      for (int64_t m = 0; m < M; ++m) for (int64_t d = 0; d < D; ++d) out[which][m * D + d] = acc[m * D + d] / sm[m];
+    }
+    float err = 0; for (size_t i = 0; i < out[0].size(); ++i) err = std::fmax(err, std::fabs(out[0][i] - out[1][i]));
+    std::printf("D=%ld rows=%ld heads=%ld prefix=%ld tree=%d: max |amx_emu - avx512| = %.3g\n", (long)D, (long)cs.rows, (long)cs.heads, (long)cs.prefix, (int)cs.tree, err);
+    if (!(err < 1e-4)) ++fails;
+  }
+  std::printf(fails ? "FAIL\n" : "OK\n");
+  return fails;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
+@pytest.mark.skipif("avx512" not in ISAS, reason="the harness compares with the AVX-512 kernel")
+def test_amx_kernel_matches_avx512_with_emulated_tiles(tmp_path):
+    """The AMX kernel with software-emulated tile instructions equals the AVX-512 kernel (bf16):
+    checks its tile shapes, strides and padding without AMX hardware (not the hardware itself)."""
+    csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+    src, exe = tmp_path / "harness.cpp", tmp_path / "harness"
+    src.write_text(AMX_EMULATION_HARNESS)
+    flags = ["-O1", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+             "-mavx512bf16", "-mfma", "-mf16c", f"-I{csrc}"]
+    subprocess.run([os.environ.get("CXX", "c++"), *flags, str(src), "-o", str(exe)], check=True,
+                   capture_output=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stdout
 
 
 @pytest.mark.parametrize("isa", ISAS)
