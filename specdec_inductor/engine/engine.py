@@ -1,0 +1,256 @@
+"""Greedy generation over the KV pool: chunked prefill (ragged prompts, right-padded) and
+decode steps, each one compiled graph per (batch bucket, step kind).
+
+Every length, position and slot a step needs is a tensor input (or derived in the graph from
+`req_to_token`), never a Python int, so a bucket's graph is compiled once and reused for any
+prompt lengths and any number of steps (tested under `set_stance("fail_on_recompile")`).
+Step kinds: EXTEND with T = `prefill_chunk` (prefill; prompts longer than one chunk take
+several chunks over their growing prefix), EXTEND with T = N and a tree mask (verify(N)),
+DECODE (one token per request).
+
+Eager mode (`compile=False` or SPECDEC_EAGER=1) runs the same step functions uncompiled.
+"""
+import functools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from specdec_inductor.engine import attention_backend as ab
+from specdec_inductor.engine.hf import StepBatch, StepKind, model_shape, use_specdec_attention
+from specdec_inductor.engine.kv_pool import KVPool
+
+EAGER_ENV = "SPECDEC_EAGER"
+
+
+def eager_requested() -> bool:
+    return os.environ.get(EAGER_ENV, "0") not in ("", "0", "false", "False")
+
+
+def batch_buckets(max_batch: int) -> List[int]:
+    """Powers of two up to max_batch, plus max_batch itself."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0  # all generated tokens, the prefill's first one included
+    decode_tokens: int = 0  # tokens made by decode steps (new_tokens less one per request)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    step_times: List[float] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+class Engine:
+    """Greedy decoding of a stock HF causal LM through the `specdec` attention and KV pool.
+
+    Args:
+        model: an `AutoModelForCausalLM` (switched to the "specdec" attention in place).
+        max_batch: largest batch; batches are padded up to a bucket (powers of two).
+        max_len: positions per request (prompt + new tokens).
+        num_slots: KV pool size; default max_batch * max_len.
+        compile: torch.compile the step functions (default: not SPECDEC_EAGER).
+        attention: "ops", "torch" or "reference" (default: see attention_backend.resolve_backend).
+        compile_backend: torch.compile backend name ("specdec" = Inductor + our passes).
+        compile_options: Inductor config patches on top of the specdec backend's own.
+        prefill_chunk: new tokens per prefill step (the EXTEND graph's T).
+    """
+
+    def __init__(self, model, *, max_batch: int = 4, max_len: int = 512,
+                 num_slots: Optional[int] = None, compile: Optional[bool] = None,
+                 attention: Optional[str] = None, compile_backend: str = "specdec",
+                 compile_options: Optional[dict] = None, prefill_chunk: int = 64):
+        self.model = model
+        self.compiled = (not eager_requested()) if compile is None else compile
+        self.attention_backend = ab.resolve_backend(attention)
+        if self.compiled and not self.attention_backend.traceable:
+            raise ValueError(f"attention backend {self.attention_backend.value!r} is eager-only; "
+                             "pass compile=False (or SPECDEC_EAGER=1)")
+        use_specdec_attention(model)
+        shape = model_shape(model)
+        self.vocab_size = shape.vocab_size
+        self.dtype = next(model.parameters()).dtype
+        self.max_batch, self.max_len, self.prefill_chunk = max_batch, max_len, prefill_chunk
+        self.buckets = batch_buckets(max_batch)
+        self.pool = KVPool(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                           num_slots or max_batch * max_len, max_batch, max_len, self.dtype)
+        self.compile_backend = compile_backend
+        if self.compiled:
+            # Each engine adds graphs to the same step code objects; a hit of the recompile
+            # limit must fail loudly, never fall back to eager.
+            import torch._dynamo
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            torch._dynamo.config.accumulated_recompile_limit = max(
+                torch._dynamo.config.accumulated_recompile_limit, 1024)
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
+            backend = compile_backend
+            if backend == "specdec":
+                from specdec_inductor.backend import specdec_backend
+                backend = functools.partial(specdec_backend, options=compile_options or {})
+            self._extend_fn = torch.compile(self._extend_step, fullgraph=True, dynamic=False,
+                                            backend=backend)
+            self._decode_fn = torch.compile(self._decode_step, fullgraph=True, dynamic=False,
+                                            backend=backend)
+        else:
+            self._extend_fn, self._decode_fn = self._extend_step, self._decode_step
+
+    # -- step functions (traced) ---------------------------------------------------------------
+    def _extend_step(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor,
+                     prefix_lens: Tensor, extend_lens: Tensor,
+                     tree_mask: Optional[Tensor]) -> Tensor:
+        """T new tokens per request at `positions` [B, T] (sequence positions; for a tree, the
+        node depths); their KV goes to positions prefix_lens + t of the request's row.
+        Returns logits [B, T, V] (rows t >= extend_lens[b] are padding)."""
+        bs, t_max = input_ids.shape
+        t = torch.arange(t_max).view(1, t_max)
+        # Padding requests (the pool's padding row) store nothing: store_kv rejects a slot
+        # named twice, and every padding request would name the padding sink.
+        real = (req_rows != self.pool.padding_row).view(bs, 1)  # [B, 1]
+        valid = (t < extend_lens.view(bs, 1)) & real  # [B, T]
+        table = self.pool.req_to_token[req_rows]  # [B, L]
+        store_pos = (prefix_lens.view(bs, 1) + t).clamp(max=self.max_len - 1)  # [B, T]
+        slots = torch.where(valid, torch.gather(table, 1, store_pos), -1)  # [B, T]
+        batch = StepBatch(StepKind.EXTEND, self.attention_backend, self.pool, req_rows,
+                          prefix_lens, extend_lens, slots, tree_mask)
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                         specdec_batch=batch)
+        return out.logits  # [B, T, V]
+
+    def _decode_step(self, tokens: Tensor, req_rows: Tensor,
+                     seq_lens: Tensor) -> Tuple[Tensor, Tensor]:
+        """One token per request at position seq_lens[b]; returns (argmax [B], logits [B, V])."""
+        bs = tokens.shape[0]
+        slots = self.pool.req_to_token[req_rows, seq_lens].view(bs, 1)  # [B, 1]
+        slots = torch.where((req_rows != self.pool.padding_row).view(bs, 1), slots, -1)
+        batch = StepBatch(StepKind.DECODE, self.attention_backend, self.pool, req_rows,
+                          seq_lens, torch.ones_like(seq_lens), slots, None)
+        out = self.model(input_ids=tokens.view(bs, 1), position_ids=seq_lens.view(bs, 1),
+                         use_cache=False, specdec_batch=batch)
+        logits = out.logits[:, 0]  # [B, V]
+        return logits.argmax(-1), logits
+
+    # -- public steps --------------------------------------------------------------------------
+    def bucket_for(self, batch_size: int) -> int:
+        for b in self.buckets:
+            if b >= batch_size:
+                return b
+        raise ValueError(f"batch of {batch_size} exceeds max_batch {self.max_batch}")
+
+    @torch.inference_mode()
+    def extend(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor, prefix_lens: Tensor,
+               extend_lens: Tensor, tree_mask: Optional[Tensor] = None) -> Tensor:
+        """One EXTEND step (a prefill chunk or a verify(N) pass); logits [B, T, V]."""
+        return self._extend_fn(input_ids, positions, req_rows, prefix_lens, extend_lens, tree_mask)
+
+    @torch.inference_mode()
+    def verify(self, tokens: Tensor, positions: Tensor, req_rows: Tensor, seq_lens: Tensor,
+               tree_mask: Tensor) -> Tensor:
+        """Target pass over N draft-tree tokens per request (node 0 = the root), tokens and
+        positions [B, N]; tree_mask QLEN_ONLY [B*N*N] bool or bit-packed [B*N]. The nodes' KV
+        lands at positions [seq_len, seq_len + N) of each row and the prefix is exactly
+        seq_len (kernels.md section 6). Returns logits [B, N, V]. Its own graph per (bucket, N)."""
+        extend_lens = torch.full_like(seq_lens, tokens.shape[1])  # [B]
+        return self._extend_fn(tokens, positions, req_rows, seq_lens, extend_lens, tree_mask)
+
+    @torch.inference_mode()
+    def decode(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor) -> Tuple[Tensor, Tensor]:
+        """One DECODE step; (next tokens [B], logits [B, V])."""
+        return self._decode_fn(tokens, req_rows, seq_lens)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]], req_rows: Tensor) -> Tensor:
+        """Chunked prefill of right-padded ragged prompts; logits of each prompt's last token
+        [B, V]. Row b of the (bucket-sized) batch holds prompts[b] or a padding request."""
+        bs = req_rows.shape[0]
+        lens = [len(p) for p in prompts] + [1] * (bs - len(prompts))
+        chunk = self.prefill_chunk
+        n_chunks = -(-max(lens) // chunk)
+        ids = torch.zeros(bs, n_chunks * chunk, dtype=torch.int64)  # [B, chunks*C]
+        for b, p in enumerate(prompts):
+            ids[b, :len(p)] = torch.as_tensor(p, dtype=torch.int64)
+        prompt_lens = torch.tensor(lens, dtype=torch.int64)  # [B]
+        last = torch.zeros(bs, self.vocab_size, dtype=self.dtype)  # [B, V]
+        t = torch.arange(chunk)
+        for c in range(n_chunks):
+            start = c * chunk
+            prefix = prompt_lens.clamp(max=start)  # [B]
+            ext = (prompt_lens - start).clamp(0, chunk)  # [B]
+            positions = prefix.view(bs, 1) + t.view(1, chunk)  # [B, C]
+            chunk_ids = ids[:, start:start + chunk].contiguous()  # [B, C]; strides are guarded
+            logits = self.extend(chunk_ids, positions, req_rows, prefix, ext)
+            ends_here = (ext > 0) & (prefix + ext == prompt_lens)  # [B]
+            idx = (ext - 1).clamp(min=0).view(bs, 1, 1).expand(bs, 1, logits.shape[-1])
+            last = torch.where(ends_here.view(bs, 1), logits.gather(1, idx)[:, 0].to(last.dtype),
+                               last)
+        return last
+
+    def generate_stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                        eos_token_id: Optional[int] = None,
+                        stats: Optional[GenerationStats] = None) -> Iterator[Tensor]:
+        """Greedy decoding; yields the next token of every request [len(prompts)] per step.
+        A request that emitted eos keeps decoding into its reserved slots (its tokens are
+        ignored by callers) until every request is done or max_new_tokens is reached."""
+        if max_new_tokens <= 0:
+            return
+        bs_real = len(prompts)
+        bucket = self.bucket_for(bs_real)
+        requests = self.pool.admit([len(p) for p in prompts], max_new_tokens)
+        stats = stats if stats is not None else GenerationStats()
+        try:
+            rows = [r.row for r in requests] + [self.pool.padding_row] * (bucket - bs_real)
+            req_rows = torch.tensor(rows, dtype=torch.int64)  # [B]
+            t0 = time.perf_counter()
+            logits = self.prefill(prompts, req_rows)
+            with torch.inference_mode():  # like every later step's tokens: no graph re-guard
+                tokens = logits.argmax(-1)  # [B]
+            stats.prefill_s += time.perf_counter() - t0
+            stats.prompt_tokens += sum(len(p) for p in prompts)
+            seq_lens = torch.tensor([len(p) for p in prompts] + [1] * (bucket - bs_real),
+                                    dtype=torch.int64)  # [B]
+            done = torch.zeros(bs_real, dtype=torch.bool)
+            yield tokens[:bs_real]
+            stats.new_tokens += bs_real
+            t_decode = time.perf_counter()
+            for _ in range(max_new_tokens - 1):
+                if eos_token_id is not None:
+                    done |= tokens[:bs_real] == eos_token_id
+                    if bool(done.all()):
+                        break
+                t_step = time.perf_counter()
+                tokens, _ = self.decode(tokens, req_rows, seq_lens)
+                seq_lens += 1
+                stats.step_times.append(time.perf_counter() - t_step)
+                stats.decode_steps += 1
+                stats.new_tokens += bs_real
+                stats.decode_tokens += bs_real
+                yield tokens[:bs_real]
+            stats.decode_s += time.perf_counter() - t_decode
+        finally:
+            for r in requests:
+                self.pool.release(r)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 eos_token_id: Optional[int] = None,
+                 stats: Optional[GenerationStats] = None) -> List[List[int]]:
+        """Greedy new tokens per prompt; a request stops after (and including) eos."""
+        out: List[List[int]] = [[] for _ in prompts]
+        finished = [False] * len(prompts)
+        for step in self.generate_stream(prompts, max_new_tokens, eos_token_id, stats):
+            for b, tok in enumerate(step.tolist()):
+                if not finished[b]:
+                    out[b].append(tok)
+                    finished[b] = eos_token_id is not None and tok == eos_token_id
+        return out
