@@ -5,6 +5,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 #include "cpu_features.h"
 
 namespace specdec {
@@ -61,9 +63,14 @@ struct IndexView {
   int64_t operator()(int64_t i, int64_t j) const { return at(i * s0 + j * s1); }
 };
 
-// Grain for at::parallel_for over requests: small batches stay on the calling thread, where a
-// thread-pool wake-up would cost more than the work.
-constexpr int64_t kBatchGrain = 16;
+// Grain for at::parallel_for: a chunk gets at least kParallelWork elementary steps (a few
+// hundred us), so small calls stay on the calling thread. Waking the pool costs microseconds, and
+// on a loaded machine an OpenMP barrier can wait a whole scheduler time slice (~10 ms) for a
+// descheduled worker, so index ops of a verify step must not fan out.
+constexpr int64_t kParallelWork = int64_t{1} << 20;
+inline int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work_per_item));
+}
 
 }  // namespace specdec
 

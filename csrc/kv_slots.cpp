@@ -69,7 +69,7 @@ void assign_req_to_token(at::Tensor& req_to_token, const at::Tensor& req_rows,
   }
   int32_t* table = req_to_token.data_ptr<int32_t>();
   const int64_t ts0 = req_to_token.stride(0), ts1 = req_to_token.stride(1);
-  at::parallel_for(0, bs, kBatchGrain, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, bs, grain_for(offset[bs] / std::max<int64_t>(1, bs)), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       int32_t* row = table + rows(i) * ts0;
       const int64_t s = st(i), n = offset[i + 1] - offset[i];
@@ -100,7 +100,7 @@ at::Tensor assign_draft_cache_locs(const at::Tensor& req_to_token, const at::Ten
   int64_t* o = out.data_ptr<int64_t>();
   const int32_t* table = req_to_token.const_data_ptr<int32_t>();
   const int64_t ts0 = req_to_token.stride(0), ts1 = req_to_token.stride(1);
-  at::parallel_for(0, bs, kBatchGrain, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, bs, grain_for(per_req), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int32_t* row = table + rows(b) * ts0 + lens(b) * ts1;
       for (int64_t k = 0; k < per_req; ++k) o[b * per_req + k] = row[k * ts1];
@@ -130,7 +130,7 @@ at::Tensor gather_extend_cache_locs(const at::Tensor& req_to_token, const at::Te
   int64_t* o = out.data_ptr<int64_t>();
   const int32_t* table = req_to_token.const_data_ptr<int32_t>();
   const int64_t ts0 = req_to_token.stride(0), ts1 = req_to_token.stride(1);
-  at::parallel_for(0, bs, kBatchGrain, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, bs, grain_for(offset[bs] / std::max<int64_t>(1, bs)), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int32_t* row = table + rows(i) * ts0;
       for (int64_t k = 0, s = st(i); k < offset[i + 1] - offset[i]; ++k) {
@@ -164,7 +164,7 @@ at::Tensor build_draft_decode_table(const at::Tensor& req_to_token, const at::Te
   int32_t* out = table_out.data_ptr<int32_t>();
   const int32_t* table = req_to_token.const_data_ptr<int32_t>();
   const int64_t ts0 = req_to_token.stride(0), ts1 = req_to_token.stride(1);
-  at::parallel_for(0, bs * topk, kBatchGrain, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, bs * topk, grain_for(L), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / topk, k = r % topk, len = lens(b);
       const int32_t* src = table + rows(b) * ts0;
@@ -307,7 +307,13 @@ void move_kv_slots(at::TensorList k_buffers, at::TensorList v_buffers, const at:
   for (int64_t i = 0; i < n && !overlap; ++i) {
     overlap = std::binary_search(dst_sorted.begin(), dst_sorted.end(), s(i));
   }
-  at::parallel_for(0, static_cast<int64_t>(bufs.size()), 1, [&](int64_t b0, int64_t b1) {
+  if (bufs.empty() || n == 0) {
+    SPECDEC_RECORD_PATH("move_kv_slots", Isa::PORTABLE);
+    return;
+  }
+  // Work per buffer in bytes/8 (a memcpy step moves about 8 bytes per element-op).
+  at::parallel_for(0, static_cast<int64_t>(bufs.size()), grain_for(n * bytes[0] / 8 * (overlap ? 2 : 1)),
+                   [&](int64_t b0, int64_t b1) {
     std::vector<char> staging;
     for (int64_t bi = b0; bi < b1; ++bi) {
       char* base = static_cast<char*>(bufs[bi].data_ptr());

@@ -5,6 +5,10 @@
 
 #include "cpu_features.h"
 
+namespace specdec {
+void bind_ngram(pybind11::module& m);  // ngram.cpp
+}
+
 TORCH_LIBRARY(specdec, m) {
   // Op families add their schemas with TORCH_LIBRARY_FRAGMENT in their own files.
 }
@@ -26,4 +30,5 @@ PYBIND11_MODULE(_C, m) {
         "Force a path; raises ValueError if this machine or build cannot run it.");
   m.def("kernel_path_counts", &kernel_path_counts, "Calls per '<op>:<path>' since the last reset.");
   m.def("reset_kernel_path_counts", &reset_kernel_path_counts);
+  bind_ngram(m);
 }

@@ -90,7 +90,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tre
   void* mask_bits = mode == TreeMaskMode::QLEN_ONLY_BITPACKING ? tree_mask.data_ptr() : nullptr;
   const at::ScalarType bits_dtype = tree_mask.scalar_type();
 
-  at::parallel_for(0, bs, kBatchGrain, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, bs, grain_for(mask_offset[bs] / std::max<int64_t>(1, bs)),
+                   [&](int64_t b0, int64_t b1) {
     std::vector<int64_t> parent(N), node_depth(N), first_child(N);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t len = lens(b);
@@ -190,7 +191,7 @@ void verify_tree_greedy_impl(int32_t* predicts, int32_t* accept_index, int64_t a
                         ", ", i, "] = ", s, " is not -1 or a non-root node in [1, ", N, ")");
     }
   }
-  at::parallel_for(0, bs, kBatchGrain, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, bs, grain_for(N * S), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       int64_t last = ridx(b, 0);
       int64_t node = 0, accepted = 0;
@@ -310,7 +311,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reconstruct_tree_from
   int64_t* next_tok = retrieve_next_token.data_ptr<int64_t>();
   int64_t* next_sib = retrieve_next_sibling.data_ptr<int64_t>();
 
-  at::parallel_for(0, bs, kBatchGrain, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, bs, grain_for(N * N * 2), [&](int64_t b0, int64_t b1) {
     std::vector<int64_t> parent(N), node_depth(N), first_child(N);
     for (int64_t b = b0; b < b1; ++b) {
       auto m = [&](int64_t t, int64_t j) { return mask[((b * N + t) * N + j) * ms]; };

@@ -11,6 +11,7 @@ from specdec_inductor._library import (  # noqa: F401  (re-exported API)
     forced_isa,
     kernel_path_counts,
     reset_kernel_path_counts,
+    runnable_isas,
     set_active_isa,
 )
 from specdec_inductor import ops  # noqa: F401  (registers fake kernels)

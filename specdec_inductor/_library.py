@@ -30,6 +30,15 @@ def built_isas() -> list:
     return list(_C.built_isas())
 
 
+_ORDER = ("portable", "avx512", "amx")
+
+
+def runnable_isas() -> list:
+    """Paths this machine can run with this build (what tests iterate over)."""
+    limit = _ORDER.index(detected_isa())
+    return [p for p in built_isas() if _ORDER.index(p) <= limit]
+
+
 def active_isa() -> str:
     """Path the kernels use now."""
     return _C.active_isa()

@@ -21,3 +21,8 @@ from specdec_inductor.ops.attention import (  # noqa: F401
     extend_attention,
     store_kv,
 )
+from specdec_inductor.ops.sampling import (  # noqa: F401
+    chain_speculative_sampling,
+    top_k_top_p_renorm,
+    tree_speculative_sampling,
+)

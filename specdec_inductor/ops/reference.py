@@ -196,6 +196,93 @@ def move_kv_slots_ref(k_buffers, v_buffers, src, dst):
 
 
 # ---------------------------------------------------------------------------------------------
+# Lossless sampling (kernels.md section 7)
+# ---------------------------------------------------------------------------------------------
+
+
+def top_k_top_p_renorm_ref(probs, top_k, top_p):
+    out = torch.empty_like(probs, dtype=torch.float32)  # [R, V]
+    for r in range(probs.shape[0]):
+        row = probs[r].float()
+        ordered = row.sort(descending=True).values
+        keep_from = 0.0
+        k = int(top_k[r])
+        if 0 < k < row.numel():
+            keep_from = float(ordered[k - 1])  # k-th largest; ties with it are kept
+        kept = ordered[ordered >= keep_from]
+        if float(top_p[r]) < 1.0:
+            cum = kept.double().cumsum(0)
+            first = int((cum >= float(top_p[r]) * float(kept.double().sum())).nonzero()[0])
+            keep_from = float(kept[first])
+        mask = row >= keep_from
+        out[r] = torch.where(mask, row, 0.0) / row[mask].double().sum().float()
+    return out
+
+
+def _draw_ref(weights: Tensor, u: float) -> int:
+    """Inverse CDF: the first index whose cumulative weight exceeds u * total."""
+    w = weights.double().clamp(min=0)
+    cum = w.cumsum(0)
+    hits = (cum > u * float(w.sum())) & (w > 0)
+    return int(hits.nonzero()[0]) if bool(hits.any()) else int((w > 0).nonzero()[-1])
+
+
+def tree_speculative_sampling_ref(candidates, retrieve_index, retrieve_next_token,
+                                  retrieve_next_sibling, uniform_samples, uniform_final,
+                                  target_probs, num_spec_steps):
+    bs, n = candidates.shape
+    predicts = torch.full((bs * n,), -1, dtype=torch.int32)  # [B*N]
+    accept_index = torch.full((bs, num_spec_steps), -1, dtype=torch.int32)  # [B, S]
+    accept_token_num = torch.zeros(bs, dtype=torch.int32)  # [B]
+    for b in range(bs):
+        last, node = int(retrieve_index[b, 0]), 0
+        accept_index[b, 0] = last
+        for level in range(num_spec_steps):
+            residual = target_probs[b, node].double().clone()
+            if level == num_spec_steps - 1:
+                break
+            child, found = int(retrieve_next_token[b, node]), -1
+            while child != -1:
+                token = int(candidates[b, child])
+                if float(uniform_samples[b, child]) * float(residual.sum()) < float(residual[token]):
+                    found = child
+                    break
+                residual[token] = 0.0  # rejected: its mass leaves the residual
+                child = int(retrieve_next_sibling[b, child])
+            if found < 0:
+                break
+            predicts[last] = int(candidates[b, found])
+            node, last = found, int(retrieve_index[b, found])
+            accept_token_num[b] += 1
+            accept_index[b, level + 1] = last
+        predicts[last] = _draw_ref(residual, float(uniform_final[b]))
+    return predicts, accept_index, accept_token_num
+
+
+def chain_speculative_sampling_ref(draft_tokens, draft_probs, target_probs, uniform_samples,
+                                   uniform_final):
+    bs, k = draft_tokens.shape
+    tokens = torch.full((bs, k + 1), -1, dtype=torch.int64)  # [B, K+1]
+    accept_token_num = torch.zeros(bs, dtype=torch.int32)  # [B]
+    for b in range(bs):
+        i = 0
+        while i < k:
+            x = int(draft_tokens[b, i])
+            p, q = float(target_probs[b, i, x]), float(draft_probs[b, i, x])
+            if not float(uniform_samples[b, i]) * q < p:
+                break
+            tokens[b, i] = x
+            i += 1
+        accept_token_num[b] = i
+        p = target_probs[b, i].double()
+        weights = (p - draft_probs[b, i].double()).clamp(min=0) if i < k else p
+        if float(weights.sum()) <= 0:
+            weights = p
+        tokens[b, i] = _draw_ref(weights, float(uniform_final[b]))
+    return tokens, accept_token_num
+
+
+# ---------------------------------------------------------------------------------------------
 # Attention over the slot pool (kernels.md section 6)
 # ---------------------------------------------------------------------------------------------
 # Layouts: k_pool / v_pool [S, Hkv, D]; q [B, T, H, D] (rows t >= extend_lens[b] are padding);

@@ -1,0 +1,1 @@
+"""Drop-in adapters for users of other serving stacks (see sglang.py)."""

@@ -1,0 +1,1 @@
+"""Draft proposers, one file per speculative method (algorithms.md)."""

@@ -1,0 +1,69 @@
+"""NGRAM (prompt lookup) drafts: no draft model. A C++ n-gram trie per request (csrc/ngram.cpp)
+matches the longest suffix of the context and expands the continuations seen after it
+breadth-first into a tree of N nodes (root = last committed token), padded to N so verify
+shapes stay static; reconstruct_tree_from_mask turns its ancestor mask into positions and
+linkage for verification."""
+from dataclasses import dataclass
+from typing import Iterable, List, Sequence
+
+import torch
+from torch import Tensor
+
+from specdec_inductor import ops
+from specdec_inductor._library import _C
+
+
+@dataclass
+class NgramDraft:
+    tokens: Tensor  # [B, N] int64, node 0 = root (last committed token)
+    tree_mask: Tensor  # [B*N*N] bool, QLEN_ONLY ancestor mask
+    positions: Tensor  # [B*N] int64
+    retrieve_index: Tensor  # [B, N]
+    retrieve_next_token: Tensor  # [B, N]
+    retrieve_next_sibling: Tensor  # [B, N]
+    num_drafts: Tensor  # [B] int32, real (unpadded) drafts per request
+
+
+class NgramProposer:
+    """Proposes NGRAM draft trees for a batch of requests.
+
+    Args:
+        num_draft_tokens: N, nodes per tree including the root.
+        min_window / max_window: suffix lengths tried, longest first.
+        max_depth: longest draft chain (defaults to N - 1).
+        breadth: children kept per node at each draft level (the last entry repeats);
+            (1,) gives a chain.
+        max_nodes_per_request: memory bound of each request's trie.
+    """
+
+    def __init__(self, num_draft_tokens: int, min_window: int = 1, max_window: int = 4,
+                 max_depth: int = None, breadth: Sequence[int] = (4, 2, 1),
+                 max_nodes_per_request: int = 1 << 18):
+        self.num_draft_tokens = num_draft_tokens
+        self.breadth = list(breadth)
+        depth = max_depth if max_depth is not None else max(1, num_draft_tokens - 1)
+        self._index = _C.NgramIndex(min_window, max_window, depth, max_nodes_per_request)
+
+    def add_request(self, request_id: int, prompt: Iterable[int]) -> None:
+        self._index.add_request(request_id)
+        self._index.append(request_id, [int(t) for t in prompt])
+
+    def remove_request(self, request_id: int) -> None:
+        self._index.remove_request(request_id)
+
+    def append(self, request_id: int, tokens: Iterable[int]) -> None:
+        """Committed tokens (accepted drafts + bonus) of one request, in order."""
+        self._index.append(request_id, [int(t) for t in tokens])
+
+    def num_requests(self) -> int:
+        return self._index.num_requests()
+
+    def num_trie_nodes(self, request_id: int) -> int:
+        return self._index.num_nodes(request_id)
+
+    def propose(self, request_ids: List[int], seq_lens: Tensor) -> NgramDraft:
+        """Draft trees for `request_ids`; seq_lens [B] are their committed lengths (the root's
+        position), as the verify step uses them."""
+        tokens, mask, num_drafts = self._index.propose(list(request_ids), self.num_draft_tokens, self.breadth)
+        positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, self.num_draft_tokens)
+        return NgramDraft(tokens, mask, positions, ridx, nxt, sib, num_drafts)
