@@ -61,7 +61,8 @@ class SpeculativeStats:
     """The metrics of algorithms.md: tokens/s, mean accepted length, per-position acceptance,
     verify steps, draft / verify time shares, compiled graphs and recompiles."""
     new_tokens: int = 0
-    verify_steps: int = 0
+    verify_steps: int = 0  # speculative steps, decode fallbacks included
+    decode_steps: int = 0  # steps that fell back to plain decode (no request had a draft)
     request_steps: int = 0  # verify steps summed over requests
     accepted_drafts: int = 0
     accepted_at_depth: List[int] = field(default_factory=list)  # [S-1] requests accepting >= k
@@ -90,8 +91,8 @@ class SpeculativeStats:
         busy = self.draft_s + self.verify_s + self.commit_s
         share = (lambda s: 100.0 * s / busy) if busy > 0 else (lambda s: float("nan"))
         accept = " ".join(f"{a:.2f}" for a in self.acceptance_by_position)
-        return (f"{self.new_tokens} tokens, {self.tokens_per_s:.1f} tok/s; {self.verify_steps} verify "
-                f"steps, mean accepted length {self.mean_accepted_length:.2f}; acceptance by position "
+        return (f"{self.new_tokens} tokens, {self.tokens_per_s:.1f} tok/s; {self.verify_steps} steps "
+                f"({self.decode_steps} plain decode), mean accepted length {self.mean_accepted_length:.2f}; acceptance by position "
                 f"[{accept}]; time: draft {share(self.draft_s):.0f}% verify {share(self.verify_s):.0f}% "
                 f"commit {share(self.commit_s):.0f}%; graphs {self.graphs}, recompiles {self.recompiles}")
 
@@ -103,16 +104,45 @@ def _dynamo_counts():
 
 
 class SpeculativeGenerator:
-    """Greedy speculative decoding of an `Engine` with any `Proposer`."""
+    """Greedy speculative decoding of an `Engine` with any `Proposer`.
 
-    def __init__(self, engine, proposer: Proposer):
+    tree_sizes: the verify sizes N this generator may use (each compiles its own verify graph;
+    1 means a plain decode step). Each step uses the smallest size that holds the largest real
+    draft of the batch, so a step where no request has a draft costs a decode step, not a
+    verify over padding. Truncating a draft keeps a valid tree because proposers number nodes
+    parents-first with padding last (DraftTree.num_drafts says how many are real).
+    """
+
+    def __init__(self, engine, proposer: Proposer, tree_sizes: Optional[Sequence[int]] = None):
         self.engine = engine
         self.proposer = proposer
+        n = proposer.num_draft_tokens
+        sizes = sorted(set(tree_sizes if tree_sizes is not None else (1, n)) | {n})
+        if sizes[0] < 1 or sizes[-1] > n:
+            raise ValueError(f"tree_sizes must lie in [1, num_draft_tokens={n}], got {sizes}")
+        self.tree_sizes = sizes
+
+    def _size_for(self, draft: DraftTree, done: List[bool]) -> int:
+        if draft.num_drafts is None:
+            return self.proposer.num_draft_tokens
+        live = [int(k) for k, d in zip(draft.num_drafts.tolist(), done) if not d]
+        need = 1 + max(live, default=0)
+        return next(s for s in self.tree_sizes if s >= need)
+
+    @staticmethod
+    def _truncate(draft: DraftTree, size: int, seq_lens: Tensor) -> DraftTree:
+        """The first `size` nodes of every tree (a valid tree: parents come first)."""
+        bs, n = draft.tokens.shape
+        if size == n:
+            return draft
+        mask = draft.tree_mask.view(bs, n, n)[:, :size, :size].reshape(-1)  # [B*size*size]
+        positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, size)
+        drafts = draft.num_drafts.clamp(max=size - 1) if draft.num_drafts is not None else None
+        return DraftTree(draft.tokens[:, :size].contiguous(), mask, positions, ridx, nxt, sib, drafts)
 
     def _pad(self, draft: DraftTree, bucket: int, seq_lens: Tensor):
         """Bucket-sized verify inputs: padding rows get a root-only tree at position 0."""
-        n = self.proposer.num_draft_tokens
-        real = draft.tokens.shape[0]
+        real, n = draft.tokens.shape
         pad = bucket - real
         tokens = torch.cat([draft.tokens, torch.zeros(pad, n, dtype=torch.int64)])  # [B, N]
         star = torch.eye(n, dtype=torch.bool)
@@ -168,15 +198,23 @@ class SpeculativeGenerator:
                         req_rows[b] = engine.pool.padding_row
                 t = time.perf_counter()
                 draft = proposer.propose(ids, seq_lens[:bs])
+                size = self._size_for(draft, done)
+                draft = self._truncate(draft, size, seq_lens[:bs])
                 tokens, mask, positions, linkage = self._pad(draft, bucket, seq_lens)
                 t1 = time.perf_counter()
-                logits = engine.verify(tokens, positions, req_rows, seq_lens, mask)  # [B, N, V]
-                target = logits[:bs].argmax(-1)  # [bs, N]
+                if size == 1:  # nothing to verify: a plain decode step of the roots
+                    predicts, _ = engine.decode(tokens[:, 0].contiguous(), req_rows, seq_lens)
+                    predicts = predicts[:bs]  # [bs]
+                    accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [bs, 1]
+                    stats.decode_steps += 1
+                else:
+                    logits = engine.verify(tokens, positions, req_rows, seq_lens, mask)  # [B, N, V]
+                    target = logits[:bs].argmax(-1)  # [bs, N]
+                    predicts, accept_index, _ = ops.verify_tree_greedy(
+                        tokens[:bs], *linkage, target, min(steps, size))
                 t2 = time.perf_counter()
-                predicts, accept_index, accept_num = ops.verify_tree_greedy(
-                    tokens[:bs], *linkage, target, steps)
                 emitted = self._commit(req_rows, seq_lens, accept_index, predicts, done, out,
-                                       max_new_tokens, eos_token_id, stats)
+                                       max_new_tokens, eos_token_id, stats, size)
                 proposer.commit(ids, emitted)
                 t3 = time.perf_counter()
                 stats.draft_s += t1 - t
@@ -195,11 +233,10 @@ class SpeculativeGenerator:
         return out
 
     def _commit(self, req_rows, seq_lens, accept_index, predicts, done, out, max_new_tokens,
-                eos_token_id, stats) -> List[List[int]]:
+                eos_token_id, stats, n) -> List[List[int]]:
         """Emit each live request's accepted tokens + bonus, compact its accepted KV slots to
         the front of its tree positions, and advance seq_len past the root and the accepted
-        drafts (their KV is cached now; the bonus becomes the next root)."""
-        n = self.proposer.num_draft_tokens
+        drafts (their KV is cached now; the bonus becomes the next root). n: tree size."""
         bs = len(out)
         tree_start = seq_lens[:bs].clone()  # [bs] row position of each root
         perm = torch.arange(bs * n).view(bs, n)  # [bs, N] flat rows, identity for idle requests

@@ -40,12 +40,13 @@ def repetitive_prompts(count, seed=1):
     return prompts
 
 
-def _check(model, prompts, max_new, *, compiled, n=6, eos=None, breadth=(2, 1)):
+def _check(model, prompts, max_new, *, compiled, n=6, eos=None, breadth=(2, 1), tree_sizes=None):
     engine = Engine(model, max_batch=max(1, len(prompts)), max_len=128, compile=compiled,
                     prefill_chunk=16)
     plain = engine.generate(prompts, max_new, eos_token_id=eos)
     stats = SpeculativeStats()
-    spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=n, breadth=breadth))
+    spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=n, breadth=breadth),
+                                tree_sizes=tree_sizes)
     got = spec.generate(prompts, max_new, eos_token_id=eos, stats=stats)
     assert got == plain
     engine.pool.check_consistent()
@@ -93,5 +94,14 @@ def test_eos_inside_an_accepted_run_stops_the_request():
 def test_chain_and_empty_matches():
     model = tiny_model("mistral", seed=6)
     _check(model, repetitive_prompts(2), 20, compiled=False, breadth=(1,))
-    # A prompt without repeats: no n-gram matches at first, trees are all padding.
-    _check(model, [list(range(10, 40))], 12, compiled=False)
+    # A prompt without repeats: no n-gram match at first, so those steps are plain decodes.
+    _, stats = _check(model, [list(range(10, 40))], 12, compiled=False)
+    assert stats.decode_steps > 0, stats.summary()
+
+
+def test_tree_sizes_pick_the_smallest_verify_that_holds_the_drafts():
+    _, stats = _check(tiny_model("qwen2", seed=8), repetitive_prompts(3), 30, compiled=False,
+                      n=8, tree_sizes=(1, 3, 5))
+    assert stats.verify_steps > stats.decode_steps  # some real verify steps ran too
+    with pytest.raises(ValueError, match="tree_sizes"):
+        SpeculativeGenerator(None, NgramProposer(num_draft_tokens=4), tree_sizes=(0, 4))
