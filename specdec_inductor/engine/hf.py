@@ -62,6 +62,10 @@ def _specdec_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     k_pool, v_pool = batch.pool.k[layer], batch.pool.v[layer]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = kwargs.get("sliding_window") or -1
+    if window >= batch.pool.max_len:
+        # No row holds more than max_len positions, so such a window never excludes a key;
+        # dropping it lets tree verify (which has no row-position window) run on e.g. Mistral.
+        window = -1
     softcap = kwargs.get("softcap") or 0.0
     q = query.transpose(1, 2)  # [B, T, H, D]
     ab.store_kv(batch.backend, k_pool, v_pool, key.transpose(1, 2), value.transpose(1, 2),

@@ -3,7 +3,6 @@ matches the longest suffix of the context and expands the continuations seen aft
 breadth-first into a tree of N nodes (root = last committed token), padded to N so verify
 shapes stay static; reconstruct_tree_from_mask turns its ancestor mask into positions and
 linkage for verification."""
-from dataclasses import dataclass
 from typing import Iterable, List, Sequence
 
 import torch
@@ -11,17 +10,7 @@ from torch import Tensor
 
 from specdec_inductor import ops
 from specdec_inductor._library import _C
-
-
-@dataclass
-class NgramDraft:
-    tokens: Tensor  # [B, N] int64, node 0 = root (last committed token)
-    tree_mask: Tensor  # [B*N*N] bool, QLEN_ONLY ancestor mask
-    positions: Tensor  # [B*N] int64
-    retrieve_index: Tensor  # [B, N]
-    retrieve_next_token: Tensor  # [B, N]
-    retrieve_next_sibling: Tensor  # [B, N]
-    num_drafts: Tensor  # [B] int32, real (unpadded) drafts per request
+from specdec_inductor.speculative import DraftTree
 
 
 class NgramProposer:
@@ -42,6 +31,7 @@ class NgramProposer:
         self.num_draft_tokens = num_draft_tokens
         self.breadth = list(breadth)
         depth = max_depth if max_depth is not None else max(1, num_draft_tokens - 1)
+        self.num_spec_steps = depth + 1
         self._index = _C.NgramIndex(min_window, max_window, depth, max_nodes_per_request)
 
     def add_request(self, request_id: int, prompt: Iterable[int]) -> None:
@@ -55,15 +45,29 @@ class NgramProposer:
         """Committed tokens (accepted drafts + bonus) of one request, in order."""
         self._index.append(request_id, [int(t) for t in tokens])
 
+    # -- the Proposer protocol (specdec_inductor/speculative.py) ------------------------------
+    def start(self, request_ids: List[int], contexts: List[List[int]]) -> None:
+        for rid, ctx in zip(request_ids, contexts):
+            self.add_request(rid, ctx)
+
+    def commit(self, request_ids: List[int], emitted: List[List[int]]) -> None:
+        for rid, tokens in zip(request_ids, emitted):
+            if tokens:
+                self.append(rid, tokens)
+
+    def finish(self, request_ids: List[int]) -> None:
+        for rid in request_ids:
+            self.remove_request(rid)
+
     def num_requests(self) -> int:
         return self._index.num_requests()
 
     def num_trie_nodes(self, request_id: int) -> int:
         return self._index.num_nodes(request_id)
 
-    def propose(self, request_ids: List[int], seq_lens: Tensor) -> NgramDraft:
+    def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
         """Draft trees for `request_ids`; seq_lens [B] are their committed lengths (the root's
         position), as the verify step uses them."""
         tokens, mask, num_drafts = self._index.propose(list(request_ids), self.num_draft_tokens, self.breadth)
         positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, self.num_draft_tokens)
-        return NgramDraft(tokens, mask, positions, ridx, nxt, sib, num_drafts)
+        return DraftTree(tokens, mask, positions, ridx, nxt, sib, num_drafts)

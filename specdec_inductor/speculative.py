@@ -1,0 +1,279 @@
+"""The one speculative loop every method shares: propose -> verify -> accept -> commit.
+
+Only the proposer differs between methods (proposers/, one file per method, behind the
+`Proposer` protocol); this file never branches on the method. Greedy acceptance emits exactly
+the tokens plain greedy decoding of the same engine emits: at each tree level the draft child
+whose token equals the target's argmax is accepted, and the target's argmax after the last
+accepted node is the bonus token, so every emitted token is the target's own greedy choice.
+
+KV commit: verify writes node i's KV at row position seq_len + i. After acceptance the row's
+slots for positions [seq_len, seq_len + N) are permuted so that the accepted path's slots come
+first, in path order; the rejected nodes' slots follow and are overwritten by the next verify.
+Only req_to_token entries move (gather_extend_cache_locs + assign_req_to_token), never K/V rows.
+
+Numeric policy: verify runs N tokens through GEMMs while plain decode runs one through a GEMV,
+so near-tied logits can flip the argmax. The baseline in tests is this engine's own greedy
+decoding in fp32; a mismatch is reported with the logit margin, never hidden by a looser test.
+"""
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from specdec_inductor import ops
+
+
+@dataclass
+class DraftTree:
+    """A proposer's draft for the real requests of a batch (padding rows are added here)."""
+    tokens: Tensor  # [B, N] int64, node 0 = the root (the last emitted, not yet cached token)
+    tree_mask: Tensor  # [B*N*N] bool QLEN_ONLY ancestor mask
+    positions: Tensor  # [B*N] int64, seq_len + depth
+    retrieve_index: Tensor  # [B, N]
+    retrieve_next_token: Tensor  # [B, N]
+    retrieve_next_sibling: Tensor  # [B, N]
+    num_drafts: Optional[Tensor] = None  # [B] real (unpadded) drafts, for metrics
+
+
+class Proposer(Protocol):
+    """What a speculative method provides. Request ids are the engine's request rows."""
+
+    num_draft_tokens: int  # N, nodes per tree including the root
+    num_spec_steps: int  # S, longest root-to-leaf path + 1
+
+    def start(self, request_ids: List[int], contexts: List[List[int]]) -> None:
+        """New requests: their prompt followed by their first emitted token."""
+
+    def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
+        """Draft trees rooted at each request's last emitted token; seq_lens [B] = cached tokens."""
+
+    def commit(self, request_ids: List[int], emitted: List[List[int]]) -> None:
+        """Tokens each request emitted in the last step (accepted drafts + bonus)."""
+
+    def finish(self, request_ids: List[int]) -> None:
+        """Requests that left the batch."""
+
+
+@dataclass
+class SpeculativeStats:
+    """The metrics of algorithms.md: tokens/s, mean accepted length, per-position acceptance,
+    verify steps, draft / verify time shares, compiled graphs and recompiles."""
+    new_tokens: int = 0
+    verify_steps: int = 0  # speculative steps, decode fallbacks included
+    decode_steps: int = 0  # steps that fell back to plain decode (no request had a draft)
+    request_steps: int = 0  # verify steps summed over requests
+    accepted_drafts: int = 0
+    accepted_at_depth: List[int] = field(default_factory=list)  # [S-1] requests accepting >= k
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    commit_s: float = 0.0
+    decode_s: float = 0.0
+    graphs: int = 0
+    recompiles: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per request per verify step (accepted drafts + the bonus)."""
+        return 1.0 + self.accepted_drafts / self.request_steps if self.request_steps else float("nan")
+
+    @property
+    def acceptance_by_position(self) -> List[float]:
+        return [n / self.request_steps for n in self.accepted_at_depth] if self.request_steps else []
+
+    def summary(self) -> str:
+        busy = self.draft_s + self.verify_s + self.commit_s
+        share = (lambda s: 100.0 * s / busy) if busy > 0 else (lambda s: float("nan"))
+        accept = " ".join(f"{a:.2f}" for a in self.acceptance_by_position)
+        return (f"{self.new_tokens} tokens, {self.tokens_per_s:.1f} tok/s; {self.verify_steps} steps "
+                f"({self.decode_steps} plain decode), mean accepted length {self.mean_accepted_length:.2f}; acceptance by position "
+                f"[{accept}]; time: draft {share(self.draft_s):.0f}% verify {share(self.verify_s):.0f}% "
+                f"commit {share(self.commit_s):.0f}%; graphs {self.graphs}, recompiles {self.recompiles}")
+
+
+def _dynamo_counts():
+    """(graphs compiled, recompiles) so far in this process, from Dynamo's counters."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+
+
+class SpeculativeGenerator:
+    """Greedy speculative decoding of an `Engine` with any `Proposer`.
+
+    tree_sizes: the verify sizes N this generator may use (each compiles its own verify graph;
+    1 means a plain decode step). Each step uses the smallest size that holds the largest real
+    draft of the batch, so a step where no request has a draft costs a decode step, not a
+    verify over padding. Truncating a draft keeps a valid tree because proposers number nodes
+    parents-first with padding last (DraftTree.num_drafts says how many are real).
+    """
+
+    def __init__(self, engine, proposer: Proposer, tree_sizes: Optional[Sequence[int]] = None):
+        self.engine = engine
+        self.proposer = proposer
+        n = proposer.num_draft_tokens
+        sizes = sorted(set(tree_sizes if tree_sizes is not None else (1, n)) | {n})
+        if sizes[0] < 1 or sizes[-1] > n:
+            raise ValueError(f"tree_sizes must lie in [1, num_draft_tokens={n}], got {sizes}")
+        self.tree_sizes = sizes
+
+    def _size_for(self, draft: DraftTree, done: List[bool]) -> int:
+        if draft.num_drafts is None:
+            return self.proposer.num_draft_tokens
+        live = [int(k) for k, d in zip(draft.num_drafts.tolist(), done) if not d]
+        need = 1 + max(live, default=0)
+        return next(s for s in self.tree_sizes if s >= need)
+
+    @staticmethod
+    def _truncate(draft: DraftTree, size: int, seq_lens: Tensor) -> DraftTree:
+        """The first `size` nodes of every tree (a valid tree: parents come first)."""
+        bs, n = draft.tokens.shape
+        if size == n:
+            return draft
+        mask = draft.tree_mask.view(bs, n, n)[:, :size, :size].reshape(-1)  # [B*size*size]
+        positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, size)
+        drafts = draft.num_drafts.clamp(max=size - 1) if draft.num_drafts is not None else None
+        return DraftTree(draft.tokens[:, :size].contiguous(), mask, positions, ridx, nxt, sib, drafts)
+
+    def _pad(self, draft: DraftTree, bucket: int, seq_lens: Tensor):
+        """Bucket-sized verify inputs: padding rows get a root-only tree at position 0."""
+        real, n = draft.tokens.shape
+        pad = bucket - real
+        tokens = torch.cat([draft.tokens, torch.zeros(pad, n, dtype=torch.int64)])  # [B, N]
+        star = torch.eye(n, dtype=torch.bool)
+        star[:, 0] = True  # every padding node is a child of the root
+        mask = torch.cat([draft.tree_mask, star.flatten().repeat(pad)])  # [B*N*N]
+        depth = torch.ones(n, dtype=torch.int64)
+        depth[0] = 0
+        positions = torch.cat([draft.positions.view(real, n),
+                               seq_lens[real:].view(pad, 1) + depth.view(1, n)])  # [B, N]
+        linkage = []
+        for t in (draft.retrieve_index, draft.retrieve_next_token, draft.retrieve_next_sibling):
+            linkage.append(t.to(torch.int64))
+        return tokens, mask, positions, linkage
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 eos_token_id: Optional[int] = None,
+                 stats: Optional[SpeculativeStats] = None) -> List[List[int]]:
+        """New tokens per prompt (greedy); a request stops after eos or max_new_tokens."""
+        stats = stats if stats is not None else SpeculativeStats()
+        out: List[List[int]] = [[] for _ in prompts]
+        if max_new_tokens <= 0:
+            return out
+        engine, proposer = self.engine, self.proposer
+        n, steps = proposer.num_draft_tokens, proposer.num_spec_steps
+        if len(stats.accepted_at_depth) < steps - 1:
+            stats.accepted_at_depth += [0] * (steps - 1 - len(stats.accepted_at_depth))
+        bs = len(prompts)
+        bucket = engine.bucket_for(bs)
+        graphs0, recompiles0 = _dynamo_counts()
+        # The tree needs N positions past the last committed token: reserve them up front.
+        requests = engine.pool.admit([len(p) for p in prompts], max_new_tokens + n)
+        ids = [r.row for r in requests]
+        started = False
+        try:
+            rows = ids + [engine.pool.padding_row] * (bucket - bs)
+            req_rows = torch.tensor(rows, dtype=torch.int64)  # [B]
+            t0 = time.perf_counter()
+            first = engine.prefill(prompts, req_rows).argmax(-1)  # [B]
+            stats.prefill_s += time.perf_counter() - t0
+            seq_lens = torch.tensor([len(p) for p in prompts] + [1] * (bucket - bs))  # [B] cached
+            done = [False] * bs
+            for b in range(bs):
+                out[b].append(int(first[b]))
+                done[b] = max_new_tokens == 1 or out[b][-1] == eos_token_id
+            stats.new_tokens += bs
+            proposer.start(ids, [list(p) + [out[b][0]] for b, p in enumerate(prompts)])
+            started = True
+            t_loop = time.perf_counter()
+            while not all(done):
+                for b in range(bs):  # finished requests leave the batch: nothing is written
+                    if done[b]:
+                        req_rows[b] = engine.pool.padding_row
+                t = time.perf_counter()
+                draft = proposer.propose(ids, seq_lens[:bs])
+                size = self._size_for(draft, done)
+                draft = self._truncate(draft, size, seq_lens[:bs])
+                tokens, mask, positions, linkage = self._pad(draft, bucket, seq_lens)
+                t1 = time.perf_counter()
+                if size == 1:  # nothing to verify: a plain decode step of the roots
+                    predicts, _ = engine.decode(tokens[:, 0].contiguous(), req_rows, seq_lens)
+                    predicts = predicts[:bs]  # [bs]
+                    accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [bs, 1]
+                    stats.decode_steps += 1
+                else:
+                    logits = engine.verify(tokens, positions, req_rows, seq_lens, mask)  # [B, N, V]
+                    target = logits[:bs].argmax(-1)  # [bs, N]
+                    predicts, accept_index, _ = ops.verify_tree_greedy(
+                        tokens[:bs], *linkage, target, min(steps, size))
+                t2 = time.perf_counter()
+                emitted = self._commit(req_rows, seq_lens, accept_index, predicts, done, out,
+                                       max_new_tokens, eos_token_id, stats, size)
+                proposer.commit(ids, emitted)
+                t3 = time.perf_counter()
+                stats.draft_s += t1 - t
+                stats.verify_s += t2 - t1
+                stats.commit_s += t3 - t2
+                stats.verify_steps += 1
+            stats.decode_s += time.perf_counter() - t_loop
+        finally:
+            if started:
+                proposer.finish(ids)
+            for r in requests:
+                engine.pool.release(r)
+        graphs1, recompiles1 = _dynamo_counts()
+        stats.graphs += graphs1 - graphs0
+        stats.recompiles += recompiles1 - recompiles0
+        return out
+
+    def _commit(self, req_rows, seq_lens, accept_index, predicts, done, out, max_new_tokens,
+                eos_token_id, stats, n) -> List[List[int]]:
+        """Emit each live request's accepted tokens + bonus, compact its accepted KV slots to
+        the front of its tree positions, and advance seq_len past the root and the accepted
+        drafts (their KV is cached now; the bonus becomes the next root). n: tree size."""
+        bs = len(out)
+        tree_start = seq_lens[:bs].clone()  # [bs] row position of each root
+        perm = torch.arange(bs * n).view(bs, n)  # [bs, N] flat rows, identity for idle requests
+        emitted: List[List[int]] = [[] for _ in range(bs)]
+        paths = accept_index.tolist()
+        flat_predicts = predicts.tolist()
+        for b in range(bs):
+            if done[b]:
+                continue
+            path = [i for i in paths[b] if i >= 0]  # flat rows, root first
+            tokens = [flat_predicts[i] for i in path]  # accepted drafts, then the bonus
+            accepted = len(path) - 1
+            stats.request_steps += 1
+            stats.accepted_drafts += accepted
+            for k in range(accepted):
+                stats.accepted_at_depth[k] += 1
+            local = [i - b * n for i in path]
+            rest = [i for i in range(n) if i not in set(local)]
+            perm[b] = torch.tensor(local + rest) + b * n
+            for tok in tokens:
+                out[b].append(tok)
+                emitted[b].append(tok)
+                stats.new_tokens += 1
+                if tok == eos_token_id or len(out[b]) >= max_new_tokens:
+                    done[b] = True
+                    break
+            seq_lens[b] += accepted + 1
+        live = torch.tensor([not d for d in done] + [False] * (req_rows.shape[0] - bs))
+        # Permute the slots of positions [seq_len, seq_len + N) (before the advance) of every
+        # request that took a step; requests that just finished need no compaction.
+        stepped = [b for b in range(bs) if emitted[b] and bool(live[b])]
+        if stepped:
+            idx = torch.tensor(stepped)
+            rows = req_rows[idx]
+            start = tree_start[idx]
+            table = self.engine.pool.req_to_token
+            locs = ops.gather_extend_cache_locs(table, rows, start, start + n, len(stepped) * n)
+            local_perm = perm[idx] - (idx * n).view(-1, 1) + (torch.arange(len(stepped)) * n).view(-1, 1)
+            ops.assign_req_to_token(table, rows, start, start + n, locs[local_perm.flatten()])
+        return emitted

@@ -1,0 +1,107 @@
+"""The shared speculative loop with the NGRAM proposer: greedy speculative output equals the
+same engine's plain greedy output token for token (tiny random models of each family, batch 1
+and ragged batches, eager and compiled), edge cases of length and EOS, and a fully free pool
+afterwards."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from specdec_inductor.engine.engine import Engine  # noqa: E402
+from specdec_inductor.proposers.ngram import NgramProposer  # noqa: E402
+from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats  # noqa: E402
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+FAMILIES = {
+    "llama": transformers.LlamaConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+    "mistral": transformers.MistralConfig,
+}
+
+
+def tiny_model(family="llama", seed=0):
+    torch.manual_seed(seed)
+    extra = dict(head_dim=8) if family == "qwen3" else {}
+    config = FAMILIES[family](**TINY, **extra)
+    config._attn_implementation = "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def repetitive_prompts(count, seed=1):
+    """Prompts with repeated phrases, so n-gram drafts are often right (and sometimes wrong)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(count):
+        phrase = torch.randint(0, 96, (4 + i,), generator=gen).tolist()
+        noise = torch.randint(0, 96, (3 * i + 1,), generator=gen).tolist()
+        prompts.append(phrase + noise + phrase + phrase[:2])
+    return prompts
+
+
+def _check(model, prompts, max_new, *, compiled, n=6, eos=None, breadth=(2, 1), tree_sizes=None):
+    engine = Engine(model, max_batch=max(1, len(prompts)), max_len=128, compile=compiled,
+                    prefill_chunk=16)
+    plain = engine.generate(prompts, max_new, eos_token_id=eos)
+    stats = SpeculativeStats()
+    spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=n, breadth=breadth),
+                                tree_sizes=tree_sizes)
+    got = spec.generate(prompts, max_new, eos_token_id=eos, stats=stats)
+    assert got == plain
+    engine.pool.check_consistent()
+    assert engine.pool.num_free_slots == engine.pool.num_slots
+    return got, stats
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_ngram_greedy_equals_plain_greedy_eager(family):
+    _, stats = _check(tiny_model(family), repetitive_prompts(1), 40, compiled=False)
+    assert stats.verify_steps < 40  # speculation really skipped steps
+    # A random model repeats itself, so the n-gram drafts get accepted at depth > 1.
+    assert stats.mean_accepted_length > 1.2, stats.summary()
+
+
+def test_ngram_ragged_batch_ragged_acceptance_eager():
+    _, stats = _check(tiny_model("llama", seed=5), repetitive_prompts(5), 30, compiled=False)
+    assert stats.request_steps > stats.verify_steps  # several requests per step
+    assert 0 < stats.acceptance_by_position[0] < 1  # ragged: some accept, some reject
+
+
+def test_ngram_compiled_batch_no_recompiles_between_steps():
+    model = tiny_model("llama", seed=7)
+    _, stats = _check(model, repetitive_prompts(3), 24, compiled=True)
+    # One prefill graph, one verify graph for this bucket (and the plain decode graph).
+    assert stats.recompiles == 0, stats.summary()
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3])
+def test_short_generations(max_new):
+    _check(tiny_model("llama", seed=2), repetitive_prompts(2), max_new, compiled=False)
+
+
+def test_eos_inside_an_accepted_run_stops_the_request():
+    model = tiny_model("llama", seed=4)
+    prompts = repetitive_prompts(2)
+    engine = Engine(model, max_batch=2, max_len=128, compile=False, prefill_chunk=16)
+    plain = engine.generate(prompts, 30)
+    eos = plain[0][6]  # a token that request 0 emits mid-generation
+    got, stats = _check(model, prompts, 30, compiled=False, eos=eos)
+    assert got[0][-1] == eos and got[0].index(eos) == len(got[0]) - 1 and len(got[0]) < 30
+    assert stats.new_tokens == sum(len(o) for o in got)
+
+
+def test_chain_and_empty_matches():
+    model = tiny_model("mistral", seed=6)
+    _check(model, repetitive_prompts(2), 20, compiled=False, breadth=(1,))
+    # A prompt without repeats: no n-gram match at first, so those steps are plain decodes.
+    _, stats = _check(model, [list(range(10, 40))], 12, compiled=False)
+    assert stats.decode_steps > 0, stats.summary()
+
+
+def test_tree_sizes_pick_the_smallest_verify_that_holds_the_drafts():
+    _, stats = _check(tiny_model("qwen2", seed=8), repetitive_prompts(3), 30, compiled=False,
+                      n=8, tree_sizes=(1, 3, 5))
+    assert stats.verify_steps > stats.decode_steps  # some real verify steps ran too
+    with pytest.raises(ValueError, match="tree_sizes"):
+        SpeculativeGenerator(None, NgramProposer(num_draft_tokens=4), tree_sizes=(0, 4))
