@@ -62,10 +62,12 @@ def cmd_generate(args) -> int:
         _log("[specdec] compiling prefill and decode graphs (first run only)...")
         engine.generate([prompt_ids], max_new_tokens=2)
         _log(f"[specdec] warm-up/compile {time.perf_counter() - t0:.1f} s")
+    eos = tokenizer.eos_token_id
+    if args.method != "none":
+        return _generate_speculative(args, engine, tokenizer, prompt_ids, eos)
     stats = GenerationStats()
     generated: List[int] = []
     printed = ""
-    eos = tokenizer.eos_token_id
     for step in engine.generate_stream([prompt_ids], args.max_new_tokens, eos, stats):
         tok = int(step[0])
         generated.append(tok)
@@ -78,6 +80,29 @@ def cmd_generate(args) -> int:
     _log(f"[specdec] {len(generated)} tokens; prefill {stats.prefill_s * 1e3:.0f} ms "
          f"({len(prompt_ids)} prompt tokens); decode {stats.decode_tokens_per_s:.1f} tokens/s "
          f"over {stats.decode_steps} steps")
+    return 0
+
+
+def make_proposer(args):
+    """The proposer of --method (one file per method in specdec_inductor/proposers/)."""
+    if args.method == "ngram":
+        from specdec_inductor.proposers.ngram import NgramProposer
+        return NgramProposer(num_draft_tokens=args.num_draft_tokens, breadth=(1,))
+    raise ValueError(f"--method {args.method!r} is not available yet")
+
+
+def _generate_speculative(args, engine, tokenizer, prompt_ids, eos) -> int:
+    from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+    spec = SpeculativeGenerator(engine, make_proposer(args))
+    if engine.compiled:
+        t0 = time.perf_counter()
+        _log("[specdec] compiling the verify graph (first run only)...")
+        spec.generate([prompt_ids], max_new_tokens=args.num_draft_tokens + 2)
+        _log(f"[specdec] warm-up/compile {time.perf_counter() - t0:.1f} s")
+    stats = SpeculativeStats()
+    tokens = spec.generate([prompt_ids], args.max_new_tokens, eos, stats)[0]
+    print(tokenizer.decode(tokens, skip_special_tokens=True))
+    _log(f"[specdec] {args.method}: {stats.summary()}")
     return 0
 
 
@@ -185,6 +210,9 @@ def make_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream greedy text for one prompt")
     common(g)
     g.add_argument("--prompt", default=DEFAULT_PROMPT)
+    g.add_argument("--method", choices=["none", "ngram"], default="none",
+                   help="speculative method (none: plain greedy decoding)")
+    g.add_argument("--num-draft-tokens", type=int, default=8, help="N, tree nodes incl. the root")
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="tokens/s vs HF generate on a prompt set")
     common(b)

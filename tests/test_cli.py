@@ -30,3 +30,14 @@ def test_bench_json(capsys):
     assert row["new_tokens"] == 4 and row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0
     assert row["tokens_equal_hf"] is True
     assert result["attention_backend"] == "ops" and result["compiled"] is False
+
+
+def test_generate_ngram_matches_plain_greedy(capsys):
+    prompt = "Repeat exactly: red green blue, red green blue, red green blue."
+    assert cli.main(["generate", "--prompt", prompt, "--max-new-tokens", "16", "--eager"]) == 0
+    plain = capsys.readouterr().out
+    assert cli.main(["generate", "--prompt", prompt, "--max-new-tokens", "16", "--eager",
+                     "--method", "ngram", "--num-draft-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == plain.strip()
+    assert "mean accepted length" in err
