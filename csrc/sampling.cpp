@@ -109,6 +109,23 @@ void check_uniforms(const at::Tensor& u, const char* name) {
   }
 }
 
+// uniform_samples [bs, cols] and uniform_final [bs], float32 in [0, 1); returned contiguous.
+std::pair<at::Tensor, at::Tensor> checked_uniforms(const at::Tensor& uniform_samples,
+                                                   const at::Tensor& uniform_final, int64_t bs,
+                                                   int64_t cols) {
+  check_dtype(uniform_samples, at::kFloat, "uniform_samples");
+  check_dim(uniform_samples, 2, "uniform_samples");
+  check_size(uniform_samples, 0, bs, "uniform_samples");
+  check_size(uniform_samples, 1, cols, "uniform_samples");
+  check_dtype(uniform_final, at::kFloat, "uniform_final");
+  check_dim(uniform_final, 1, "uniform_final");
+  check_size(uniform_final, 0, bs, "uniform_final");
+  at::Tensor us = uniform_samples.contiguous(), uf = uniform_final.contiguous();
+  check_uniforms(us, "uniform_samples");
+  check_uniforms(uf, "uniform_final");
+  return {us, uf};
+}
+
 // ------------------------------------------------------------------ ops
 
 at::Tensor top_k_top_p_renorm(const at::Tensor& probs, const at::Tensor& top_k,
@@ -161,20 +178,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
     check_size(*t, 1, N, name);
   }
   TORCH_CHECK_VALUE(S >= 1, "argument 'num_spec_steps' must be >= 1, got ", S);
-  check_dtype(uniform_samples, at::kFloat, "uniform_samples");
-  check_dim(uniform_samples, 2, "uniform_samples");
-  check_size(uniform_samples, 0, bs, "uniform_samples");
-  check_size(uniform_samples, 1, N, "uniform_samples");
-  check_dtype(uniform_final, at::kFloat, "uniform_final");
-  check_dim(uniform_final, 1, "uniform_final");
-  check_size(uniform_final, 0, bs, "uniform_final");
+  const auto [us, uf] = checked_uniforms(uniform_samples, uniform_final, bs, N);
   check_probs(target_probs, 3, "target_probs");
   check_size(target_probs, 0, bs, "target_probs");
   check_size(target_probs, 1, N, "target_probs");
   const int64_t V = target_probs.size(2);
-  const at::Tensor us = uniform_samples.contiguous(), uf = uniform_final.contiguous();
-  check_uniforms(us, "uniform_samples");
-  check_uniforms(uf, "uniform_final");
   const IndexView cand(candidates), ridx(retrieve_index), next_tok(retrieve_next_token),
       next_sib(retrieve_next_sibling);
   for (int64_t b = 0; b < bs; ++b) {
@@ -272,16 +280,7 @@ std::tuple<at::Tensor, at::Tensor> chain_speculative_sampling(
   check_size(target_probs, 0, bs, "target_probs");
   check_size(target_probs, 1, K + 1, "target_probs");
   check_size(target_probs, 2, V, "target_probs");
-  check_dtype(uniform_samples, at::kFloat, "uniform_samples");
-  check_dim(uniform_samples, 2, "uniform_samples");
-  check_size(uniform_samples, 0, bs, "uniform_samples");
-  check_size(uniform_samples, 1, K, "uniform_samples");
-  check_dtype(uniform_final, at::kFloat, "uniform_final");
-  check_dim(uniform_final, 1, "uniform_final");
-  check_size(uniform_final, 0, bs, "uniform_final");
-  const at::Tensor us = uniform_samples.contiguous(), uf = uniform_final.contiguous();
-  check_uniforms(us, "uniform_samples");
-  check_uniforms(uf, "uniform_final");
+  const auto [us, uf] = checked_uniforms(uniform_samples, uniform_final, bs, K);
   const IndexView toks(draft_tokens);
   for (int64_t b = 0; b < bs; ++b) {
     for (int64_t i = 0; i < K; ++i) {
