@@ -113,9 +113,14 @@ class SpeculativeGenerator:
     parents-first with padding last (DraftTree.num_drafts says how many are real).
     """
 
-    def __init__(self, engine, proposer: Proposer, tree_sizes: Optional[Sequence[int]] = None):
+    def __init__(self, engine, proposer: Proposer, tree_sizes: Optional[Sequence[int]] = None,
+                 min_accepted: float = 0.3, backoff_steps: int = 4):
         self.engine = engine
         self.proposer = proposer
+        # Acceptance gate: when the running mean of accepted drafts per verify step falls
+        # below min_accepted, the next backoff_steps steps are plain decodes (a verify that
+        # accepts nothing costs more than a decode); then drafts are verified again.
+        self.min_accepted, self.backoff_steps = min_accepted, backoff_steps
         n = proposer.num_draft_tokens
         sizes = sorted(set(tree_sizes if tree_sizes is not None else (1, n)) | {n})
         if sizes[0] < 1 or sizes[-1] > n:
@@ -192,6 +197,7 @@ class SpeculativeGenerator:
             proposer.start(ids, [list(p) + [out[b][0]] for b, p in enumerate(prompts)])
             started = True
             t_loop = time.perf_counter()
+            accepted_mean, cooldown = None, 0
             while not all(done):
                 for b in range(bs):  # finished requests leave the batch: nothing is written
                     if done[b]:
@@ -199,6 +205,8 @@ class SpeculativeGenerator:
                 t = time.perf_counter()
                 draft = proposer.propose(ids, seq_lens[:bs])
                 size = self._size_for(draft, done)
+                if cooldown > 0:
+                    size, cooldown = 1, cooldown - 1
                 draft = self._truncate(draft, size, seq_lens[:bs])
                 tokens, mask, positions, linkage = self._pad(draft, bucket, seq_lens)
                 t1 = time.perf_counter()
@@ -210,8 +218,13 @@ class SpeculativeGenerator:
                 else:
                     logits = engine.verify(tokens, positions, req_rows, seq_lens, mask)  # [B, N, V]
                     target = logits[:bs].argmax(-1)  # [bs, N]
-                    predicts, accept_index, _ = ops.verify_tree_greedy(
+                    predicts, accept_index, accept_num = ops.verify_tree_greedy(
                         tokens[:bs], *linkage, target, min(steps, size))
+                    live = torch.tensor([not d for d in done])
+                    step_mean = float(accept_num[live].float().mean())
+                    accepted_mean = step_mean if accepted_mean is None else 0.5 * (accepted_mean + step_mean)
+                    if accepted_mean < self.min_accepted:
+                        cooldown = self.backoff_steps
                 t2 = time.perf_counter()
                 emitted = self._commit(req_rows, seq_lens, accept_index, predicts, done, out,
                                        max_new_tokens, eos_token_id, stats, size)

@@ -105,3 +105,43 @@ def test_tree_sizes_pick_the_smallest_verify_that_holds_the_drafts():
     assert stats.verify_steps > stats.decode_steps  # some real verify steps ran too
     with pytest.raises(ValueError, match="tree_sizes"):
         SpeculativeGenerator(None, NgramProposer(num_draft_tokens=4), tree_sizes=(0, 4))
+
+
+class _WrongChainProposer:
+    """Always drafts a full chain of tokens the target (almost) never picks."""
+
+    num_draft_tokens = 5
+    num_spec_steps = 5
+
+    def start(self, request_ids, contexts):
+        self.last = {r: c[-1] for r, c in zip(request_ids, contexts)}
+
+    def propose(self, request_ids, seq_lens):
+        from specdec_inductor import ops
+        from specdec_inductor.speculative import DraftTree
+        n, bs = self.num_draft_tokens, len(request_ids)
+        tokens = torch.tensor([[self.last[r]] + [95] * (n - 1) for r in request_ids])  # [B, N]
+        mask = torch.ones(n, n, dtype=torch.bool).tril().flatten().repeat(bs)  # chains
+        positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
+        return DraftTree(tokens, mask, positions, ridx, nxt, sib, torch.full((bs,), n - 1))
+
+    def commit(self, request_ids, emitted):
+        for r, e in zip(request_ids, emitted):
+            if e:
+                self.last[r] = e[-1]
+
+    def finish(self, request_ids):
+        pass
+
+
+def test_acceptance_gate_backs_off_to_decode_and_stays_exact():
+    model = tiny_model("llama", seed=9)
+    prompts = repetitive_prompts(2)
+    engine = Engine(model, max_batch=2, max_len=128, compile=False, prefill_chunk=16)
+    plain = engine.generate(prompts, 24)
+    gated, ungated = SpeculativeStats(), SpeculativeStats()
+    assert SpeculativeGenerator(engine, _WrongChainProposer()).generate(prompts, 24, stats=gated) == plain
+    assert SpeculativeGenerator(engine, _WrongChainProposer(), min_accepted=0.0).generate(
+        prompts, 24, stats=ungated) == plain
+    assert ungated.decode_steps == 0 and gated.decode_steps >= gated.verify_steps // 2, gated.summary()
+    assert engine.pool.num_free_slots == engine.pool.num_slots
