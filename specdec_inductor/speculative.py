@@ -118,8 +118,9 @@ class SpeculativeGenerator:
         self.engine = engine
         self.proposer = proposer
         # Acceptance gate: when the running mean of accepted drafts per verify step falls
-        # below min_accepted, the next backoff_steps steps are plain decodes (a verify that
-        # accepts nothing costs more than a decode); then drafts are verified again.
+        # below min_accepted, the next steps are plain decodes (a verify that accepts nothing
+        # costs more than a decode), backoff_steps at first and twice as many after each
+        # further failed probe (at most 64); a probe that accepts enough resets the backoff.
         self.min_accepted, self.backoff_steps = min_accepted, backoff_steps
         n = proposer.num_draft_tokens
         sizes = sorted(set(tree_sizes if tree_sizes is not None else (1, n)) | {n})
@@ -197,7 +198,7 @@ class SpeculativeGenerator:
             proposer.start(ids, [list(p) + [out[b][0]] for b, p in enumerate(prompts)])
             started = True
             t_loop = time.perf_counter()
-            accepted_mean, cooldown = None, 0
+            accepted_mean, cooldown, failures = None, 0, 0
             while not all(done):
                 for b in range(bs):  # finished requests leave the batch: nothing is written
                     if done[b]:
@@ -224,7 +225,10 @@ class SpeculativeGenerator:
                     step_mean = float(accept_num[live].float().mean())
                     accepted_mean = step_mean if accepted_mean is None else 0.5 * (accepted_mean + step_mean)
                     if accepted_mean < self.min_accepted:
-                        cooldown = self.backoff_steps
+                        cooldown = min(64, self.backoff_steps << failures)
+                        failures += 1
+                    else:
+                        failures = 0
                 t2 = time.perf_counter()
                 emitted = self._commit(req_rows, seq_lens, accept_index, predicts, done, out,
                                        max_new_tokens, eos_token_id, stats, size)
