@@ -17,6 +17,13 @@ INDUCTOR_CONFIG: Dict[str, object] = {
     "max_autotune": False,
 }
 
+# Our graph passes (lowerings/), each switched by the option "specdec.<name>" (bool):
+# - skinny_linear: mm/addmm of <= 16 rows -> specdec.skinny_linear (weight-streaming GEMV);
+#   SmolLM2-135M batch-1 decode, benchmarks/bench_e2e.py: see the README's numbers.
+PASS_DEFAULTS: Dict[str, bool] = {
+    "skinny_linear": True,
+}
+
 
 # Graphs this backend has compiled (tests check it really ran, rather than another backend).
 compiled_graphs = 0
@@ -28,6 +35,14 @@ def specdec_backend(gm: torch.fx.GraphModule, example_inputs: List, **kwargs):
     compiled_graphs += 1
     from specdec_inductor.lowerings.compile import compile_graph  # private Inductor names
     patches = dict(INDUCTOR_CONFIG)
-    patches.update(kwargs.get("options") or {})
-    return compile_graph(gm, example_inputs, patches)
+    passes = dict(PASS_DEFAULTS)
+    for key, value in (kwargs.get("options") or {}).items():
+        if key.startswith("specdec."):
+            name = key[len("specdec."):]
+            if name not in PASS_DEFAULTS:
+                raise ValueError(f"unknown option {key!r}; specdec passes: {sorted(PASS_DEFAULTS)}")
+            passes[name] = bool(value)
+        else:
+            patches[key] = value
+    return compile_graph(gm, example_inputs, patches, [p for p, on in passes.items() if on])
 

@@ -1,11 +1,51 @@
 """Inductor entry point of the `specdec` torch.compile backend: `compile_fx` with our config
-patches (kept here so that private `torch._inductor` imports stay inside `lowerings/`)."""
+patches and graph passes (kept here so that private `torch._inductor` imports stay inside
+`lowerings/`)."""
 from typing import Dict, List
 
 import torch
 from torch._inductor.compile_fx import compile_fx
 
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: List, config_patches: Dict):
-    """Compile one Dynamo graph with Inductor under `config_patches`."""
-    return compile_fx(gm, example_inputs, config_patches=dict(config_patches))
+from specdec_inductor.lowerings.skinny_linear import SkinnyLinearPass
+
+# Graph passes by name; the backend's `specdec.<name>` options switch them (default on).
+PASSES = {"skinny_linear": SkinnyLinearPass}
+
+
+class PassSequence(CustomGraphPass):
+    """Several custom passes in order, as the one post-grad custom pass Inductor takes."""
+
+    def __init__(self, passes: List[CustomGraphPass]):
+        self.passes = passes
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> bytes:
+        return b"".join(p.uuid() for p in self.passes)
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: List, config_patches: Dict,
+                  passes: List[str]):
+    """Compile one Dynamo graph with Inductor under `config_patches`, with the named passes
+    run as the post-grad custom pass (after Inductor's own post-grad passes)."""
+    patches = dict(config_patches)
+    if passes:
+        if patches.get("post_grad_custom_post_pass") is not None:
+            raise ValueError("option 'post_grad_custom_post_pass' is taken by the specdec passes "
+                             f"{passes}; switch them off with specdec.<name>=False to use your own")
+        unknown = [p for p in passes if p not in PASSES]
+        if unknown:
+            raise ValueError(f"unknown specdec pass(es) {unknown}; known: {sorted(PASSES)}")
+        patches["post_grad_custom_post_pass"] = PassSequence([PASSES[p]() for p in passes])
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def run_and_get_code(fn, *args, **kwargs):
+    """(result, [generated source of each compiled graph]) of calling a torch.compile'd fn;
+    tests use it to check what the passes put into the code."""
+    from torch._inductor.utils import run_and_get_code as inductor_run_and_get_code
+    return inductor_run_and_get_code(fn, *args, **kwargs)

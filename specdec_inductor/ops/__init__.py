@@ -26,3 +26,4 @@ from specdec_inductor.ops.sampling import (  # noqa: F401
     top_k_top_p_renorm,
     tree_speculative_sampling,
 )
+from specdec_inductor.ops.linear import skinny_linear  # noqa: F401

@@ -346,3 +346,16 @@ def decode_attention_ref(q, k_pool, v_pool, req_to_token, req_rows, kv_lens, sca
     out = extend_attention_ref(q.unsqueeze(1), k_pool, v_pool, req_to_token, req_rows,
                                kv_lens.long() - 1, ones, None, scale, sliding_window, logit_cap)
     return out.squeeze(1)  # [B, H, D]
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers of few rows (csrc/linear.cpp)
+# ---------------------------------------------------------------------------------------------
+
+
+def skinny_linear_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x @ weight.T + bias computed in fp32, rounded once to x's dtype."""
+    y = x.float() @ weight.float().T  # [..., N]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,227 @@
+"""skinny_linear (csrc/linear.cpp) against its reference on every runnable ISA path, its
+layouts and bad inputs, opcheck, and the `specdec` backend's graph pass that puts it in place
+of mm/addmm (counter fired, generated code calls the op, eager == compiled)."""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.library import opcheck
+
+import specdec_inductor
+from specdec_inductor.backend import specdec_backend
+from specdec_inductor.lowerings.compile import run_and_get_code
+from specdec_inductor.lowerings import skinny_linear as skinny_pass
+from specdec_inductor.ops import skinny_linear
+from specdec_inductor.ops.reference import skinny_linear_ref
+
+PATHS = specdec_inductor.runnable_isas()
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _check_close(out, x, w, b):
+    """STYLE.md 2x rule: our error vs an fp64 reference is at most twice plain torch's in
+    the same dtype (plus one ulp of the output's scale for exact cases)."""
+    exact = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    torch_err = (F.linear(x, w, b).double() - exact).abs().max().item()
+    ours_err = (out.double() - exact).abs().max().item()
+    ulp = torch.finfo(x.dtype).eps * max(1.0, exact.abs().max().item())
+    assert ours_err <= 2 * torch_err + ulp, (ours_err, torch_err)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 576, 100), (1, 1, 9), (2, 15, 8), (3, 17, 7),
+                                   (4, 32, 16), (5, 33, 1), (7, 63, 24), (16, 1000, 40),
+                                   (33, 64, 9)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_reference(path, dtype, m, k, n, bias):
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=gen).to(dtype)  # [M, K]
+    w = torch.randn(n, k, generator=gen).to(dtype)  # [N, K]
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None  # [N]
+    specdec_inductor.reset_kernel_path_counts()
+    with specdec_inductor.forced_isa(path):
+        out = skinny_linear(x, w, b)
+    assert specdec_inductor.kernel_path_counts() == {f"skinny_linear:{path}": 1}
+    assert out.dtype == dtype and out.shape == (m, n)
+    _check_close(out, x, w, b)
+    torch.testing.assert_close(out.float(), skinny_linear_ref(x, w, b).float(),
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_layouts(path):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, generator=gen)  # [2, 3, K]: leading dims are kept
+    wide = torch.randn(24, 50, generator=gen)
+    w = wide[:, 5:45]  # [N=24, K=40] with row stride 50: dense rows, no copy
+    xt = torch.randn(40, 6, generator=gen).t()  # [6, K] transposed x
+    specdec_inductor.reset_kernel_path_counts()
+    with specdec_inductor.forced_isa(path):
+        out = skinny_linear(x, w)
+        out_t = skinny_linear(xt, w)
+    assert specdec_inductor.kernel_path_counts() == {f"skinny_linear:{path}": 2}
+    assert out.shape == (2, 3, 24)
+    _check_close(out.view(6, 24), x.view(6, 40), w, None)
+    _check_close(out_t, xt, w, None)
+
+
+def test_column_major_weight_is_copied_and_counted():
+    w = torch.randn(30, 12).t()  # [N=12, K=30], stride(1) = 12
+    x = torch.randn(2, 30)
+    specdec_inductor.reset_kernel_path_counts()
+    out = skinny_linear(x, w)
+    counts = specdec_inductor.kernel_path_counts()
+    assert counts.get("skinny_linear_weight_copy:portable") == 1
+    _check_close(out, x, w, None)
+
+
+def test_threads_do_not_change_the_result():
+    x, w = torch.randn(3, 256), torch.randn(4096, 256)  # [M, K], [N, K]: splits across threads
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = skinny_linear(x, w)
+        torch.set_num_threads(max(2, threads))
+        many = skinny_linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def test_empty_shapes():
+    assert skinny_linear(torch.randn(0, 8), torch.randn(5, 8)).shape == (0, 5)
+    assert skinny_linear(torch.randn(3, 8), torch.randn(0, 8)).shape == (3, 0)
+    b = torch.randn(4)
+    torch.testing.assert_close(skinny_linear(torch.randn(2, 0), torch.randn(4, 0), b),
+                               b.expand(2, 4))
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.randn(2, 8), torch.randn(5, 7)), "argument 'weight' must have shape"),
+    ((torch.randn(2, 8), torch.randn(5, 8).double()), "argument 'weight' must have x's dtype"),
+    ((torch.randn(2, 8).half(), torch.randn(5, 8).half()), "argument 'x' must be float32"),
+    ((torch.randn(2, 8), torch.randn(8)), "argument 'weight' must have 2"),
+    ((torch.randn(2, 8), torch.randn(5, 8), torch.randn(4)), "argument 'bias' must have shape"),
+    ((torch.randn(2, 8), torch.randn(5, 8), torch.randn(5).bfloat16()),
+     "argument 'bias' must have x's dtype"),
+    ((torch.tensor(1.0), torch.randn(5, 8)), "argument 'x' must have at least 1"),
+])
+def test_bad_inputs(args, match):
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+        skinny_linear(*args)
+
+
+def _samples():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 20, generator=gen)
+    w = torch.randn(9, 20, generator=gen)
+    b = torch.randn(9, generator=gen)
+    yield (x, w, b)  # contiguous
+    yield (torch.randn(20, 3, generator=gen).t(), w, None)  # transposed x
+    yield (torch.randn(3, 40, generator=gen)[:, ::2], torch.randn(9, 30, generator=gen)[:, 5:25],
+           torch.randn(18, generator=gen)[::2])  # sliced x, bias; weight rows strided
+    yield (x.bfloat16(), w.bfloat16(), b.bfloat16())
+
+
+@pytest.mark.parametrize("sample", list(_samples()), ids=["contiguous", "transposed", "sliced",
+                                                          "bf16"])
+def test_opcheck(sample):
+    opcheck(torch.ops.specdec.skinny_linear.default, sample)
+
+
+# -- the graph pass ----------------------------------------------------------------------------
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 48).to(dtype)
+        self.down = torch.nn.Linear(48, 16, bias=False).to(dtype)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _compile_and_code(model, x, options=None):
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend=lambda gm, ex: specdec_backend(gm, ex, options=options),
+                       fullgraph=True)
+    with torch.no_grad():
+        return run_and_get_code(fn, x)
+
+
+def _op_lines(code):
+    return "\n".join(re.sub(r"buf\d+", "buf", line.strip()) for line in code.splitlines()
+                     if "= torch.ops.specdec.skinny_linear" in line or "extern_kernels.mm" in line
+                     or "extern_kernels.addmm" in line)
+
+
+def test_pass_rewrites_linear_layers():
+    torch.manual_seed(0)
+    model = _Mlp().eval()
+    x = torch.randn(2, 3, 64)  # 6 rows <= MAX_ROWS
+    torch._dynamo.utils.counters.clear()
+    out, codes = _compile_and_code(model, x)
+    assert torch._dynamo.utils.counters["specdec"]["skinny_linear"] == 2
+    lines = _op_lines(codes[0])
+    lines = re.sub(r"arg\d+_1", "arg", lines)
+    # up (with bias) and down (no bias) both call the op; no GEMM is left.
+    assert lines.count("torch.ops.specdec.skinny_linear.default(") == 2, lines
+    assert "extern_kernels" not in lines
+    assert re.search(r"skinny_linear\.default\(reinterpret_tensor\(arg, \(6, 64\), \(64, 1\), 0\), "
+                     r"arg, arg\)", lines), lines
+    assert re.search(r"skinny_linear\.default\(.*, arg, None\)", lines), lines
+    with torch.no_grad():
+        _check_close(out.view(6, 16), torch.relu(model.up(x)).view(6, 48), model.down.weight, None)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_pass_bf16_and_switch_off():
+    torch.manual_seed(0)
+    model = _Mlp(torch.bfloat16).eval()
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    torch._dynamo.utils.counters.clear()
+    out, codes = _compile_and_code(model, x)
+    assert torch._dynamo.utils.counters["specdec"]["skinny_linear"] == 2
+    assert _op_lines(codes[0]).count("specdec.skinny_linear") == 2
+    with torch.no_grad():
+        torch.testing.assert_close(out.float(), model(x).float(), rtol=2e-2, atol=2e-2)
+    torch._dynamo.utils.counters.clear()
+    _, codes = _compile_and_code(model, x, {"specdec.skinny_linear": False})
+    assert torch._dynamo.utils.counters["specdec"]["skinny_linear"] == 0
+    assert "specdec.skinny_linear" not in codes[0]
+
+
+def test_pass_leaves_large_batches_and_other_layouts():
+    torch.manual_seed(0)
+    model = _Mlp().eval()
+    x = torch.randn(skinny_pass.MAX_ROWS + 1, 64)  # too many rows: GEMM territory
+    torch._dynamo.utils.counters.clear()
+    out, codes = _compile_and_code(model, x)
+    assert torch._dynamo.utils.counters["specdec"]["skinny_linear"] == 0
+    assert "specdec.skinny_linear" not in codes[0]
+
+    class RightMultiply(torch.nn.Module):  # x @ W with W [K, N]: no transposed weight
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 8))
+
+        def forward(self, x):
+            return x @ self.w
+
+    torch._dynamo.utils.counters.clear()
+    _, codes = _compile_and_code(RightMultiply().eval(), torch.randn(2, 64))
+    assert torch._dynamo.utils.counters["specdec"]["skinny_linear"] == 0
+    assert "specdec.skinny_linear" not in codes[0]
+
+
+def test_unknown_option_is_an_error():
+    with pytest.raises((ValueError, torch._dynamo.exc.BackendCompilerFailed),
+                       match="unknown option .specdec.skinny_lienar"):
+        _compile_and_code(_Mlp().eval(), torch.randn(1, 64), {"specdec.skinny_lienar": True})
+
+
+def test_pass_uuid_is_stable():
+    assert skinny_pass.SkinnyLinearPass().uuid() == skinny_pass.SkinnyLinearPass().uuid()
