@@ -1,9 +1,11 @@
 """Speculative decoding vs our own compiled autoregressive decoding on SmolLM2-135M, batch 1,
-greedy: per method and prompt kind (code-like, chat) prints tokens/s, speedup over our AR,
-mean accepted length, per-position acceptance and whether the tokens are identical.
+greedy and sampled (--temperatures, default 0 and 0.7): per prompt kind (code-like, chat),
+temperature and method prints tokens/s, speedup over our AR at the same temperature, mean
+accepted length, per-position acceptance and (greedy) whether the tokens are identical.
+Sampled AR runs through the same loop with no drafts (proposers/autoregressive.py).
 
     python benchmarks/bench_spec.py                    # NGRAM, N=8, 128 new tokens, compiled
-    python benchmarks/bench_spec.py --eager --max-new-tokens 32
+    python benchmarks/bench_spec.py --eager --max-new-tokens 32 --temperatures 0.7
 """
 import argparse
 import statistics
@@ -15,7 +17,9 @@ import specdec_inductor
 from specdec_inductor.cli import encode
 from specdec_inductor.engine.engine import Engine, GenerationStats
 from specdec_inductor.engine.hf import load_model
+from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
 from specdec_inductor.proposers.ngram import NgramProposer
+from specdec_inductor.sampler import SamplingParams
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
 
 PROMPTS = {
@@ -33,36 +37,44 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    temperatures = [float(t) for t in args.temperatures.split(",")]
     model, tokenizer = load_model()
     engine = Engine(model, max_batch=1, max_len=1024, compile=not args.eager, prefill_chunk=64)
     spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=args.num_draft_tokens, breadth=(1,)))
-    print(f"# SmolLM2-135M fp32, batch 1, greedy, {args.max_new_tokens} new tokens (no eos stop), "
+    ar_loop = SpeculativeGenerator(engine, AutoregressiveProposer())
+    print(f"# SmolLM2-135M fp32, batch 1, {args.max_new_tokens} new tokens (no eos stop), "
           f"{'eager' if args.eager else 'compiled'}; {torch.get_num_threads()} threads, ISA "
           f"{specdec_inductor.active_isa()}, torch {torch.__version__}; medians of {args.repeats}")
-    print("| prompt | method | tok/s | speedup vs our AR | mean accepted length | acceptance by position | tokens == AR |")
-    print("|---|---|---|---|---|---|---|")
+    print("| prompt | T | method | tok/s | speedup vs our AR | mean accepted length | acceptance by position | tokens == AR |")
+    print("|---|---|---|---|---|---|---|---|")
     for kind, text in PROMPTS.items():
         ids = encode(tokenizer, text, chat=True)
         engine.generate([ids], 2)  # warm-up / compile
         spec.generate([ids], args.num_draft_tokens + 2)
-        ar_t, sp_t = [], []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            ar = engine.generate([ids], args.max_new_tokens, None, GenerationStats())
-            ar_t.append(time.perf_counter() - t0)
-            stats = SpeculativeStats()
-            t0 = time.perf_counter()
-            sp = spec.generate([ids], args.max_new_tokens, None, stats)
-            sp_t.append(time.perf_counter() - t0)
-        ar_s, sp_s = statistics.median(ar_t), statistics.median(sp_t)
-        accept = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
-        print(f"| {kind} | AR (ours) | {args.max_new_tokens / ar_s:.1f} | 1.00x | 1.00 | - | - |")
-        print(f"| {kind} | NGRAM N={args.num_draft_tokens} | {args.max_new_tokens / sp_s:.1f} | "
-              f"{ar_s / sp_s:.2f}x | {stats.mean_accepted_length:.2f} | {accept} | "
-              f"{'yes' if sp == ar else 'NO'} |", flush=True)
-        print(f"#   {kind}: {stats.summary()}")
-
+        for temp in temperatures:
+            ar_t, sp_t = [], []
+            for r in range(args.repeats):
+                sampling = SamplingParams(temp, seed=args.seed + r)
+                t0 = time.perf_counter()
+                if temp == 0:
+                    ar = engine.generate([ids], args.max_new_tokens, None, GenerationStats())
+                else:
+                    ar = ar_loop.generate([ids], args.max_new_tokens, None, SpeculativeStats(), sampling)
+                ar_t.append(time.perf_counter() - t0)
+                stats = SpeculativeStats()
+                t0 = time.perf_counter()
+                sp = spec.generate([ids], args.max_new_tokens, None, stats, sampling)
+                sp_t.append(time.perf_counter() - t0)
+            ar_s, sp_s = statistics.median(ar_t), statistics.median(sp_t)
+            accept = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
+            same = ("yes" if sp == ar else "NO") if temp == 0 else "- (sampled)"
+            print(f"| {kind} | {temp:g} | AR (ours) | {args.max_new_tokens / ar_s:.1f} | 1.00x | 1.00 | - | - |")
+            print(f"| {kind} | {temp:g} | NGRAM N={args.num_draft_tokens} | {args.max_new_tokens / sp_s:.1f} | "
+                  f"{ar_s / sp_s:.2f}x | {stats.mean_accepted_length:.2f} | {accept} | {same} |", flush=True)
+            print(f"#   {kind} T={temp:g}: {stats.summary()}")
 
 if __name__ == "__main__":
     main()

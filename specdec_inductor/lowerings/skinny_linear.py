@@ -1,7 +1,7 @@
 """Post-grad graph pass: `mm(x, permute(W, [1, 0]))` and `addmm(b, x, permute(W, [1, 0]))` --
 what `F.linear` becomes after Inductor's decompositions -- with few rows of x become
 `specdec.skinny_linear(x, W, b)`, which streams W once at memory bandwidth instead of calling
-a GEMM library tuned for large M (bench: benchmarks/bench_ops.py --only skinny_linear).
+a GEMM library tuned for large M (benchmarks/bench_linear.py).
 
 Only static row counts <= MAX_ROWS, fp32/bf16, and weights with dense rows are rewritten; the
 rest is left to Inductor. Each rewrite increments counters["specdec"]["skinny_linear"].
@@ -16,7 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import specdec_inductor.ops.linear  # noqa: F401  (fake kernel of the op the pass inserts)
 
 # Rows (batch x new tokens) up to which skinny_linear beats aten's GEMM on this machine class
-# (benchmarks/bench_ops.py --only skinny_linear sweeps M).
+# (benchmarks/bench_linear.py sweeps M).
 MAX_ROWS = 16
 _DTYPES = (torch.float32, torch.bfloat16)
 

@@ -1,0 +1,69 @@
+"""skinny_linear vs aten's F.linear over the linear layers of one SmolLM2-135M step (30 x
+q/k/v/o/gate/up/down + the 49152-row lm_head, random weights), fp32 and bf16, for M rows
+(batch x new tokens). Prints medians, the ratio, the weight-read rate and its share of this
+process's measured read bandwidth; the crossover in M sets lowerings/skinny_linear.MAX_ROWS.
+
+    python benchmarks/bench_linear.py [--rows 1,2,4,8,16,32,64] [--repeats 7]
+"""
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import specdec_inductor
+from specdec_inductor.ops import skinny_linear
+
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+SHAPES = LAYER * 30 + [(49152, 576)]  # (N, K) per weight
+
+
+def read_bandwidth_gbs(nbytes=1 << 30):
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    best = min((lambda t0: (x.sum(), time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(5))
+    return nbytes / best / 1e9
+
+
+def time_step(fn, weights, xs, repeats):
+    def run():
+        for w in weights:
+            fn(xs[w.shape[1]], w)
+    run()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    bw = read_bandwidth_gbs()
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"{torch.get_num_threads()} threads, ISA {specdec_inductor.active_isa()}, torch "
+          f"{torch.__version__}; read bandwidth {bw:.1f} GB/s; medians of {args.repeats}")
+    print("| dtype | M | aten ms | ours ms | speedup | ours GB/s | % of read bandwidth |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(0)
+        weights = [torch.randn(n, k, generator=gen).to(dtype) for n, k in SHAPES]
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        for m in (int(r) for r in args.rows.split(",")):
+            xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (576, 1536)}
+            t_aten = time_step(F.linear, weights, xs, args.repeats)
+            t_ours = time_step(skinny_linear, weights, xs, args.repeats)
+            print(f"| {str(dtype).replace('torch.', '')} | {m} | {1e3 * t_aten:.1f} | "
+                  f"{1e3 * t_ours:.1f} | {t_aten / t_ours:.2f}x | {nbytes / t_ours / 1e9:.1f} | "
+                  f"{100 * nbytes / t_ours / 1e9 / bw:.0f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

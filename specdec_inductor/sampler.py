@@ -1,0 +1,117 @@
+"""Per-request sampling for the speculative loop: temperature, top-k, top-p and a seed per
+request, greedy (temperature 0) and sampled requests mixed in one batch.
+
+Losslessness comes from the ops (kernels.md section 7): the target's sampling distribution p
+(softmax of logits / T, then top-k / top-p renormalised) goes to `tree_speculative_sampling`,
+which accepts a draft with probability min(1, residual / remaining mass) and draws the bonus
+from the residual, so every emitted token is distributed exactly as plain sampling from p.
+Greedy rows get a one-hot p at the argmax, which makes the same walk accept exactly the greedy
+tokens. Uniforms come from one torch.Generator per request, so a seeded run repeats exactly.
+"""
+import random
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from specdec_inductor import ops
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; top_k 0 = no limit; top_p 1 = no limit; seed None = random."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not (t >= 0.0) or t == float("inf"):
+            raise ValueError(f"argument 'temperature' must be a finite number >= 0, got {t!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"argument 'top_k' must be an int >= 0 (0: no limit), got {self.top_k!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+            raise ValueError(f"argument 'top_p' must lie in (0, 1], got {p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"argument 'seed' must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Target distributions and uniforms for a batch of `len(params)` requests."""
+
+    def __init__(self, params: Sequence[SamplingParams]):
+        self.params = list(params)
+        self.greedy = torch.tensor([p.greedy for p in self.params])  # [B]
+        self.generators: List[Optional[torch.Generator]] = []
+        for p in self.params:
+            if p.greedy:
+                self.generators.append(None)
+                continue
+            g = torch.Generator()
+            g.manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
+            self.generators.append(g)
+        self.temperature = torch.tensor([p.temperature if not p.greedy else 1.0
+                                         for p in self.params])  # [B]
+        self.top_k = torch.tensor([p.top_k for p in self.params], dtype=torch.int64)  # [B]
+        self.top_p = torch.tensor([p.top_p for p in self.params], dtype=torch.float32)  # [B]
+
+    @staticmethod
+    def for_batch(sampling: Union[None, SamplingParams, Sequence[SamplingParams]],
+                  batch: int) -> Optional["Sampler"]:
+        """None when every request is greedy (the loop then verifies with plain argmax)."""
+        if sampling is None:
+            return None
+        params = [sampling] * batch if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(params) != batch:
+            raise ValueError(f"argument 'sampling' has {len(params)} entries for {batch} prompts")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"argument 'sampling' [{i}] must be a SamplingParams, got {type(p)}")
+        return None if all(p.greedy for p in params) else Sampler(params)
+
+    def target_probs(self, logits: Tensor) -> Tensor:
+        """logits [B, N, V] -> the per-request sampling distributions [B, N, V] float32."""
+        bs, n, v = logits.shape
+        logits = logits.float()
+        probs = torch.softmax(logits / self.temperature.view(bs, 1, 1), dim=-1)  # [B, N, V]
+        probs = ops.top_k_top_p_renorm(probs.view(bs * n, v),
+                                       self.top_k.repeat_interleave(n),
+                                       self.top_p.repeat_interleave(n)).view(bs, n, v)
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.where(self.greedy.view(bs, 1, 1), one_hot, probs)
+
+    def uniforms(self, n: int):
+        """(uniform_samples [B, n], uniform_final [B]) in [0, 1); zeros for greedy rows (their
+        one-hot targets make the walk independent of the uniforms)."""
+        u = torch.zeros(len(self.params), n + 1)  # [B, n + 1]
+        for b, g in enumerate(self.generators):
+            if g is not None:
+                u[b] = torch.rand(n + 1, generator=g)
+        return u[:, :n].contiguous(), u[:, n].contiguous()
+
+    def sample(self, logits: Tensor) -> Tensor:
+        """One token per request from logits [B, V] (the prefill's token, a decode step): a
+        root-only tree, so the bonus is drawn from p itself."""
+        bs = logits.shape[0]
+        probs = self.target_probs(logits.view(bs, 1, -1))  # [B, 1, V]
+        none = torch.full((bs, 1), -1, dtype=torch.int64)  # [B, 1]
+        u, u_final = self.uniforms(1)
+        predicts, _, _ = ops.tree_speculative_sampling(
+            torch.zeros(bs, 1, dtype=torch.int64), torch.arange(bs).view(bs, 1), none, none,
+            u, u_final, probs, 1)
+        return predicts.long()  # [B]
+
+    def verify(self, tokens: Tensor, linkage: Sequence[Tensor], logits: Tensor,
+               num_spec_steps: int, tree_sampling=ops.tree_speculative_sampling):
+        """Tree rejection sampling of draft `tokens` [B, N] against the target `logits`
+        [B, N, V]; returns (predicts, accept_index, accept_num) as verify_tree_greedy does."""
+        probs = self.target_probs(logits)
+        u, u_final = self.uniforms(tokens.shape[1])
+        return tree_sampling(tokens, *linkage, u, u_final, probs, num_spec_steps)
