@@ -4,7 +4,7 @@ temperature and method prints tokens/s, speedup over our AR at the same temperat
 accepted length, per-position acceptance and (greedy) whether the tokens are identical.
 Sampled AR runs through the same loop with no drafts (proposers/autoregressive.py).
 
-    python benchmarks/bench_spec.py                    # NGRAM, N=8, 128 new tokens, compiled
+    python benchmarks/bench_spec.py                    # NGRAM N=8, STANDALONE, 128 new tokens
     python benchmarks/bench_spec.py --eager --max-new-tokens 32 --temperatures 0.7
 """
 import argparse
@@ -16,9 +16,10 @@ import torch
 import specdec_inductor
 from specdec_inductor.cli import encode
 from specdec_inductor.engine.engine import Engine, GenerationStats
-from specdec_inductor.engine.hf import load_model
+from specdec_inductor.engine.hf import keep_first_layers, load_model
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
 from specdec_inductor.proposers.ngram import NgramProposer
+from specdec_inductor.proposers.standalone import StandaloneProposer
 from specdec_inductor.sampler import SamplingParams
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
 
@@ -39,11 +40,27 @@ def main():
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--methods", default="ngram,standalone")
+    parser.add_argument("--draft-layers", type=int, default=8,
+                        help="standalone draft: SmolLM2 cut to its first K layers (no smaller "
+                             "model with its vocabulary is available offline)")
     args = parser.parse_args()
     temperatures = [float(t) for t in args.temperatures.split(",")]
     model, tokenizer = load_model()
     engine = Engine(model, max_batch=1, max_len=1024, compile=not args.eager, prefill_chunk=64)
-    spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=args.num_draft_tokens, breadth=(1,)))
+    methods = {}
+    for name in args.methods.split(","):
+        if name == "ngram":
+            methods[f"NGRAM N={args.num_draft_tokens}"] = SpeculativeGenerator(
+                engine, NgramProposer(num_draft_tokens=args.num_draft_tokens, breadth=(1,)))
+        elif name == "standalone":
+            draft = keep_first_layers(load_model()[0], args.draft_layers)
+            draft_engine = Engine(draft, max_batch=1, max_len=1024, compile=not args.eager)
+            k = min(args.num_draft_tokens, 5)
+            methods[f"STANDALONE {args.draft_layers}L N={k}"] = SpeculativeGenerator(
+                engine, StandaloneProposer(draft_engine, k))
+        else:
+            raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone)")
     ar_loop = SpeculativeGenerator(engine, AutoregressiveProposer())
     print(f"# SmolLM2-135M fp32, batch 1, {args.max_new_tokens} new tokens (no eos stop), "
           f"{'eager' if args.eager else 'compiled'}; {torch.get_num_threads()} threads, ISA "
@@ -53,9 +70,10 @@ def main():
     for kind, text in PROMPTS.items():
         ids = encode(tokenizer, text, chat=True)
         engine.generate([ids], 2)  # warm-up / compile
-        spec.generate([ids], args.num_draft_tokens + 2)
+        for spec in methods.values():
+            spec.generate([ids], args.num_draft_tokens + 2)
         for temp in temperatures:
-            ar_t, sp_t = [], []
+            ar_t = []
             for r in range(args.repeats):
                 sampling = SamplingParams(temp, seed=args.seed + r)
                 t0 = time.perf_counter()
@@ -64,17 +82,23 @@ def main():
                 else:
                     ar = ar_loop.generate([ids], args.max_new_tokens, None, SpeculativeStats(), sampling)
                 ar_t.append(time.perf_counter() - t0)
-                stats = SpeculativeStats()
-                t0 = time.perf_counter()
-                sp = spec.generate([ids], args.max_new_tokens, None, stats, sampling)
-                sp_t.append(time.perf_counter() - t0)
-            ar_s, sp_s = statistics.median(ar_t), statistics.median(sp_t)
-            accept = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
-            same = ("yes" if sp == ar else "NO") if temp == 0 else "- (sampled)"
+            ar_s = statistics.median(ar_t)
             print(f"| {kind} | {temp:g} | AR (ours) | {args.max_new_tokens / ar_s:.1f} | 1.00x | 1.00 | - | - |")
-            print(f"| {kind} | {temp:g} | NGRAM N={args.num_draft_tokens} | {args.max_new_tokens / sp_s:.1f} | "
-                  f"{ar_s / sp_s:.2f}x | {stats.mean_accepted_length:.2f} | {accept} | {same} |", flush=True)
-            print(f"#   {kind} T={temp:g}: {stats.summary()}")
+            for label, spec in methods.items():
+                sp_t = []
+                for r in range(args.repeats):
+                    stats = SpeculativeStats()
+                    t0 = time.perf_counter()
+                    sp = spec.generate([ids], args.max_new_tokens, None, stats,
+                                       SamplingParams(temp, seed=args.seed + r))
+                    sp_t.append(time.perf_counter() - t0)
+                sp_s = statistics.median(sp_t)
+                accept = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
+                same = ("yes" if sp == ar else "NO") if temp == 0 else "- (sampled)"
+                print(f"| {kind} | {temp:g} | {label} | {args.max_new_tokens / sp_s:.1f} | "
+                      f"{ar_s / sp_s:.2f}x | {stats.mean_accepted_length:.2f} | {accept} | {same} |",
+                      flush=True)
+                print(f"#   {kind} T={temp:g} {label}: {stats.summary()}")
 
 if __name__ == "__main__":
     main()

@@ -89,7 +89,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def make_proposer(args):
+def make_proposer(args, engine=None):
     """The proposer of --method (one file per method in specdec_inductor/proposers/)."""
     if args.method == "none":
         from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
@@ -97,6 +97,20 @@ def make_proposer(args):
     if args.method == "ngram":
         from specdec_inductor.proposers.ngram import NgramProposer
         return NgramProposer(num_draft_tokens=args.num_draft_tokens, breadth=(1,))
+    if args.method == "standalone":
+        if args.draft_model is None and args.draft_layers is None:
+            args.draft_layers = 8  # a draft that is the whole target would never pay
+        from specdec_inductor.engine.engine import Engine
+        from specdec_inductor.engine.hf import keep_first_layers, load_model
+        from specdec_inductor.proposers.standalone import StandaloneProposer
+        draft, _ = load_model(args.draft_model or args.model, DTYPES[args.dtype])
+        if args.draft_layers:
+            keep_first_layers(draft, args.draft_layers)
+        _log(f"[specdec] draft: {args.draft_model or 'the target'}"
+             f"{f', first {args.draft_layers} layers' if args.draft_layers else ''}")
+        draft_engine = Engine(draft, max_batch=engine.max_batch, max_len=engine.max_len,
+                              compile=engine.compiled, attention=args.attention)
+        return StandaloneProposer(draft_engine, args.num_draft_tokens)
     raise ValueError(f"--method {args.method!r} is not available yet")
 
 
@@ -104,7 +118,7 @@ def _generate_speculative(args, engine, tokenizer, prompt_ids, eos) -> int:
     from specdec_inductor.sampler import SamplingParams
     from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    spec = SpeculativeGenerator(engine, make_proposer(args))
+    spec = SpeculativeGenerator(engine, make_proposer(args, engine))
     if engine.compiled and args.method != "none":
         t0 = time.perf_counter()
         _log("[specdec] compiling the verify graph (first run only)...")
@@ -193,7 +207,70 @@ def print_table(result: dict) -> None:
     print(f"median speedup vs HF generate: {result['median_speedup']:.2f}x")
 
 
+def run_method_bench(args) -> dict:
+    """--method: the speculative method vs our own compiled AR (same engine) on BENCH_PROMPTS,
+    batch 1, greedy, exactly args.max_new_tokens tokens each (no eos stop)."""
+    from specdec_inductor.engine.engine import GenerationStats
+    from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+    model, tokenizer = load_model(args.model, DTYPES[args.dtype])
+    engine = build_engine(args, model)
+    spec = SpeculativeGenerator(engine, make_proposer(args, engine))
+    prompts = [encode(tokenizer, p, args.chat) for p in BENCH_PROMPTS[:args.num_prompts]]
+    t0 = time.perf_counter()
+    engine.generate([prompts[0]], max_new_tokens=2)
+    spec.generate([prompts[0]], max_new_tokens=args.num_draft_tokens + 2)
+    warmup_s = time.perf_counter() - t0
+    rows = []
+    for i, ids in enumerate(prompts):
+        ar_t, sp_t = [], []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            ar = engine.generate([ids], args.max_new_tokens, None, GenerationStats())[0]
+            ar_t.append(time.perf_counter() - t0)
+            stats = SpeculativeStats()
+            t0 = time.perf_counter()
+            sp = spec.generate([ids], args.max_new_tokens, None, stats)[0]
+            sp_t.append(time.perf_counter() - t0)
+        a, s_ = statistics.median(ar_t), statistics.median(sp_t)
+        rows.append({"prompt": i, "prompt_tokens": len(ids), "new_tokens": args.max_new_tokens,
+                     "ar_tok_s": args.max_new_tokens / a, "spec_tok_s": args.max_new_tokens / s_,
+                     "speedup": a / s_, "mean_accepted_length": stats.mean_accepted_length,
+                     "acceptance_by_position": stats.acceptance_by_position,
+                     "verify_steps": stats.verify_steps, "tokens_equal_ar": sp == ar,
+                     "summary": stats.summary()})
+        _log(f"[specdec] prompt {i}: AR {rows[-1]['ar_tok_s']:.1f} tok/s, {args.method} "
+             f"{rows[-1]['spec_tok_s']:.1f} tok/s")
+    return {"machine": machine_line(), "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "dtype": args.dtype, "method": args.method, "num_draft_tokens": args.num_draft_tokens,
+            "compiled": engine.compiled, "warmup_compile_s": warmup_s, "repeats": args.repeats,
+            "rows": rows, "median_speedup": statistics.median(r["speedup"] for r in rows)}
+
+
+def print_method_table(result: dict) -> None:
+    print(f"# {result['model']} {result['dtype']}, batch 1, greedy, {result['method']} "
+          f"N={result['num_draft_tokens']} vs our AR, "
+          f"{'compiled' if result['compiled'] else 'eager'}; {result['machine']}")
+    print(f"# warm-up/compile {result['warmup_compile_s']:.1f} s; medians of {result['repeats']}")
+    print("| prompt | AR tok/s | method tok/s | speedup vs our AR | mean accepted length | "
+          "acceptance by position | tokens == AR |")
+    print("|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        accept = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"])
+        print(f"| {r['prompt']} | {r['ar_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
+              f"{r['speedup']:.2f}x | {r['mean_accepted_length']:.2f} | {accept} | "
+              f"{'yes' if r['tokens_equal_ar'] else 'NO'} |")
+    print(f"median speedup vs our AR: {result['median_speedup']:.2f}x")
+
+
 def cmd_bench(args) -> int:
+    if args.method != "none":
+        result = run_method_bench(args)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print_method_table(result)
+        return 0
     result = run_bench(args)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -218,19 +295,30 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--raw", dest="chat", action="store_false",
                        help="feed prompts as plain text (default: the model's chat template)")
 
-    g = sub.add_parser("generate", help="stream greedy text for one prompt")
+    def method(p):
+        p.add_argument("--method", choices=["none", "ngram", "standalone"], default="none",
+                       help="speculative method (none: plain decoding)")
+        p.add_argument("--draft-model", default=None,
+                       help="standalone: draft model directory or .gguf (default: the target)")
+        p.add_argument("--draft-layers", type=int, default=None,
+                       help="standalone: keep only the draft's first K layers (default 8 when "
+                            "the draft is the target itself)")
+        p.add_argument("--num-draft-tokens", type=int, default=8,
+                       help="N, tree nodes incl. the root")
+
+    g = sub.add_parser("generate", help="stream text for one prompt")
     common(g)
+    method(g)
     g.add_argument("--prompt", default=DEFAULT_PROMPT)
-    g.add_argument("--method", choices=["none", "ngram"], default="none",
-                   help="speculative method (none: plain greedy decoding)")
-    g.add_argument("--num-draft-tokens", type=int, default=8, help="N, tree nodes incl. the root")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0: no limit")
     g.add_argument("--top-p", type=float, default=1.0, help="1: no limit")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.set_defaults(func=cmd_generate)
-    b = sub.add_parser("bench", help="tokens/s vs HF generate on a prompt set")
+    b = sub.add_parser("bench", help="tokens/s vs HF generate on a prompt set, or with "
+                                     "--method a speculative method vs our AR")
     common(b)
+    method(b)
     b.add_argument("--num-prompts", type=int, default=len(BENCH_PROMPTS))
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -58,3 +58,24 @@ def test_generate_sampled_with_seed_repeats(capsys):
 def test_generate_rejects_bad_sampling_flags(flag, value, name):
     with pytest.raises(SystemExit, match=f"argument '{name}'"):
         cli.main(["generate", flag, value, "--eager"])
+
+
+def test_generate_standalone_with_a_layer_cut_draft(capsys):
+    assert cli.main(["generate", "--prompt", "What is the capital of France?",
+                     "--max-new-tokens", "6", "--eager", "--method", "standalone",
+                     "--draft-layers", "4", "--num-draft-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "Paris" in out
+    assert "first 4 layers" in err and "standalone:" in err
+
+
+def test_bench_method_reports_speedup_and_acceptance(capsys):
+    assert cli.main(["bench", "--eager", "--method", "ngram", "--num-prompts", "1",
+                     "--repeats", "1", "--max-new-tokens", "8", "--num-draft-tokens", "4",
+                     "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["method"] == "ngram" and len(result["rows"]) == 1
+    row = result["rows"][0]
+    assert row["tokens_equal_ar"] is True
+    assert row["speedup"] > 0 and row["mean_accepted_length"] >= 1.0
+    assert len(row["acceptance_by_position"]) == 3

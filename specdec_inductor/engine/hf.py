@@ -174,3 +174,16 @@ def load_model(path: Optional[str] = None, dtype: torch.dtype = torch.float32):
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     model.eval()
     return model, tokenizer
+
+
+def keep_first_layers(model, num_layers: int):
+    """The model cut to its first `num_layers` decoder layers (in place; returns it): a cheap
+    STANDALONE draft that shares the target's vocabulary, embeddings and LM head."""
+    layers = model.model.layers
+    if not 1 <= num_layers <= len(layers):
+        raise ValueError(f"argument 'num_layers' must lie in [1, {len(layers)}], got {num_layers}")
+    model.model.layers = layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None) is not None:
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    return model

@@ -1,0 +1,136 @@
+"""STANDALONE drafts: a separate (smaller) causal LM with the target's vocabulary proposes a
+chain of K = N - 1 tokens by greedy multi-step decoding through its own `Engine` (own KV pool,
+own compiled extend and decode graphs).
+
+Draft KV bookkeeping: for each request the draft caches a prefix of the committed tokens.
+A step first extends the draft over the committed tokens it has not cached (the last step's
+accepted drafts' KV is already there; usually only the bonus token is new), then decodes K - 1
+more tokens, writing KV for d1..d(K-1) at positions L..L+K-2 (L = committed length). After
+verification, the cached prefix is L + min(a, K - 1), where a is how many emitted tokens
+match the proposal: those positions hold KV of exactly the committed tokens; later positions
+are overwritten by the next step. Topk > 1 trees are not built yet (chains only)."""
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import torch
+from torch import Tensor
+
+from specdec_inductor import ops
+from specdec_inductor.speculative import DraftTree
+
+
+CATCH_UP_TOKENS = 2
+
+
+@dataclass
+class _DraftRequest:
+    request: object  # the draft pool's Request
+    tokens: List[int]  # committed tokens (prompt + emitted)
+    cached: int  # tokens[:cached] have KV in the draft pool
+    base: int = 0  # committed length when the last proposal was made
+    proposed: List[int] = field(default_factory=list)
+
+
+class StandaloneProposer:
+    """Greedy chain drafts from `draft_engine` (an Engine over the draft model).
+
+    Args:
+        draft_engine: its max_batch / max_len must cover the target's batch and positions
+            (prompt + new tokens + N).
+        num_draft_tokens: N, nodes per chain including the root (K = N - 1 drafts).
+    """
+
+    def __init__(self, draft_engine, num_draft_tokens: int):
+        if num_draft_tokens < 2:
+            raise ValueError(f"num_draft_tokens must be >= 2 (root + drafts), got {num_draft_tokens}")
+        self.engine = draft_engine
+        self.num_draft_tokens = num_draft_tokens
+        self.num_spec_steps = num_draft_tokens
+        self.k = num_draft_tokens - 1
+        self._requests: Dict[int, _DraftRequest] = {}
+
+    def _rows(self, request_ids: List[int]) -> Tensor:
+        bucket = self.engine.bucket_for(len(request_ids))
+        rows = [self._requests[r].request.row for r in request_ids]
+        rows += [self.engine.pool.padding_row] * (bucket - len(rows))
+        return torch.tensor(rows, dtype=torch.int64)  # [B]
+
+    # -- the Proposer protocol (specdec_inductor/speculative.py) ------------------------------
+    def start(self, request_ids: List[int], contexts: List[List[int]]) -> None:
+        pool = self.engine.pool
+        budget = pool.max_len - max(len(c) for c in contexts)
+        if budget < self.num_draft_tokens:
+            raise ValueError(f"draft engine max_len {pool.max_len} leaves no room for drafts "
+                             f"after a context of {max(len(c) for c in contexts)} tokens")
+        # The prompt (all but the root) is prefilled now; the root is the first catch-up token.
+        requests = pool.admit([len(c) - 1 for c in contexts], budget)
+        for rid, req, ctx in zip(request_ids, requests, contexts):
+            self._requests[rid] = _DraftRequest(req, list(ctx), 0)
+        try:
+            self.engine.prefill([c[:-1] for c in contexts], self._rows(request_ids))
+        except BaseException:
+            self.finish(request_ids)
+            raise
+        for rid, ctx in zip(request_ids, contexts):
+            self._requests[rid].cached = len(ctx) - 1
+
+    def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
+        bs, n, eng = len(request_ids), self.num_draft_tokens, self.engine
+        states = [self._requests[r] for r in request_ids]
+        for st in states:  # a finished request emits nothing: re-feed its last token
+            st.cached = min(st.cached, len(st.tokens) - 1)
+        req_rows = self._rows(request_ids)
+        # Catch-up is 1 or 2 tokens per step (the bonus, plus the last accepted draft when all
+        # K were accepted: its KV was never written), so one small T keeps one graph.
+        bucket, chunk = req_rows.shape[0], CATCH_UP_TOKENS
+        last_logits = [None] * bs
+        while any(st.cached < len(st.tokens) for st in states):  # catch-up extends
+            ids = torch.zeros(bucket, chunk, dtype=torch.int64)  # [B, T]
+            prefix = torch.zeros(bucket, dtype=torch.int64)  # [B]
+            ext = torch.zeros(bucket, dtype=torch.int64)  # [B]
+            for b, st in enumerate(states):
+                todo = st.tokens[st.cached:st.cached + chunk]
+                ids[b, :len(todo)] = torch.tensor(todo, dtype=torch.int64)
+                prefix[b], ext[b] = st.cached, len(todo)
+            positions = prefix.view(-1, 1) + torch.arange(chunk).view(1, -1)  # [B, T]
+            logits = eng.extend(ids, positions, req_rows, prefix, ext)  # [B, T, V]
+            for b, st in enumerate(states):
+                if ext[b] > 0:
+                    st.cached += int(ext[b])
+                    if st.cached == len(st.tokens):
+                        last_logits[b] = logits[b, int(ext[b]) - 1]
+        drafts = [torch.stack(last_logits).argmax(-1)]  # [bs] d1
+        seq = torch.tensor([st.cached for st in states] + [1] * (bucket - bs))  # [B] = L
+        for st in states:
+            st.base = st.cached
+        tok = torch.cat([drafts[0], torch.zeros(bucket - bs, dtype=torch.int64)])  # [B]
+        for _ in range(self.k - 1):
+            tok, _ = eng.decode(tok, req_rows, seq)
+            seq = seq + 1
+            drafts.append(tok[:bs])
+        chain = torch.stack(drafts, dim=1)  # [bs, K]
+        for b, st in enumerate(states):
+            st.proposed = chain[b].tolist()
+        roots = torch.tensor([st.tokens[-1] for st in states]).view(bs, 1)  # [bs, 1]
+        tokens = torch.cat([roots, chain], dim=1)  # [bs, N]
+        mask = torch.ones(n, n, dtype=torch.bool).tril().flatten().repeat(bs)  # [bs*N*N]
+        positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
+        return DraftTree(tokens, mask, positions, ridx, nxt, sib,
+                         torch.full((bs,), self.k, dtype=torch.int64))
+
+    def commit(self, request_ids: List[int], emitted: List[List[int]]) -> None:
+        for rid, tokens in zip(request_ids, emitted):
+            st = self._requests[rid]
+            if not tokens:
+                continue
+            match = 0
+            while match < min(len(tokens), len(st.proposed)) and tokens[match] == st.proposed[match]:
+                match += 1
+            st.tokens.extend(tokens)
+            st.cached = st.base + min(match, self.k - 1)
+
+    def finish(self, request_ids: List[int]) -> None:
+        for rid in request_ids:
+            st = self._requests.pop(rid, None)
+            if st is not None:
+                self.engine.pool.release(st.request)
