@@ -9,6 +9,7 @@ Sampled AR runs through the same loop with no drafts (proposers/autoregressive.p
 """
 import argparse
 import statistics
+import tempfile
 import time
 
 import torch
@@ -18,10 +19,12 @@ from specdec_inductor.cli import encode
 from specdec_inductor.engine.engine import Engine, GenerationStats
 from specdec_inductor.engine.hf import keep_first_layers, load_model
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
+from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
 from specdec_inductor.proposers.ngram import NgramProposer
 from specdec_inductor.proposers.standalone import StandaloneProposer
 from specdec_inductor.sampler import SamplingParams
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+from specdec_inductor.testing import write_random_eagle_checkpoint
 
 PROMPTS = {
     "code": ("def bubble_sort(items):\n    n = len(items)\n    for i in range(n):\n"
@@ -40,14 +43,20 @@ def main():
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--methods", default="ngram,standalone")
+    parser.add_argument("--methods", default="ngram,standalone",
+                        help="comma list of ngram, standalone, eagle")
+    parser.add_argument("--eagle-head", default=None,
+                        help="EAGLE checkpoint directory (default: a random head, which proves "
+                             "correctness only: its drafts are almost never accepted)")
     parser.add_argument("--draft-layers", type=int, default=8,
                         help="standalone draft: SmolLM2 cut to its first K layers (no smaller "
                              "model with its vocabulary is available offline)")
     args = parser.parse_args()
     temperatures = [float(t) for t in args.temperatures.split(",")]
     model, tokenizer = load_model()
-    engine = Engine(model, max_batch=1, max_len=1024, compile=not args.eager, prefill_chunk=64)
+    eagle = "eagle" in args.methods.split(",")
+    engine = Engine(model, max_batch=1, max_len=1024, compile=not args.eager, prefill_chunk=64,
+                    capture_hidden=[-1] if eagle else None)
     methods = {}
     for name in args.methods.split(","):
         if name == "ngram":
@@ -59,8 +68,19 @@ def main():
             k = min(args.num_draft_tokens, 5)
             methods[f"STANDALONE {args.draft_layers}L N={k}"] = SpeculativeGenerator(
                 engine, StandaloneProposer(draft_engine, k))
+        elif name == "eagle":
+            path = args.eagle_head
+            if path is None:
+                path = tempfile.mkdtemp(prefix="specdec_eagle_")
+                write_random_eagle_checkpoint(path, model.config, scale=0.02)
+            head = load_eagle_head(path, model)
+            draft_engine = Engine(head, max_batch=1, max_len=1024, compile=not args.eager,
+                                  prefill_chunk=16, capture_hidden=[-1])
+            label = "EAGLE" + ("" if args.eagle_head else " (random head)")
+            methods[f"{label} N={args.num_draft_tokens}"] = SpeculativeGenerator(
+                engine, EagleProposer(draft_engine, args.num_draft_tokens))
         else:
-            raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone)")
+            raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, eagle)")
     ar_loop = SpeculativeGenerator(engine, AutoregressiveProposer())
     print(f"# SmolLM2-135M fp32, batch 1, {args.max_new_tokens} new tokens (no eos stop), "
           f"{'eager' if args.eager else 'compiled'}; {torch.get_num_threads()} threads, ISA "

@@ -37,8 +37,10 @@ def encode(tokenizer, prompt: str, chat: bool) -> List[int]:
 
 def build_engine(args, model):
     from specdec_inductor.engine.engine import Engine
+    eagle = getattr(args, "method", None) == "eagle"
     return Engine(model, max_batch=args.max_batch, max_len=args.max_len,
-                  compile=False if args.eager else None, attention=args.attention)
+                  compile=False if args.eager else None, attention=args.attention,
+                  capture_hidden=[-1] if eagle else None)
 
 
 def machine_line() -> str:
@@ -111,6 +113,18 @@ def make_proposer(args, engine=None):
         draft_engine = Engine(draft, max_batch=engine.max_batch, max_len=engine.max_len,
                               compile=engine.compiled, attention=args.attention)
         return StandaloneProposer(draft_engine, args.num_draft_tokens)
+    if args.method == "eagle":
+        from specdec_inductor.engine.engine import Engine
+        from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
+        if args.draft_model is None:
+            raise SystemExit("--method eagle needs --draft-model DIR (an EAGLE checkpoint: "
+                             "config.json + pytorch_model.bin or model.safetensors)")
+        head = load_eagle_head(args.draft_model, engine.model)
+        _log(f"[specdec] EAGLE head: {args.draft_model}")
+        draft_engine = Engine(head, max_batch=engine.max_batch, max_len=engine.max_len,
+                              compile=engine.compiled, attention=args.attention,
+                              prefill_chunk=16, capture_hidden=[-1])
+        return EagleProposer(draft_engine, args.num_draft_tokens)
     raise ValueError(f"--method {args.method!r} is not available yet")
 
 
@@ -296,10 +310,11 @@ def make_parser() -> argparse.ArgumentParser:
                        help="feed prompts as plain text (default: the model's chat template)")
 
     def method(p):
-        p.add_argument("--method", choices=["none", "ngram", "standalone"], default="none",
-                       help="speculative method (none: plain decoding)")
+        p.add_argument("--method", choices=["none", "ngram", "standalone", "eagle"],
+                       default="none", help="speculative method (none: plain decoding)")
         p.add_argument("--draft-model", default=None,
-                       help="standalone: draft model directory or .gguf (default: the target)")
+                       help="standalone: draft model directory or .gguf (default: the target); "
+                            "eagle: the EAGLE checkpoint directory")
         p.add_argument("--draft-layers", type=int, default=None,
                        help="standalone: keep only the draft's first K layers (default 8 when "
                             "the draft is the target itself)")

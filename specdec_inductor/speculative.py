@@ -56,6 +56,12 @@ class Proposer(Protocol):
     def finish(self, request_ids: List[int]) -> None:
         """Requests that left the batch."""
 
+    # A proposer that drafts from the target's hidden states (EAGLE-style) sets the class
+    # attribute `needs_target_hidden = True`; the loop then passes, as a third argument,
+    # start(..., hidden) with each prompt's captured target hidden [P, k*H], and
+    # commit(..., hidden) with the hidden rows of each request's accepted path (root first,
+    # [accepted + 1, k*H]): row i belongs to the position of emitted[i]'s predecessor.
+
 
 @dataclass
 class SpeculativeStats:
@@ -181,6 +187,11 @@ class SpeculativeGenerator:
         target's; greedy ones emit exactly the engine's greedy tokens."""
         stats = stats if stats is not None else SpeculativeStats()
         sampler = Sampler.for_batch(sampling, len(prompts))
+        wants_hidden = getattr(self.proposer, "needs_target_hidden", False)
+        captures = self.engine.capture_hidden is not None
+        if wants_hidden and not captures:
+            raise ValueError(f"{type(self.proposer).__name__} drafts from the target's hidden "
+                             "states: make the target Engine with capture_hidden=...")
         out: List[List[int]] = [[] for _ in prompts]
         if max_new_tokens <= 0:
             return out
@@ -199,7 +210,10 @@ class SpeculativeGenerator:
             rows = ids + [engine.pool.padding_row] * (bucket - bs)
             req_rows = torch.tensor(rows, dtype=torch.int64)  # [B]
             t0 = time.perf_counter()
-            first_logits = engine.prefill(prompts, req_rows)  # [B, V]
+            if captures:
+                first_logits, prompt_hidden, _ = engine.prefill_with_hidden(prompts, req_rows)
+            else:
+                first_logits = engine.prefill(prompts, req_rows)  # [B, V]
             first = (sampler.sample(first_logits[:bs]) if sampler is not None
                      else first_logits.argmax(-1))  # [bs]
             stats.prefill_s += time.perf_counter() - t0
@@ -209,7 +223,11 @@ class SpeculativeGenerator:
                 out[b].append(int(first[b]))
                 done[b] = max_new_tokens == 1 or out[b][-1] == eos_token_id
             stats.new_tokens += bs
-            proposer.start(ids, [list(p) + [out[b][0]] for b, p in enumerate(prompts)])
+            contexts = [list(p) + [out[b][0]] for b, p in enumerate(prompts)]
+            if wants_hidden:
+                proposer.start(ids, contexts, [prompt_hidden[b, :len(p)] for b, p in enumerate(prompts)])
+            else:
+                proposer.start(ids, contexts)
             started = True
             t_loop = time.perf_counter()
             accepted_mean, cooldown, failures = None, 0, 0
@@ -226,13 +244,16 @@ class SpeculativeGenerator:
                 tokens, mask, positions, linkage = self._pad(draft, bucket, seq_lens)
                 t1 = time.perf_counter()
                 if size == 1:  # nothing to verify: a plain decode step of the roots
-                    predicts, logits = engine.decode(tokens[:, 0].contiguous(), req_rows, seq_lens)
+                    res = engine.decode(tokens[:, 0].contiguous(), req_rows, seq_lens)
+                    predicts, logits = res[0], res[1]
+                    hidden = res[2].unsqueeze(1) if captures else None  # [B, 1, k*H]
                     predicts = (sampler.sample(logits[:bs]) if sampler is not None
                                 else predicts[:bs])  # [bs]
                     accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [bs, 1]
                     stats.decode_steps += 1
                 else:
-                    logits = engine.verify(tokens, positions, req_rows, seq_lens, mask)  # [B, N, V]
+                    res = engine.verify(tokens, positions, req_rows, seq_lens, mask)  # [B, N, V]
+                    logits, hidden = res if captures else (res, None)
                     if sampler is None:
                         target = logits[:bs].argmax(-1)  # [bs, N]
                         predicts, accept_index, accept_num = ops.verify_tree_greedy(
@@ -250,9 +271,12 @@ class SpeculativeGenerator:
                     else:
                         failures = 0
                 t2 = time.perf_counter()
-                emitted = self._commit(req_rows, seq_lens, accept_index, predicts, done, out,
-                                       max_new_tokens, eos_token_id, stats, size)
-                proposer.commit(ids, emitted)
+                emitted, paths = self._commit(req_rows, seq_lens, accept_index, predicts, done,
+                                              out, max_new_tokens, eos_token_id, stats, size)
+                if wants_hidden:
+                    proposer.commit(ids, emitted, [hidden[b, paths[b]] for b in range(bs)])
+                else:
+                    proposer.commit(ids, emitted)
                 t3 = time.perf_counter()
                 stats.draft_s += t1 - t
                 stats.verify_s += t2 - t1
@@ -270,14 +294,16 @@ class SpeculativeGenerator:
         return out
 
     def _commit(self, req_rows, seq_lens, accept_index, predicts, done, out, max_new_tokens,
-                eos_token_id, stats, n) -> List[List[int]]:
+                eos_token_id, stats, n):
         """Emit each live request's accepted tokens + bonus, compact its accepted KV slots to
         the front of its tree positions, and advance seq_len past the root and the accepted
-        drafts (their KV is cached now; the bonus becomes the next root). n: tree size."""
+        drafts (their KV is cached now; the bonus becomes the next root). n: tree size.
+        Returns (emitted tokens, accepted path as node indices root first) per request."""
         bs = len(out)
         tree_start = seq_lens[:bs].clone()  # [bs] row position of each root
         perm = torch.arange(bs * n).view(bs, n)  # [bs, N] flat rows, identity for idle requests
         emitted: List[List[int]] = [[] for _ in range(bs)]
+        local_paths: List[List[int]] = [[] for _ in range(bs)]
         paths = accept_index.tolist()
         flat_predicts = predicts.tolist()
         for b in range(bs):
@@ -291,6 +317,7 @@ class SpeculativeGenerator:
             for k in range(accepted):
                 stats.accepted_at_depth[k] += 1
             local = [i - b * n for i in path]
+            local_paths[b] = local
             rest = [i for i in range(n) if i not in set(local)]
             perm[b] = torch.tensor(local + rest) + b * n
             for tok in tokens:
@@ -313,4 +340,4 @@ class SpeculativeGenerator:
             locs = ops.gather_extend_cache_locs(table, rows, start, start + n, len(stepped) * n)
             local_perm = perm[idx] - (idx * n).view(-1, 1) + (torch.arange(len(stepped)) * n).view(-1, 1)
             ops.assign_req_to_token(table, rows, start, start + n, locs[local_perm.flatten()])
-        return emitted
+        return emitted, local_paths

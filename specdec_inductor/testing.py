@@ -1,7 +1,9 @@
 """Random draft trees made the way a real multi-step top-k draft loop makes them (kernels.md
 section 1): cumulative log-prob scores, topk beams kept per step, the N-1 best ids selected and
-sorted; and random greedy-verify inputs that accept, reject and hop siblings. Used by the tests
-and the benchmarks."""
+sorted; random greedy-verify inputs that accept, reject and hop siblings; and random EAGLE heads
+written in the published checkpoint layout. Used by the tests and the benchmarks."""
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -69,3 +71,45 @@ def random_verify_inputs(next_token, next_sibling, gen, vocab=50):
                 free = [t for t in range(vocab, vocab + 10) if t not in tokens]
                 target[b, i] = free[0]
     return candidates, target
+
+
+def write_random_eagle_checkpoint(path, config, seed=0, scale=0.3, bias=True, fmt="bin",
+                                  intermediate_size=None):
+    """A random EAGLE-1/2 head for a target with HF `config`, written to directory `path` in
+    the published layout (config.json + pytorch_model.bin or model.safetensors; key names as in
+    SafeAILab/EAGLE's cnets.py: fc over [embed ; hidden], layers.0 without an input norm).
+    Random heads prove correctness only: their drafts are almost never accepted.
+    Returns the state dict."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads)
+    inter = intermediate_size or config.intermediate_size
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen) * scale
+
+    sd = {"fc.weight": r(hidden, 2 * hidden),
+          "layers.0.self_attn.q_proj.weight": r(hidden, hidden),
+          "layers.0.self_attn.k_proj.weight": r(kv, hidden),
+          "layers.0.self_attn.v_proj.weight": r(kv, hidden),
+          "layers.0.self_attn.o_proj.weight": r(hidden, hidden),
+          "layers.0.mlp.gate_proj.weight": r(inter, hidden),
+          "layers.0.mlp.up_proj.weight": r(inter, hidden),
+          "layers.0.mlp.down_proj.weight": r(hidden, inter),
+          "layers.0.post_attention_layernorm.weight": torch.ones(hidden)}
+    if bias:
+        sd["fc.bias"] = r(hidden)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+                   "intermediate_size": inter, "num_attention_heads": heads,
+                   "num_key_value_heads": kv // (hidden // heads), "num_hidden_layers": 1,
+                   "rms_norm_eps": getattr(config, "rms_norm_eps", 1e-6),
+                   "vocab_size": config.vocab_size, "bias": bias,
+                   "max_position_embeddings": config.max_position_embeddings}, f)
+    if fmt == "bin":
+        torch.save(sd, os.path.join(path, "pytorch_model.bin"))
+    else:
+        from safetensors.torch import save_file
+        save_file(sd, os.path.join(path, "model.safetensors"))
+    return sd

@@ -79,3 +79,20 @@ def test_bench_method_reports_speedup_and_acceptance(capsys):
     assert row["tokens_equal_ar"] is True
     assert row["speedup"] > 0 and row["mean_accepted_length"] >= 1.0
     assert len(row["acceptance_by_position"]) == 3
+
+
+def test_generate_eagle_with_a_random_head_is_still_exact(tmp_path, capsys):
+    from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.testing import write_random_eagle_checkpoint
+    target, _ = load_model()
+    write_random_eagle_checkpoint(str(tmp_path / "eagle"), target.config, scale=0.02)
+    assert cli.main(["generate", "--prompt", "What is the capital of France?",
+                     "--max-new-tokens", "6", "--eager", "--method", "eagle",
+                     "--draft-model", str(tmp_path / "eagle"), "--num-draft-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "Paris" in out and "EAGLE head" in err
+
+
+def test_eagle_needs_a_checkpoint():
+    with pytest.raises(SystemExit, match="--draft-model"):
+        cli.main(["generate", "--eager", "--method", "eagle", "--max-new-tokens", "2"])

@@ -88,13 +88,21 @@ class Engine:
         compile_backend: torch.compile backend name ("specdec" = Inductor + our passes).
         compile_options: Inductor config patches on top of the specdec backend's own.
         prefill_chunk: new tokens per prefill step (the EXTEND graph's T).
+        capture_hidden: indices into the model's `hidden_states` output (-1: the final, normed
+            hidden state) whose rows every step also returns, concatenated on the last dim
+            ([B, T, k*H]); EAGLE-style proposers draft from them. Steps then return
+            (logits, hidden) / (tokens, logits, hidden), and prefill_with_hidden works.
+        The model may take an auxiliary per-token input (`aux_hidden` [B, T, A], e.g. an EAGLE
+        head's target features): pass it as `aux` to extend / verify / decode / prefill.
     """
 
     def __init__(self, model, *, max_batch: int = 4, max_len: int = 512,
                  num_slots: Optional[int] = None, compile: Optional[bool] = None,
                  attention: Optional[str] = None, compile_backend: str = "specdec",
-                 compile_options: Optional[dict] = None, prefill_chunk: int = 64):
+                 compile_options: Optional[dict] = None, prefill_chunk: int = 64,
+                 capture_hidden: Optional[Sequence[int]] = None):
         self.model = model
+        self.capture_hidden = list(capture_hidden) if capture_hidden is not None else None
         self.compiled = (not eager_requested()) if compile is None else compile
         self.attention_backend = ab.resolve_backend(attention)
         if self.compiled and not self.attention_backend.traceable:
@@ -133,9 +141,29 @@ class Engine:
             self._extend_fn, self._decode_fn = self._extend_step, self._decode_step
 
     # -- step functions (traced) ---------------------------------------------------------------
+    def _forward(self, input_ids: Tensor, positions: Tensor, batch: StepBatch,
+                 aux: Optional[Tensor]):
+        """The model over one step; (logits, captured hidden or None)."""
+        extra = {} if aux is None else {"aux_hidden": aux}
+        if self.capture_hidden == [-1] and hasattr(self.model, "get_decoder"):
+            # The final normed hidden of a stock HF model: run its decoder and LM head
+            # ourselves (output_hidden_states records through a lock Dynamo cannot trace).
+            hidden = self.model.get_decoder()(
+                input_ids=input_ids, position_ids=positions, use_cache=False,
+                specdec_batch=batch, **extra).last_hidden_state  # [B, T, H]
+            return self.model.get_output_embeddings()(hidden), hidden
+        if self.capture_hidden is not None:
+            extra["output_hidden_states"] = True
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                         specdec_batch=batch, **extra)
+        if self.capture_hidden is None:
+            return out.logits, None
+        hidden = torch.cat([out.hidden_states[i] for i in self.capture_hidden], dim=-1)
+        return out.logits, hidden  # [B, T, V], [B, T, k*H]
+
     def _extend_step(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor,
                      prefix_lens: Tensor, extend_lens: Tensor,
-                     tree_mask: Optional[Tensor]) -> Tensor:
+                     tree_mask: Optional[Tensor], aux: Optional[Tensor] = None):
         """T new tokens per request at `positions` [B, T] (sequence positions; for a tree, the
         node depths); their KV goes to positions prefix_lens + t of the request's row.
         Returns logits [B, T, V] (rows t >= extend_lens[b] are padding)."""
@@ -150,22 +178,24 @@ class Engine:
         slots = torch.where(valid, torch.gather(table, 1, store_pos), -1)  # [B, T]
         batch = StepBatch(StepKind.EXTEND, self.attention_backend, self.pool, req_rows,
                           prefix_lens, extend_lens, slots, tree_mask)
-        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                         specdec_batch=batch)
-        return out.logits  # [B, T, V]
+        logits, hidden = self._forward(input_ids, positions, batch, aux)
+        return logits if hidden is None else (logits, hidden)  # [B, T, V] (, [B, T, k*H])
 
-    def _decode_step(self, tokens: Tensor, req_rows: Tensor,
-                     seq_lens: Tensor) -> Tuple[Tensor, Tensor]:
-        """One token per request at position seq_lens[b]; returns (argmax [B], logits [B, V])."""
+    def _decode_step(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor,
+                     aux: Optional[Tensor] = None):
+        """One token per request at position seq_lens[b]; returns (argmax [B], logits [B, V])
+        (and hidden [B, k*H] with capture_hidden)."""
         bs = tokens.shape[0]
         slots = self.pool.req_to_token[req_rows, seq_lens].view(bs, 1)  # [B, 1]
         slots = torch.where((req_rows != self.pool.padding_row).view(bs, 1), slots, -1)
         batch = StepBatch(StepKind.DECODE, self.attention_backend, self.pool, req_rows,
                           seq_lens, torch.ones_like(seq_lens), slots, None)
-        out = self.model(input_ids=tokens.view(bs, 1), position_ids=seq_lens.view(bs, 1),
-                         use_cache=False, specdec_batch=batch)
-        logits = out.logits[:, 0]  # [B, V]
-        return logits.argmax(-1), logits
+        logits, hidden = self._forward(tokens.view(bs, 1), seq_lens.view(bs, 1), batch,
+                                       None if aux is None else aux.view(bs, 1, -1))
+        logits = logits[:, 0]  # [B, V]
+        if hidden is None:
+            return logits.argmax(-1), logits
+        return logits.argmax(-1), logits, hidden[:, 0]
 
     # -- public steps --------------------------------------------------------------------------
     def bucket_for(self, batch_size: int) -> int:
@@ -176,29 +206,47 @@ class Engine:
 
     @torch.inference_mode()
     def extend(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor, prefix_lens: Tensor,
-               extend_lens: Tensor, tree_mask: Optional[Tensor] = None) -> Tensor:
+               extend_lens: Tensor, tree_mask: Optional[Tensor] = None,
+               aux: Optional[Tensor] = None):
         """One EXTEND step (a prefill chunk or a verify(N) pass); logits [B, T, V]."""
-        return self._extend_fn(input_ids, positions, req_rows, prefix_lens, extend_lens, tree_mask)
+        return self._extend_fn(input_ids, positions, req_rows, prefix_lens, extend_lens,
+                               tree_mask, aux)
 
     @torch.inference_mode()
     def verify(self, tokens: Tensor, positions: Tensor, req_rows: Tensor, seq_lens: Tensor,
-               tree_mask: Tensor) -> Tensor:
+               tree_mask: Tensor, aux: Optional[Tensor] = None):
         """Target pass over N draft-tree tokens per request (node 0 = the root), tokens and
         positions [B, N]; tree_mask QLEN_ONLY [B*N*N] bool or bit-packed [B*N]. The nodes' KV
         lands at positions [seq_len, seq_len + N) of each row and the prefix is exactly
         seq_len (kernels.md section 6). Returns logits [B, N, V]. Its own graph per (bucket, N)."""
         extend_lens = torch.full_like(seq_lens, tokens.shape[1])  # [B]
-        return self._extend_fn(tokens, positions, req_rows, seq_lens, extend_lens, tree_mask)
+        return self._extend_fn(tokens, positions, req_rows, seq_lens, extend_lens, tree_mask, aux)
 
     @torch.inference_mode()
-    def decode(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor) -> Tuple[Tensor, Tensor]:
-        """One DECODE step; (next tokens [B], logits [B, V])."""
-        return self._decode_fn(tokens, req_rows, seq_lens)
+    def decode(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor,
+               aux: Optional[Tensor] = None):
+        """One DECODE step; (next tokens [B], logits [B, V]) (+ hidden [B, k*H] with
+        capture_hidden); aux [B, A] is the model's auxiliary input, if it takes one."""
+        return self._decode_fn(tokens, req_rows, seq_lens, aux)
 
     @torch.inference_mode()
-    def prefill(self, prompts: Sequence[Sequence[int]], req_rows: Tensor) -> Tensor:
+    def prefill(self, prompts: Sequence[Sequence[int]], req_rows: Tensor,
+                aux: Optional[Tensor] = None) -> Tensor:
         """Chunked prefill of right-padded ragged prompts; logits of each prompt's last token
-        [B, V]. Row b of the (bucket-sized) batch holds prompts[b] or a padding request."""
+        [B, V]. Row b of the (bucket-sized) batch holds prompts[b] or a padding request.
+        aux [B, P, A] (P >= the longest prompt): the model's auxiliary input per position."""
+        return self._prefill(prompts, req_rows, aux)[0]
+
+    @torch.inference_mode()
+    def prefill_with_hidden(self, prompts: Sequence[Sequence[int]], req_rows: Tensor,
+                            aux: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+        """prefill, plus (needs capture_hidden) the captured hidden of every prompt position
+        [B, P, k*H] (right-padded) and of each prompt's last position [B, k*H]."""
+        if self.capture_hidden is None:
+            raise ValueError("prefill_with_hidden needs an Engine made with capture_hidden")
+        return self._prefill(prompts, req_rows, aux)
+
+    def _prefill(self, prompts, req_rows, aux):
         bs = req_rows.shape[0]
         lens = [len(p) for p in prompts] + [1] * (bs - len(prompts))
         chunk = self.prefill_chunk
@@ -206,8 +254,13 @@ class Engine:
         ids = torch.zeros(bs, n_chunks * chunk, dtype=torch.int64)  # [B, chunks*C]
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = torch.as_tensor(p, dtype=torch.int64)
+        if aux is not None:  # [B, chunks*C, A], zero-padded
+            padded = aux.new_zeros(bs, n_chunks * chunk, aux.shape[-1])
+            padded[:aux.shape[0], :min(aux.shape[1], n_chunks * chunk)] = aux[:, :n_chunks * chunk]
+            aux = padded
         prompt_lens = torch.tensor(lens, dtype=torch.int64)  # [B]
         last = torch.zeros(bs, self.vocab_size, dtype=self.dtype)  # [B, V]
+        hiddens, last_hidden = [], None
         t = torch.arange(chunk)
         for c in range(n_chunks):
             start = c * chunk
@@ -215,12 +268,22 @@ class Engine:
             ext = (prompt_lens - start).clamp(0, chunk)  # [B]
             positions = prefix.view(bs, 1) + t.view(1, chunk)  # [B, C]
             chunk_ids = ids[:, start:start + chunk].contiguous()  # [B, C]; strides are guarded
-            logits = self.extend(chunk_ids, positions, req_rows, prefix, ext)
+            chunk_aux = None if aux is None else aux[:, start:start + chunk].contiguous()
+            out = self.extend(chunk_ids, positions, req_rows, prefix, ext, None, chunk_aux)
+            logits, hidden = out if self.capture_hidden is not None else (out, None)
             ends_here = (ext > 0) & (prefix + ext == prompt_lens)  # [B]
-            idx = (ext - 1).clamp(min=0).view(bs, 1, 1).expand(bs, 1, logits.shape[-1])
-            last = torch.where(ends_here.view(bs, 1), logits.gather(1, idx)[:, 0].to(last.dtype),
+            idx = (ext - 1).clamp(min=0).view(bs, 1, 1)
+            last = torch.where(ends_here.view(bs, 1),
+                               logits.gather(1, idx.expand(bs, 1, logits.shape[-1]))[:, 0].to(last.dtype),
                                last)
-        return last
+            if hidden is not None:
+                hiddens.append(hidden)
+                h_last = hidden.gather(1, idx.expand(bs, 1, hidden.shape[-1]))[:, 0]  # [B, k*H]
+                last_hidden = h_last if last_hidden is None else torch.where(
+                    ends_here.view(bs, 1), h_last, last_hidden)
+        if not hiddens:
+            return last, None, None
+        return last, torch.cat(hiddens, dim=1), last_hidden
 
     def generate_stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                         eos_token_id: Optional[int] = None,
@@ -255,7 +318,7 @@ class Engine:
                     if bool(done.all()):
                         break
                 t_step = time.perf_counter()
-                tokens, _ = self.decode(tokens, req_rows, seq_lens)
+                tokens = self.decode(tokens, req_rows, seq_lens)[0]
                 seq_lens += 1
                 stats.step_times.append(time.perf_counter() - t_step)
                 stats.decode_steps += 1

@@ -1,0 +1,253 @@
+"""EAGLE (EAGLE-2 layout) drafts: a one-layer head over the target's features.
+
+The head (published EAGLE checkpoint layout, checked against SafeAILab/EAGLE's cnets.py):
+`fc` maps cat(embed(x_{p+1}), h_p) (2H) to H (`fc.weight` [H, 2H], `fc.bias` when the
+checkpoint has one), then one Llama decoder layer `layers.0.*` whose input RMSNorm is absent,
+no final norm, and the target's embedding and LM head. h_p is the target's final (normed)
+hidden state at position p; the head's output g_p stands in for h_{p+1} further down a draft.
+
+Per step: the draft first extends its own KV over the newly committed pairs (x_{p+1}, h_p) --
+the positions the target just verified, root and accepted drafts -- then decodes K - 1 more
+tokens feeding back its own g. Its KV row therefore always covers exactly the target's
+committed positions before drafting, and speculative positions are overwritten next step.
+Chains only for now (no top-k tree expansion). EAGLE-3 checkpoints are refused here.
+"""
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from specdec_inductor import ops
+from specdec_inductor.speculative import DraftTree
+
+_LAYER_KEYS = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+               "mlp.down_proj.weight", "post_attention_layernorm.weight"]
+
+
+class EagleCheckpointError(ValueError):
+    """A checkpoint that is not an EAGLE (EAGLE-1/2 layout) head for this target."""
+
+
+class EagleDraftModel(nn.Module):
+    """The EAGLE head as a module the Engine can run: forward(input_ids, position_ids,
+    specdec_batch, aux_hidden=h) -> .logits, .hidden_states = (g,)."""
+
+    def __init__(self, config, target, fc_bias: bool):
+        super().__init__()
+        from transformers import LlamaModel
+        hidden = config.hidden_size
+        vocab = config.vocab_size
+        config.vocab_size = 1  # the head shares the target's embedding: allocate none
+        self.model = LlamaModel(config)
+        config.vocab_size = vocab
+        self.config = config
+        self.model.embed_tokens = target.get_input_embeddings()
+        self.model.layers[0].input_layernorm = nn.Identity()
+        self.model.norm = nn.Identity()
+        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
+        self.lm_head = target.get_output_embeddings()
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, aux_hidden: Tensor,
+                specdec_batch=None, use_cache: bool = False, output_hidden_states: bool = False):
+        emb = self.model.embed_tokens(input_ids)  # [B, T, H]
+        x = self.fc(torch.cat([emb, aux_hidden.to(emb.dtype)], dim=-1))  # [B, T, H]
+        kwargs = {} if specdec_batch is None else {"specdec_batch": specdec_batch}
+        g = self.model(inputs_embeds=x, position_ids=position_ids, use_cache=False,
+                       **kwargs).last_hidden_state  # [B, T, H]
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+        return CausalLMOutputWithPast(logits=self.lm_head(g), hidden_states=(g,))
+
+
+def _read_state_dict(path: str) -> Dict[str, Tensor]:
+    st = os.path.join(path, "model.safetensors")
+    if os.path.exists(st):
+        from safetensors.torch import load_file
+        return load_file(st)
+    pt = os.path.join(path, "pytorch_model.bin")
+    if os.path.exists(pt):
+        return torch.load(pt, map_location="cpu", weights_only=True)
+    raise EagleCheckpointError(f"argument 'path': {path!r} has neither model.safetensors nor "
+                               "pytorch_model.bin")
+
+
+def load_eagle_head(path: str, target) -> EagleDraftModel:
+    """An EAGLE head from a checkpoint directory (config.json + one state dict) for `target`
+    (a HF causal LM, whose embedding and LM head the head shares)."""
+    from transformers import LlamaConfig
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise EagleCheckpointError(f"argument 'path': no config.json in {path!r}")
+    with open(cfg_path) as f:
+        raw = json.load(f)
+    sd = _read_state_dict(path)
+    archs = " ".join(raw.get("architectures") or [])
+    if "Eagle3" in archs or "midlayer.self_attn.q_proj.weight" in sd or "d2t" in sd:
+        raise EagleCheckpointError(
+            f"{path!r} is an EAGLE-3 checkpoint (midlayer / d2t / {archs or 'no architectures'}); "
+            "the EAGLE path needs an EAGLE-1/2 head (fc over 2*hidden + layers.0); load it "
+            "with the EAGLE-3 proposer instead")
+    tcfg = target.config
+    hidden = tcfg.hidden_size
+    missing = [k for k in ["fc.weight"] + [f"layers.0.{k}" for k in _LAYER_KEYS] if k not in sd]
+    if missing:
+        raise EagleCheckpointError(f"{path!r} is not an EAGLE head: missing {missing}")
+    if tuple(sd["fc.weight"].shape) != (hidden, 2 * hidden):
+        raise EagleCheckpointError(
+            f"{path!r}: fc.weight has shape {tuple(sd['fc.weight'].shape)}, the target needs "
+            f"({hidden}, {2 * hidden}) (hidden_size {hidden})")
+    config = LlamaConfig(
+        vocab_size=tcfg.vocab_size, hidden_size=hidden,
+        intermediate_size=raw.get("intermediate_size", sd["layers.0.mlp.gate_proj.weight"].shape[0]),
+        num_hidden_layers=1,
+        num_attention_heads=raw.get("num_attention_heads", tcfg.num_attention_heads),
+        num_key_value_heads=raw.get("num_key_value_heads", getattr(tcfg, "num_key_value_heads", None)),
+        rms_norm_eps=raw.get("rms_norm_eps", getattr(tcfg, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=raw.get("max_position_embeddings", tcfg.max_position_embeddings),
+        hidden_act=raw.get("hidden_act", "silu"))
+    # RoPE as the checkpoint says, else as the target has it (transformers 5 keeps it in
+    # rope_parameters; older configs in rope_theta).
+    if "rope_theta" in raw:
+        config.rope_parameters = {"rope_type": "default", "rope_theta": float(raw["rope_theta"])}
+    elif getattr(tcfg, "rope_parameters", None):
+        config.rope_parameters = dict(tcfg.rope_parameters)
+    head = EagleDraftModel(config, target, fc_bias="fc.bias" in sd)
+    own = {"fc.weight": sd["fc.weight"]}
+    if "fc.bias" in sd:
+        own["fc.bias"] = sd["fc.bias"]
+    for k in _LAYER_KEYS:
+        own[f"model.layers.0.{k}"] = sd[f"layers.0.{k}"]
+    unknown = [k for k in sd if k not in own and not k.startswith("embed_tokens.")
+               and k not in (f"layers.0.{x}" for x in _LAYER_KEYS) and k != "fc.bias"]
+    if unknown:
+        raise EagleCheckpointError(f"{path!r}: unexpected keys for an EAGLE head: {unknown[:5]}")
+    result = head.load_state_dict(own, strict=False)
+    bad = [k for k in result.missing_keys if not k.startswith(("model.embed_tokens", "lm_head"))
+           and "rotary" not in k]
+    if bad:
+        raise EagleCheckpointError(f"{path!r}: weights not loaded: {bad}")
+    dtype = next(target.parameters()).dtype
+    return head.to(dtype).eval()
+
+
+@dataclass
+class _EagleRequest:
+    request: object  # the draft pool's Request
+    cached: int  # draft KV covers positions [0, cached)
+    tokens: List[int] = field(default_factory=list)  # pending x_{p+1}, p = cached, cached + 1, ...
+    hidden: Optional[Tensor] = None  # pending h_p, one row per pending token
+    done: bool = False
+    root: int = 0
+
+
+class EagleProposer:
+    """Greedy EAGLE chains of K = N - 1 drafts from `draft_engine` (an Engine over an
+    EagleDraftModel made with capture_hidden=[-1]); the target Engine needs
+    capture_hidden=[-1] too."""
+
+    needs_target_hidden = True
+
+    def __init__(self, draft_engine, num_draft_tokens: int):
+        if num_draft_tokens < 2:
+            raise ValueError(f"num_draft_tokens must be >= 2 (root + drafts), got {num_draft_tokens}")
+        if draft_engine.capture_hidden != [-1]:
+            raise ValueError("argument 'draft_engine' must be made with capture_hidden=[-1]")
+        self.engine = draft_engine
+        self.num_draft_tokens = num_draft_tokens
+        self.num_spec_steps = num_draft_tokens
+        self.k = num_draft_tokens - 1
+        self._requests: Dict[int, _EagleRequest] = {}
+
+    def _rows(self, states) -> Tensor:
+        pad = self.engine.pool.padding_row
+        rows = [pad if st.done else st.request.row for st in states]
+        rows += [pad] * (self.engine.bucket_for(len(rows)) - len(rows))
+        return torch.tensor(rows, dtype=torch.int64)  # [B]
+
+    def start(self, request_ids: List[int], contexts: List[List[int]], hidden: List[Tensor]):
+        pool = self.engine.pool
+        budget = pool.max_len - max(len(c) for c in contexts)
+        if budget < self.num_draft_tokens:
+            raise ValueError(f"draft engine max_len {pool.max_len} leaves no room for drafts "
+                             f"after a context of {max(len(c) for c in contexts)} tokens")
+        requests = pool.admit([len(c) - 1 for c in contexts], budget)
+        for rid, req, ctx, h in zip(request_ids, requests, contexts, hidden):
+            # Pairs (x_{p+1}, h_p) for the prompt positions p = 0 .. P-1.
+            self._requests[rid] = _EagleRequest(req, 0, list(ctx[1:]), h, root=ctx[-1])
+
+    def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
+        bs, n, eng = len(request_ids), self.num_draft_tokens, self.engine
+        states = [self._requests[r] for r in request_ids]
+        req_rows = self._rows(states)
+        bucket, chunk = req_rows.shape[0], eng.prefill_chunk
+        hdim = states[0].hidden.shape[-1] if states[0].hidden is not None else None
+        last_logits = [None] * bs
+        last_g = [None] * bs
+        # Draft extend over the pending pairs (the prompt at the first step; later the root
+        # and the accepted drafts), chunk by chunk.
+        while any(st.tokens and not st.done for st in states):
+            ids = torch.zeros(bucket, chunk, dtype=torch.int64)  # [B, T]
+            aux = torch.zeros(bucket, chunk, hdim, dtype=states[0].hidden.dtype)  # [B, T, H]
+            prefix = torch.zeros(bucket, dtype=torch.int64)  # [B]
+            ext = torch.zeros(bucket, dtype=torch.int64)  # [B]
+            for b, st in enumerate(states):
+                if st.done or not st.tokens:
+                    continue
+                m = min(chunk, len(st.tokens))
+                ids[b, :m] = torch.tensor(st.tokens[:m], dtype=torch.int64)
+                aux[b, :m] = st.hidden[:m]
+                prefix[b], ext[b] = st.cached, m
+            positions = prefix.view(-1, 1) + torch.arange(chunk).view(1, -1)  # [B, T]
+            logits, g = eng.extend(ids, positions, req_rows, prefix, ext, None, aux)
+            for b, st in enumerate(states):
+                m = int(ext[b])
+                if m == 0:
+                    continue
+                st.cached += m
+                st.tokens, st.hidden = st.tokens[m:], st.hidden[m:]
+                if not st.tokens:
+                    last_logits[b], last_g[b] = logits[b, m - 1], g[b, m - 1]
+        vocab = eng.vocab_size
+        for b in range(bs):  # finished requests: placeholders (their drafts are never used)
+            if last_logits[b] is None:
+                last_logits[b] = torch.zeros(vocab, dtype=eng.dtype)
+                last_g[b] = torch.zeros(hdim, dtype=states[0].hidden.dtype)
+        tok = torch.stack(last_logits).argmax(-1)  # [bs] d1
+        g = torch.stack(last_g)  # [bs, H]
+        drafts = [tok]
+        seq = torch.tensor([st.cached for st in states] + [1] * (bucket - bs))  # [B]
+        pad = bucket - bs
+        tok = torch.cat([tok, torch.zeros(pad, dtype=torch.int64)])
+        g = torch.cat([g, g.new_zeros(pad, g.shape[-1])])
+        for _ in range(self.k - 1):
+            tok, _, g = eng.decode(tok, req_rows, seq, g)
+            seq = seq + 1
+            drafts.append(tok[:bs])
+        chain = torch.stack(drafts, dim=1)  # [bs, K]
+        roots = torch.tensor([st.root for st in states]).view(bs, 1)  # [bs, 1]
+        tokens = torch.cat([roots, chain], dim=1)  # [bs, N]
+        mask = torch.ones(n, n, dtype=torch.bool).tril().flatten().repeat(bs)  # [bs*N*N]
+        positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
+        return DraftTree(tokens, mask, positions, ridx, nxt, sib,
+                         torch.full((bs,), self.k, dtype=torch.int64))
+
+    def commit(self, request_ids: List[int], emitted: List[List[int]], hidden: List[Tensor]):
+        for rid, toks, h in zip(request_ids, emitted, hidden):
+            st = self._requests[rid]
+            if not toks:
+                st.done = True
+                continue
+            # emitted[i] = x_{p+1} for the path position p whose target hidden is h[i].
+            st.tokens = st.tokens + list(toks)
+            rows = h[:len(toks)]
+            st.hidden = rows if st.hidden is None or len(st.hidden) == 0 else torch.cat([st.hidden, rows])
+            st.root = toks[-1]
+
+    def finish(self, request_ids: List[int]) -> None:
+        for rid in request_ids:
+            st = self._requests.pop(rid, None)
+            if st is not None:
+                self.engine.pool.release(st.request)

@@ -1,0 +1,244 @@
+"""EAGLE heads (proposers/eagle.py): checkpoints in the published EAGLE-1/2 layout (config.json
++ one state dict: fc over [embed ; hidden], layers.0 without its input norm) load through the
+real loader; wrong checkpoints (EAGLE-3 layout, missing keys, wrong width) are refused by name;
+the proposer's drafts equal a from-scratch recomputation of the head over the committed tokens
+and the target's hidden states (which pins draft extend and KV bookkeeping); greedy EAGLE output
+equals the target's plain greedy output (batch 1, ragged batch, sampled with seeds, compiled);
+both pools end fully free."""
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from specdec_inductor.engine.engine import Engine  # noqa: E402
+from specdec_inductor.proposers.eagle import (  # noqa: E402
+    EagleCheckpointError, EagleProposer, load_eagle_head)
+from specdec_inductor.sampler import SamplingParams  # noqa: E402
+from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats  # noqa: E402
+from specdec_inductor.testing import write_random_eagle_checkpoint  # noqa: E402
+
+VOCAB, HIDDEN = 96, 32
+
+
+def tiny_target(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def write_eagle_checkpoint(path, seed=1, bias=True, fmt="bin", scale=0.3):
+    return write_random_eagle_checkpoint(str(path), tiny_target().config, seed=seed, scale=scale,
+                                         bias=bias, fmt=fmt)
+
+
+def prompts(count, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (4 + 5 * i,), generator=gen).tolist() for i in range(count)]
+
+
+def _engines(target, head, batch, compiled=False):
+    engine = Engine(target, max_batch=batch, max_len=128, compile=compiled, prefill_chunk=16,
+                    capture_hidden=[-1])
+    draft = Engine(head, max_batch=batch, max_len=128, compile=compiled, prefill_chunk=8,
+                   capture_hidden=[-1])
+    return engine, draft
+
+
+def _free(*engines):
+    for e in engines:
+        e.pool.check_consistent()
+        assert e.pool.num_free_slots == e.pool.num_slots and not e.pool.live_requests
+
+
+def reference_chain(target, head, committed, k):
+    """The head's greedy chain after `committed` tokens, recomputed from scratch with plain
+    HF attention: pairs (x_{p+1}, h_p) for every committed position but the root's."""
+    impl = head.config._attn_implementation
+    head.config._attn_implementation = "sdpa"
+    target.config._attn_implementation = "sdpa"
+    try:
+        with torch.no_grad():
+            h = target(torch.tensor([committed]), output_hidden_states=True).hidden_states[-1][0]
+            ids, hid, chain = list(committed[1:]), h[:-1], []
+            for _ in range(k):
+                out = head(input_ids=torch.tensor([ids]),
+                           position_ids=torch.arange(len(ids)).view(1, -1), aux_hidden=hid[None])
+                d = int(out.logits[0, -1].argmax())
+                chain.append(d)
+                ids.append(d)
+                hid = torch.cat([hid, out.hidden_states[0][0, -1:]])
+        return chain
+    finally:
+        head.config._attn_implementation = impl
+        target.config._attn_implementation = "specdec"
+
+
+@pytest.mark.parametrize("fmt,bias", [("bin", True), ("safetensors", False)])
+def test_drafts_equal_a_from_scratch_recomputation(tmp_path, fmt, bias):
+    target = tiny_target()
+    write_eagle_checkpoint(tmp_path, bias=bias, fmt=fmt)
+    head = load_eagle_head(str(tmp_path), target)
+    assert (head.fc.bias is not None) == bias
+    engine, draft = _engines(target, head, 1)
+    proposer = EagleProposer(draft, 5)
+    seen = []
+    propose = proposer.propose
+
+    def recording(request_ids, seq_lens):
+        tree = propose(request_ids, seq_lens)
+        seen.append(tree.tokens[0].tolist())
+        return tree
+
+    proposer.propose = recording
+    spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
+    p = prompts(1)[0]
+    out = spec.generate([p], 20)[0]
+    assert out == engine.generate([p], 20)[0]
+    committed = list(p) + [out[0]]
+    emitted = iter(out[1:])
+    for tokens in seen:  # each step's root is the last committed token
+        assert tokens[0] == committed[-1]
+        assert tokens[1:] == reference_chain(target, head, committed, 4), len(committed)
+        # advance by what the step emitted: accepted drafts then the bonus
+        step = []
+        for d in tokens[1:]:
+            nxt = next(emitted, None)
+            if nxt is None:
+                break
+            step.append(nxt)
+            if nxt != d:
+                break
+        else:
+            nxt = next(emitted, None)
+            if nxt is not None:
+                step.append(nxt)
+        committed += step
+    _free(engine, draft)
+
+
+def test_greedy_ragged_batch_and_sampling(tmp_path):
+    target = tiny_target(1)
+    write_eagle_checkpoint(tmp_path, seed=4)
+    head = load_eagle_head(str(tmp_path), target)
+    engine, draft = _engines(target, head, 3)
+    spec = SpeculativeGenerator(engine, EagleProposer(draft, 4), min_accepted=0.0)
+    ps = prompts(3)
+    stats = SpeculativeStats()
+    assert spec.generate(ps, 24, stats=stats) == engine.generate(ps, 24)
+    assert stats.verify_steps > stats.decode_steps
+    params = [SamplingParams(0.8, seed=1), SamplingParams(), SamplingParams(1.2, top_p=0.9, seed=2)]
+    first = spec.generate(ps, 16, sampling=params)
+    assert first == spec.generate(ps, 16, sampling=params)
+    assert first[1] == engine.generate(ps, 16)[1]
+    for max_new in (1, 2, 3):
+        assert spec.generate(ps, max_new, eos_token_id=7) == engine.generate(ps, max_new, eos_token_id=7)
+    _free(engine, draft)
+
+
+def test_compiled_eagle_is_exact_without_recompiles(tmp_path):
+    target = tiny_target(2)
+    write_eagle_checkpoint(tmp_path, seed=5)
+    head = load_eagle_head(str(tmp_path), target)
+    engine, draft = _engines(target, head, 2, compiled=True)
+    spec = SpeculativeGenerator(engine, EagleProposer(draft, 4), min_accepted=0.0)
+    ps = prompts(2)
+    assert spec.generate(ps, 12) == engine.generate(ps, 12)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        ps2 = prompts(2, seed=8)
+        assert spec.generate(ps2, 14) == engine.generate(ps2, 14)
+    _free(engine, draft)
+
+
+def test_eagle3_checkpoint_is_refused(tmp_path):
+    target = tiny_target()
+    sd = write_eagle_checkpoint(tmp_path)
+    sd = {k.replace("layers.0.", "midlayer."): v for k, v in sd.items()}
+    sd["d2t"] = torch.zeros(16, dtype=torch.int64)
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLMEagle3"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(EagleCheckpointError, match="EAGLE-3 checkpoint"):
+        load_eagle_head(str(tmp_path), target)
+
+
+def test_bad_checkpoints_are_refused(tmp_path):
+    target = tiny_target()
+    with pytest.raises(EagleCheckpointError, match="no config.json"):
+        load_eagle_head(str(tmp_path), target)
+    sd = write_eagle_checkpoint(tmp_path)
+    del sd["layers.0.mlp.up_proj.weight"]
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    with pytest.raises(EagleCheckpointError, match="missing.*up_proj"):
+        load_eagle_head(str(tmp_path), target)
+    sd = write_eagle_checkpoint(tmp_path)
+    sd["fc.weight"] = torch.zeros(HIDDEN, 3 * HIDDEN)
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    with pytest.raises(EagleCheckpointError, match="fc.weight has shape"):
+        load_eagle_head(str(tmp_path), target)
+    sd = write_eagle_checkpoint(tmp_path)
+    sd["layers.1.mlp.up_proj.weight"] = torch.zeros(1)
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    with pytest.raises(EagleCheckpointError, match="unexpected keys"):
+        load_eagle_head(str(tmp_path), target)
+
+
+def test_loop_refuses_a_target_without_hidden_capture(tmp_path):
+    target = tiny_target()
+    write_eagle_checkpoint(tmp_path)
+    head = load_eagle_head(str(tmp_path), target)
+    _, draft = _engines(target, head, 1)
+    plain = Engine(target, max_batch=1, max_len=64, compile=False)
+    spec = SpeculativeGenerator(plain, EagleProposer(draft, 4))
+    with pytest.raises(ValueError, match="capture_hidden"):
+        spec.generate(prompts(1), 4)
+    with pytest.raises(ValueError, match="draft_engine"):
+        EagleProposer(plain, 4)
+
+
+def _target_hidden(target, tokens):
+    """Final normed hidden of every position of `tokens` (plain HF attention)."""
+    impl = target.config._attn_implementation
+    target.config._attn_implementation = "sdpa"
+    try:
+        with torch.no_grad():
+            return target(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
+    finally:
+        target.config._attn_implementation = impl
+
+
+@pytest.mark.parametrize("accepted", [[2, 4, 0, 3], [4, 4, 1], [0, 0, 2]])
+def test_commits_with_accepted_paths_keep_the_draft_in_step(tmp_path, accepted):
+    """Drive the proposer directly through steps that accept `accepted[i]` drafts (a random
+    head is rarely right, so the loop alone seldom commits multi-token paths): after each
+    commit the next chain must equal the from-scratch recomputation."""
+    target = tiny_target()
+    write_eagle_checkpoint(tmp_path)
+    head = load_eagle_head(str(tmp_path), target)
+    _, draft = _engines(target, head, 1)
+    k = 4
+    proposer = EagleProposer(draft, k + 1)
+    prompt = prompts(1)[0]
+    committed = list(prompt) + [17]
+    h = _target_hidden(target, committed)
+    proposer.start([0], [committed], [h[:len(prompt)]])
+    bonus = 40
+    for a in accepted:
+        tree = proposer.propose([0], torch.tensor([len(committed) - 1]))
+        chain = tree.tokens[0, 1:].tolist()
+        assert tree.tokens[0, 0] == committed[-1]
+        assert chain == reference_chain(target, head, committed, k), (a, len(committed))
+        emitted = chain[:a] + [bonus + a]  # a accepted drafts, then a bonus
+        root_pos = len(committed) - 1
+        h = _target_hidden(target, committed + chain[:a])
+        proposer.commit([0], [emitted], [h[root_pos:root_pos + a + 1]])
+        committed += emitted
+    tree = proposer.propose([0], torch.tensor([len(committed) - 1]))
+    assert tree.tokens[0, 1:].tolist() == reference_chain(target, head, committed, k)
+    proposer.finish([0])
+    _free(draft)
