@@ -278,18 +278,12 @@ def print_method_table(result: dict) -> None:
 
 
 def cmd_bench(args) -> int:
-    if args.method != "none":
-        result = run_method_bench(args)
-        if args.json:
-            print(json.dumps(result, indent=2))
-        else:
-            print_method_table(result)
-        return 0
-    result = run_bench(args)
+    run, show = (run_method_bench, print_method_table) if args.method != "none" else (run_bench, print_table)
+    result = run(args)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print_table(result)
+        show(result)
     return 0
 
 

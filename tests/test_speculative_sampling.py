@@ -59,7 +59,7 @@ class _TableProposer:
         self.fresh = set(request_ids)
 
     def propose(self, request_ids, seq_lens):
-        n, bs = self.num_draft_tokens, len(request_ids)
+        n = self.num_draft_tokens
         tokens, masks, drafts = [], [], []
         tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]],
                             dtype=torch.bool)  # node 1 = a, node 2 = b (sibling), node 3 = c

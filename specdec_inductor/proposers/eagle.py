@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
-from specdec_inductor import ops
+from specdec_inductor.proposers.chain import admit_draft_requests, chain_tree
 from specdec_inductor.speculative import DraftTree
 
 _LAYER_KEYS = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -168,18 +168,13 @@ class EagleProposer:
         return torch.tensor(rows, dtype=torch.int64)  # [B]
 
     def start(self, request_ids: List[int], contexts: List[List[int]], hidden: List[Tensor]):
-        pool = self.engine.pool
-        budget = pool.max_len - max(len(c) for c in contexts)
-        if budget < self.num_draft_tokens:
-            raise ValueError(f"draft engine max_len {pool.max_len} leaves no room for drafts "
-                             f"after a context of {max(len(c) for c in contexts)} tokens")
-        requests = pool.admit([len(c) - 1 for c in contexts], budget)
+        requests = admit_draft_requests(self.engine.pool, contexts, self.num_draft_tokens)
         for rid, req, ctx, h in zip(request_ids, requests, contexts, hidden):
             # Pairs (x_{p+1}, h_p) for the prompt positions p = 0 .. P-1.
             self._requests[rid] = _EagleRequest(req, 0, list(ctx[1:]), h, root=ctx[-1])
 
     def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
-        bs, n, eng = len(request_ids), self.num_draft_tokens, self.engine
+        bs, eng = len(request_ids), self.engine
         states = [self._requests[r] for r in request_ids]
         req_rows = self._rows(states)
         bucket, chunk = req_rows.shape[0], eng.prefill_chunk
@@ -227,12 +222,8 @@ class EagleProposer:
             seq = seq + 1
             drafts.append(tok[:bs])
         chain = torch.stack(drafts, dim=1)  # [bs, K]
-        roots = torch.tensor([st.root for st in states]).view(bs, 1)  # [bs, 1]
-        tokens = torch.cat([roots, chain], dim=1)  # [bs, N]
-        mask = torch.ones(n, n, dtype=torch.bool).tril().flatten().repeat(bs)  # [bs*N*N]
-        positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
-        return DraftTree(tokens, mask, positions, ridx, nxt, sib,
-                         torch.full((bs,), self.k, dtype=torch.int64))
+        roots = torch.tensor([st.root for st in states])  # [bs]
+        return chain_tree(roots, chain, seq_lens)
 
     def commit(self, request_ids: List[int], emitted: List[List[int]], hidden: List[Tensor]):
         for rid, toks, h in zip(request_ids, emitted, hidden):

@@ -15,7 +15,7 @@ from typing import Dict, List
 import torch
 from torch import Tensor
 
-from specdec_inductor import ops
+from specdec_inductor.proposers.chain import admit_draft_requests, chain_tree
 from specdec_inductor.speculative import DraftTree
 
 
@@ -57,13 +57,8 @@ class StandaloneProposer:
 
     # -- the Proposer protocol (specdec_inductor/speculative.py) ------------------------------
     def start(self, request_ids: List[int], contexts: List[List[int]]) -> None:
-        pool = self.engine.pool
-        budget = pool.max_len - max(len(c) for c in contexts)
-        if budget < self.num_draft_tokens:
-            raise ValueError(f"draft engine max_len {pool.max_len} leaves no room for drafts "
-                             f"after a context of {max(len(c) for c in contexts)} tokens")
         # The prompt (all but the root) is prefilled now; the root is the first catch-up token.
-        requests = pool.admit([len(c) - 1 for c in contexts], budget)
+        requests = admit_draft_requests(self.engine.pool, contexts, self.num_draft_tokens)
         for rid, req, ctx in zip(request_ids, requests, contexts):
             self._requests[rid] = _DraftRequest(req, list(ctx), 0)
         try:
@@ -75,7 +70,7 @@ class StandaloneProposer:
             self._requests[rid].cached = len(ctx) - 1
 
     def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
-        bs, n, eng = len(request_ids), self.num_draft_tokens, self.engine
+        bs, eng = len(request_ids), self.engine
         states = [self._requests[r] for r in request_ids]
         for st in states:  # a finished request emits nothing: re-feed its last token
             st.cached = min(st.cached, len(st.tokens) - 1)
@@ -111,12 +106,8 @@ class StandaloneProposer:
         chain = torch.stack(drafts, dim=1)  # [bs, K]
         for b, st in enumerate(states):
             st.proposed = chain[b].tolist()
-        roots = torch.tensor([st.tokens[-1] for st in states]).view(bs, 1)  # [bs, 1]
-        tokens = torch.cat([roots, chain], dim=1)  # [bs, N]
-        mask = torch.ones(n, n, dtype=torch.bool).tril().flatten().repeat(bs)  # [bs*N*N]
-        positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
-        return DraftTree(tokens, mask, positions, ridx, nxt, sib,
-                         torch.full((bs,), self.k, dtype=torch.int64))
+        roots = torch.tensor([st.tokens[-1] for st in states])  # [bs]
+        return chain_tree(roots, chain, seq_lens)
 
     def commit(self, request_ids: List[int], emitted: List[List[int]]) -> None:
         for rid, tokens in zip(request_ids, emitted):
