@@ -38,6 +38,15 @@ class DraftTree:
     num_drafts: Optional[Tensor] = None  # [B] real (unpadded) drafts, for metrics
 
 
+def root_only_draft(roots: Tensor, seq_lens: Tensor) -> DraftTree:
+    """Trees of the root alone (roots [B]): verifying them is a plain decode step."""
+    bs = roots.shape[0]
+    row = torch.arange(bs, dtype=torch.int64).view(bs, 1)  # [B, 1] flat node rows
+    none = torch.full((bs, 1), -1, dtype=torch.int64)  # [B, 1]
+    return DraftTree(roots.view(bs, 1).long(), torch.ones(bs, dtype=torch.bool), seq_lens.clone(),
+                     row, none, none.clone(), torch.zeros(bs, dtype=torch.int64))
+
+
 class Proposer(Protocol):
     """What a speculative method provides. Request ids are the engine's request rows."""
 
@@ -51,7 +60,9 @@ class Proposer(Protocol):
         """Draft trees rooted at each request's last emitted token; seq_lens [B] = cached tokens."""
 
     def commit(self, request_ids: List[int], emitted: List[List[int]]) -> None:
-        """Tokens each request emitted in the last step (accepted drafts + bonus)."""
+        """Tokens each request emitted in the last step (accepted drafts + bonus). A step may
+        run without a propose call (the acceptance gate's plain decode steps): then emitted
+        holds just the next token."""
 
     def finish(self, request_ids: List[int]) -> None:
         """Requests that left the batch."""
@@ -121,15 +132,22 @@ class SpeculativeGenerator:
     """
 
     def __init__(self, engine, proposer: Proposer, tree_sizes: Optional[Sequence[int]] = None,
-                 min_accepted: float = 0.3, backoff_steps: int = 4):
+                 min_accepted: Optional[float] = None, backoff_steps: int = 4,
+                 verify_cost_per_node: float = 0.15):
         self.engine = engine
         self.proposer = proposer
         # Acceptance gate: when the running mean of accepted drafts per verify step falls
         # below min_accepted, the next steps are plain decodes (a verify that accepts nothing
         # costs more than a decode), backoff_steps at first and twice as many after each
         # further failed probe (at most 64); a probe that accepts enough resets the backoff.
-        self.min_accepted, self.backoff_steps = min_accepted, backoff_steps
+        # Default threshold: the break-even point of verify(N) against plain decode. A verify
+        # of N tokens costs about 1 + verify_cost_per_node * (N - 1) decode steps (on a CPU
+        # the extra rows make the GEMVs compute-bound: benchmarks/bench_linear.py measures
+        # M=8 at ~2x M=1 on 2 cores, i.e. ~0.15 per node), and emits 1 + accepted tokens.
         n = proposer.num_draft_tokens
+        if min_accepted is None:
+            min_accepted = verify_cost_per_node * (n - 1)
+        self.min_accepted, self.backoff_steps = min_accepted, backoff_steps
         sizes = sorted(set(tree_sizes if tree_sizes is not None else (1, n)) | {n})
         if sizes[0] < 1 or sizes[-1] > n:
             raise ValueError(f"tree_sizes must lie in [1, num_draft_tokens={n}], got {sizes}")
@@ -236,11 +254,13 @@ class SpeculativeGenerator:
                     if done[b]:
                         req_rows[b] = engine.pool.padding_row
                 t = time.perf_counter()
-                draft = proposer.propose(ids, seq_lens[:bs])
-                size = self._size_for(draft, done)
-                if cooldown > 0:
+                if cooldown > 0:  # the gate says decode: do not pay for a draft either
+                    draft = root_only_draft(torch.tensor([o[-1] for o in out]), seq_lens[:bs])
                     size, cooldown = 1, cooldown - 1
-                draft = self._truncate(draft, size, seq_lens[:bs])
+                else:
+                    draft = proposer.propose(ids, seq_lens[:bs])
+                    size = self._size_for(draft, done)
+                    draft = self._truncate(draft, size, seq_lens[:bs])
                 tokens, mask, positions, linkage = self._pad(draft, bucket, seq_lens)
                 t1 = time.perf_counter()
                 if size == 1:  # nothing to verify: a plain decode step of the roots

@@ -145,3 +145,20 @@ def test_acceptance_gate_backs_off_to_decode_and_stays_exact():
         prompts, 24, stats=ungated) == plain
     assert ungated.decode_steps == 0 and gated.decode_steps >= gated.verify_steps // 2, gated.summary()
     assert engine.pool.num_free_slots == engine.pool.num_slots
+
+
+def test_gated_decode_steps_do_not_call_the_proposer():
+    """While the gate forces plain decode steps the (possibly expensive) proposer is not run,
+    and the commits it still receives keep it in step."""
+    model = tiny_model("llama", seed=9)
+    prompts = repetitive_prompts(2)
+    engine = Engine(model, max_batch=2, max_len=128, compile=False, prefill_chunk=16)
+    proposer = _WrongChainProposer()
+    calls = []
+    propose = proposer.propose
+    proposer.propose = lambda ids, lens: (calls.append(1), propose(ids, lens))[1]
+    stats = SpeculativeStats()
+    assert SpeculativeGenerator(engine, proposer).generate(prompts, 32, stats=stats) == \
+        engine.generate(prompts, 32)
+    assert stats.decode_steps > 0
+    assert len(calls) == stats.verify_steps - stats.decode_steps, (len(calls), stats.summary())

@@ -33,12 +33,14 @@ def prompts(count, seed=3):
     return [torch.randint(0, VOCAB, (3 + 5 * i,), generator=gen).tolist() for i in range(count)]
 
 
-def _run(target, draft, batch, max_new, n, *, compiled=False, eos=None, sampling=None):
+def _run(target, draft, batch, max_new, n, *, compiled=False, eos=None, sampling=None,
+         min_accepted=0.0):
     engine = Engine(target, max_batch=batch, max_len=128, compile=compiled, prefill_chunk=16)
     draft_engine = Engine(draft, max_batch=batch, max_len=128, compile=compiled, prefill_chunk=16)
     ps = prompts(batch)
     plain = engine.generate(ps, max_new, eos_token_id=eos)
-    spec = SpeculativeGenerator(engine, StandaloneProposer(draft_engine, n), min_accepted=0.0)
+    spec = SpeculativeGenerator(engine, StandaloneProposer(draft_engine, n),
+                                min_accepted=min_accepted)
     stats = SpeculativeStats()
     got = spec.generate(ps, max_new, eos_token_id=eos, stats=stats, sampling=sampling)
     for e in (engine, draft_engine):
@@ -91,3 +93,12 @@ def test_compiled_no_recompiles_after_warmup():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="num_draft_tokens"):
         StandaloneProposer(None, 1)
+
+
+def test_gated_steps_skip_the_draft_and_catch_up_later():
+    """A poor draft trips the acceptance gate: plain decode steps run without drafting, and
+    the next draft step catches the draft's KV up over all the tokens committed meanwhile."""
+    plain, got, stats, _ = _run(tiny(0), tiny(7, layers=1, hidden=16), 3, 40, 5,
+                                min_accepted=None)
+    assert got == plain
+    assert stats.decode_steps > 0 and stats.verify_steps > stats.decode_steps, stats.summary()

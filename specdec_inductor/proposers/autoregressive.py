@@ -6,7 +6,7 @@ from typing import List
 import torch
 from torch import Tensor
 
-from specdec_inductor.speculative import DraftTree
+from specdec_inductor.speculative import DraftTree, root_only_draft
 
 
 class AutoregressiveProposer:
@@ -17,12 +17,7 @@ class AutoregressiveProposer:
         self.last = {r: c[-1] for r, c in zip(request_ids, contexts)}
 
     def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
-        bs = len(request_ids)
-        tokens = torch.tensor([[self.last[r]] for r in request_ids], dtype=torch.int64)  # [B, 1]
-        row = torch.arange(bs, dtype=torch.int64).view(bs, 1)  # [B, 1] flat node rows
-        none = torch.full((bs, 1), -1, dtype=torch.int64)  # [B, 1]
-        return DraftTree(tokens, torch.ones(bs, dtype=torch.bool), seq_lens.clone(), row, none,
-                         none.clone(), torch.zeros(bs, dtype=torch.int64))
+        return root_only_draft(torch.tensor([self.last[r] for r in request_ids]), seq_lens)
 
     def commit(self, request_ids: List[int], emitted: List[List[int]]) -> None:
         for r, e in zip(request_ids, emitted):

@@ -77,7 +77,10 @@ class StandaloneProposer:
         req_rows = self._rows(request_ids)
         # Catch-up is 1 or 2 tokens per step (the bonus, plus the last accepted draft when all
         # K were accepted: its KV was never written), so one small T keeps one graph.
-        bucket, chunk = req_rows.shape[0], CATCH_UP_TOKENS
+        pending = max(len(st.tokens) - st.cached for st in states)
+        bucket = req_rows.shape[0]
+        # After decode-only steps (the acceptance gate) more is pending: take prefill chunks.
+        chunk = CATCH_UP_TOKENS if pending <= CATCH_UP_TOKENS else eng.prefill_chunk
         last_logits = [None] * bs
         while any(st.cached < len(st.tokens) for st in states):  # catch-up extends
             ids = torch.zeros(bucket, chunk, dtype=torch.int64)  # [B, T]
@@ -114,11 +117,13 @@ class StandaloneProposer:
             st = self._requests[rid]
             if not tokens:
                 continue
-            match = 0
-            while match < min(len(tokens), len(st.proposed)) and tokens[match] == st.proposed[match]:
-                match += 1
+            if st.proposed:  # else the step ran without a draft: the cache is unchanged
+                match = 0
+                while match < min(len(tokens), len(st.proposed)) and tokens[match] == st.proposed[match]:
+                    match += 1
+                st.cached = st.base + min(match, self.k - 1)
+                st.proposed = []
             st.tokens.extend(tokens)
-            st.cached = st.base + min(match, self.k - 1)
 
     def finish(self, request_ids: List[int]) -> None:
         for rid in request_ids:
