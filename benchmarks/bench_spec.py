@@ -43,6 +43,8 @@ def main():
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ngram-breadth", default="1",
+                        help="NGRAM children kept per level, comma list (1: a chain)")
     parser.add_argument("--methods", default="ngram,standalone",
                         help="comma list of ngram, standalone, eagle")
     parser.add_argument("--eagle-head", default=None,
@@ -60,8 +62,9 @@ def main():
     methods = {}
     for name in args.methods.split(","):
         if name == "ngram":
-            methods[f"NGRAM N={args.num_draft_tokens}"] = SpeculativeGenerator(
-                engine, NgramProposer(num_draft_tokens=args.num_draft_tokens, breadth=(1,)))
+            breadth = tuple(int(b) for b in args.ngram_breadth.split(","))
+            methods[f"NGRAM N={args.num_draft_tokens} breadth {breadth}"] = SpeculativeGenerator(
+                engine, NgramProposer(num_draft_tokens=args.num_draft_tokens, breadth=breadth))
         elif name == "standalone":
             draft = keep_first_layers(load_model()[0], args.draft_layers)
             draft_engine = Engine(draft, max_batch=1, max_len=1024, compile=not args.eager)

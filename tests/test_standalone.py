@@ -18,12 +18,17 @@ from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats 
 VOCAB = 96
 
 
-def tiny(seed, layers=2, hidden=32):
+FAMILIES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+            "mistral": "MistralConfig"}
+
+
+def tiny(seed, layers=2, hidden=32, family="llama"):
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden,
-                                      intermediate_size=2 * hidden, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=256)
+    extra = dict(head_dim=hidden // 4) if family == "qwen3" else {}
+    config = getattr(transformers, FAMILIES[family])(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, **extra)
     config._attn_implementation = "sdpa"
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
@@ -102,3 +107,12 @@ def test_gated_steps_skip_the_draft_and_catch_up_later():
                                 min_accepted=None)
     assert got == plain
     assert stats.decode_steps > 0 and stats.verify_steps > stats.decode_steps, stats.summary()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_other_families_target_and_draft(family):
+    target = tiny(0, family=family)
+    plain, got, _, _ = _run(target, copy.deepcopy(target), 3, 20, 4)
+    assert got == plain
+    plain, got, _, _ = _run(target, tiny(5, layers=1, family=family), 3, 20, 4)
+    assert got == plain
