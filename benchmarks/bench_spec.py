@@ -43,7 +43,7 @@ def main():
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ngram-breadth", default="1",
+    parser.add_argument("--ngram-breadth", default="2,1",
                         help="NGRAM children kept per level, comma list (1: a chain)")
     parser.add_argument("--methods", default="ngram,standalone",
                         help="comma list of ngram, standalone, eagle")
