@@ -38,68 +38,59 @@ inline void store(const LinearBlock& b, int64_t m, int64_t n, float v) {
   }
 }
 
-// One weight row n times MB rows of x, with U independent accumulators per x row (U * MB >= 4
-// keeps enough FMAs in flight). Rows are visited in memory order, so the weight matrix is read
-// as one sequential stream, which the hardware prefetcher follows best.
-template <int MB, int U>
-void row_f32(const LinearBlock& b, int64_t n, int64_t m0) {
-  constexpr int64_t kStep = 16 * U;
-  const float* wr = static_cast<const float*>(b.w) + n * b.w_stride;
-  const float* xr[MB];
-  for (int j = 0; j < MB; ++j) xr[j] = static_cast<const float*>(b.x) + (m0 + j) * b.x_stride;
-  __m512 acc[MB][U];
-  for (int j = 0; j < MB; ++j)
-    for (int u = 0; u < U; ++u) acc[j][u] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + kStep <= b.K; k += kStep) {
-    for (int u = 0; u < U; ++u) {
-      const __m512 wv = _mm512_loadu_ps(wr + k + 16 * u);
-      for (int j = 0; j < MB; ++j)
-        acc[j][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xr[j] + k + 16 * u), acc[j][u]);
-    }
+// Element type, lane count, loads and multiply-add of each dtype: fp32 uses FMA on 16 lanes;
+// bf16 uses vdpbf16ps, which multiplies 32 bf16 pairs exactly into 16 fp32 lanes.
+struct F32Ops {
+  using T = float;
+  using Vec = __m512;
+  static constexpr int64_t kLanes = 16;
+  static Vec load(const T* p) { return _mm512_loadu_ps(p); }
+  static Vec load_tail(const T* p, int64_t left) {  // zeros past `left` elements
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << left) - 1u), p);
   }
-  for (; k < b.K; k += 16) {
-    const int64_t left = b.K - k;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xffff)
-                                      : static_cast<__mmask16>((1u << left) - 1u);
-    const __m512 wv = _mm512_maskz_loadu_ps(mask, wr + k);
-    for (int j = 0; j < MB; ++j)
-      acc[j][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, xr[j] + k), acc[j][0]);
-  }
-  for (int j = 0; j < MB; ++j) {
-    __m512 s = acc[j][0];
-    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[j][u]);
-    store(b, m0 + j, n, _mm512_reduce_add_ps(s));
-  }
-}
+  static __m512 madd(__m512 acc, Vec w, Vec x) { return _mm512_fmadd_ps(w, x, acc); }
+};
 
-// bf16: vdpbf16ps multiplies 32 bf16 pairs into 16 fp32 lanes.
-template <int MB, int U>
-void row_bf16(const LinearBlock& b, int64_t n, int64_t m0) {
-  constexpr int64_t kStep = 32 * U;
-  const uint16_t* wr = static_cast<const uint16_t*>(b.w) + n * b.w_stride;
-  const uint16_t* xr[MB];
-  for (int j = 0; j < MB; ++j) xr[j] = static_cast<const uint16_t*>(b.x) + (m0 + j) * b.x_stride;
+struct Bf16Ops {
+  using T = uint16_t;
+  using Vec = __m512i;
+  static constexpr int64_t kLanes = 32;
+  static Vec load(const T* p) { return _mm512_loadu_si512(p); }
+  static Vec load_tail(const T* p, int64_t left) {
+    return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << left) - 1u), p);
+  }
+  static __m512 madd(__m512 acc, Vec w, Vec x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+  }
+};
+
+// One weight row n times MB rows of x, with U independent accumulators per x row (U * MB >= 4
+// keeps enough multiply-adds in flight). Rows are visited in memory order, so the weight matrix
+// is read as one sequential stream, which the hardware prefetcher follows best.
+template <class Ops, int MB, int U>
+void row(const LinearBlock& b, int64_t n, int64_t m0) {
+  using T = typename Ops::T;
+  constexpr int64_t L = Ops::kLanes;
+  const T* wr = static_cast<const T*>(b.w) + n * b.w_stride;
+  const T* xr[MB];
+  for (int j = 0; j < MB; ++j) xr[j] = static_cast<const T*>(b.x) + (m0 + j) * b.x_stride;
   __m512 acc[MB][U];
   for (int j = 0; j < MB; ++j)
     for (int u = 0; u < U; ++u) acc[j][u] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + kStep <= b.K; k += kStep) {
+  for (; k + L * U <= b.K; k += L * U) {
     for (int u = 0; u < U; ++u) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
-      for (int j = 0; j < MB; ++j)
-        acc[j][u] = _mm512_dpbf16_ps(acc[j][u], wv,
-                                     (__m512bh)_mm512_loadu_si512(xr[j] + k + 32 * u));
+      const typename Ops::Vec wv = Ops::load(wr + k + L * u);
+      for (int j = 0; j < MB; ++j) acc[j][u] = Ops::madd(acc[j][u], wv, Ops::load(xr[j] + k + L * u));
     }
   }
-  for (; k < b.K; k += 32) {
+  for (; k < b.K; k += L) {
     const int64_t left = b.K - k;
-    const __mmask32 mask = left >= 32 ? static_cast<__mmask32>(0xffffffffu)
-                                      : static_cast<__mmask32>((uint64_t{1} << left) - 1u);
-    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k);
-    for (int j = 0; j < MB; ++j)
-      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], wv,
-                                   (__m512bh)_mm512_maskz_loadu_epi16(mask, xr[j] + k));
+    const typename Ops::Vec wv = left >= L ? Ops::load(wr + k) : Ops::load_tail(wr + k, left);
+    for (int j = 0; j < MB; ++j) {
+      const typename Ops::Vec xv = left >= L ? Ops::load(xr[j] + k) : Ops::load_tail(xr[j] + k, left);
+      acc[j][0] = Ops::madd(acc[j][0], wv, xv);
+    }
   }
   for (int j = 0; j < MB; ++j) {
     __m512 s = acc[j][0];
@@ -110,8 +101,8 @@ void row_bf16(const LinearBlock& b, int64_t n, int64_t m0) {
 
 template <int MB, int U>
 void run_row(const LinearBlock& b, int64_t n, int64_t m0) {
-  if (b.dtype == LinearDtype::FLOAT32) row_f32<MB, U>(b, n, m0);
-  else row_bf16<MB, U>(b, n, m0);
+  if (b.dtype == LinearDtype::FLOAT32) row<F32Ops, MB, U>(b, n, m0);
+  else row<Bf16Ops, MB, U>(b, n, m0);
 }
 
 // All M rows of x against weight row n: the first chunk of x rows streams the weight row from
