@@ -229,7 +229,7 @@ class SpeculativeGenerator:
             req_rows = torch.tensor(rows, dtype=torch.int64)  # [B]
             t0 = time.perf_counter()
             if captures:
-                first_logits, prompt_hidden, _ = engine.prefill_with_hidden(prompts, req_rows)
+                first_logits, prompt_hidden = engine.prefill_with_hidden(prompts, req_rows)
             else:
                 first_logits = engine.prefill(prompts, req_rows)  # [B, V]
             first = (sampler.sample(first_logits[:bs]) if sampler is not None

@@ -239,9 +239,9 @@ class Engine:
 
     @torch.inference_mode()
     def prefill_with_hidden(self, prompts: Sequence[Sequence[int]], req_rows: Tensor,
-                            aux: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                            aux: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """prefill, plus (needs capture_hidden) the captured hidden of every prompt position
-        [B, P, k*H] (right-padded) and of each prompt's last position [B, k*H]."""
+        [B, P, k*H] (right-padded)."""
         if self.capture_hidden is None:
             raise ValueError("prefill_with_hidden needs an Engine made with capture_hidden")
         return self._prefill(prompts, req_rows, aux)
@@ -260,7 +260,7 @@ class Engine:
             aux = padded
         prompt_lens = torch.tensor(lens, dtype=torch.int64)  # [B]
         last = torch.zeros(bs, self.vocab_size, dtype=self.dtype)  # [B, V]
-        hiddens, last_hidden = [], None
+        hiddens = []
         t = torch.arange(chunk)
         for c in range(n_chunks):
             start = c * chunk
@@ -278,12 +278,7 @@ class Engine:
                                last)
             if hidden is not None:
                 hiddens.append(hidden)
-                h_last = hidden.gather(1, idx.expand(bs, 1, hidden.shape[-1]))[:, 0]  # [B, k*H]
-                last_hidden = h_last if last_hidden is None else torch.where(
-                    ends_here.view(bs, 1), h_last, last_hidden)
-        if not hiddens:
-            return last, None, None
-        return last, torch.cat(hiddens, dim=1), last_hidden
+        return last, (torch.cat(hiddens, dim=1) if hiddens else None)
 
     def generate_stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                         eos_token_id: Optional[int] = None,

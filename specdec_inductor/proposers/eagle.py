@@ -14,8 +14,8 @@ Chains only for now (no top-k tree expansion). EAGLE-3 checkpoints are refused h
 """
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List
 
 import torch
 from torch import Tensor, nn
@@ -137,8 +137,8 @@ def load_eagle_head(path: str, target) -> EagleDraftModel:
 class _EagleRequest:
     request: object  # the draft pool's Request
     cached: int  # draft KV covers positions [0, cached)
-    tokens: List[int] = field(default_factory=list)  # pending x_{p+1}, p = cached, cached + 1, ...
-    hidden: Optional[Tensor] = None  # pending h_p, one row per pending token
+    tokens: List[int]  # pending x_{p+1}, p = cached, cached + 1, ...
+    hidden: Tensor  # pending h_p [pending, H], one row per pending token
     done: bool = False
     root: int = 0
 
@@ -178,14 +178,14 @@ class EagleProposer:
         states = [self._requests[r] for r in request_ids]
         req_rows = self._rows(states)
         bucket, chunk = req_rows.shape[0], eng.prefill_chunk
-        hdim = states[0].hidden.shape[-1] if states[0].hidden is not None else None
+        hdim, hdtype = states[0].hidden.shape[-1], states[0].hidden.dtype
         last_logits = [None] * bs
         last_g = [None] * bs
         # Draft extend over the pending pairs (the prompt at the first step; later the root
         # and the accepted drafts), chunk by chunk.
         while any(st.tokens and not st.done for st in states):
             ids = torch.zeros(bucket, chunk, dtype=torch.int64)  # [B, T]
-            aux = torch.zeros(bucket, chunk, hdim, dtype=states[0].hidden.dtype)  # [B, T, H]
+            aux = torch.zeros(bucket, chunk, hdim, dtype=hdtype)  # [B, T, H]
             prefix = torch.zeros(bucket, dtype=torch.int64)  # [B]
             ext = torch.zeros(bucket, dtype=torch.int64)  # [B]
             for b, st in enumerate(states):
@@ -209,7 +209,7 @@ class EagleProposer:
         for b in range(bs):  # finished requests: placeholders (their drafts are never used)
             if last_logits[b] is None:
                 last_logits[b] = torch.zeros(vocab, dtype=eng.dtype)
-                last_g[b] = torch.zeros(hdim, dtype=states[0].hidden.dtype)
+                last_g[b] = torch.zeros(hdim, dtype=hdtype)
         tok = torch.stack(last_logits).argmax(-1)  # [bs] d1
         g = torch.stack(last_g)  # [bs, H]
         drafts = [tok]
@@ -234,7 +234,7 @@ class EagleProposer:
             # emitted[i] = x_{p+1} for the path position p whose target hidden is h[i].
             st.tokens = st.tokens + list(toks)
             rows = h[:len(toks)]
-            st.hidden = rows if st.hidden is None or len(st.hidden) == 0 else torch.cat([st.hidden, rows])
+            st.hidden = torch.cat([st.hidden, rows])
             st.root = toks[-1]
 
     def finish(self, request_ids: List[int]) -> None:
