@@ -335,6 +335,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--json", action="store_true", help="print the result as JSON")
     b.set_defaults(func=cmd_bench)
+    from specdec_inductor.train.command import add_parser as add_train_parser
+    add_train_parser(sub, common)
     return parser
 
 

@@ -1,0 +1,100 @@
+"""`specdec train-draft`: build the data through the Engine, train an EAGLE or EAGLE-3 head on
+the CPU, write it in the published layout, and report held-out acceptance."""
+import json
+import os
+import sys
+import time
+
+import torch
+
+DEFAULT_OUT = "draft-heads"
+
+
+def eagle3_layers(num_layers: int):
+    """EAGLE-3's default low / mid / high features: the inputs of decoder layers 2, L//2 and
+    L-3 (HF hidden_states indices), as SGLang and the EAGLE-3 reference capture them."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def add_parser(sub, common) -> None:
+    p = sub.add_parser("train-draft", help="train an EAGLE / EAGLE-3 draft head on the CPU")
+    common(p)
+    p.add_argument("--method", choices=["eagle", "eagle3"], required=True)
+    p.add_argument("--target", dest="model", default=None,
+                   help="target model directory or .gguf (default: SmolLM2-135M GGUF)")
+    p.add_argument("--out", default=None, help=f"output directory (default {DEFAULT_OUT}/<method>)")
+    p.add_argument("--num-prompts", type=int, default=512, help="training prompts (corpus.py)")
+    p.add_argument("--new-tokens", type=int, default=128, help="greedy continuation per prompt")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--ttt-steps", type=int, default=4, help="EAGLE-3 unrolled draft steps")
+    p.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 draft vocabulary")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=50, help="trainer state every K steps")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --out's trainer state and cached data")
+    p.add_argument("--no-eval", dest="eval", action="store_false",
+                   help="skip the held-out acceptance evaluation")
+    p.set_defaults(func=run, max_batch=8, max_len=512)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    from specdec_inductor.cli import DTYPES, encode
+    from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.train.corpus import training_prompts
+    from specdec_inductor.train.data import DraftData, build_draft_data
+    from specdec_inductor.train.trainer import TrainConfig, train_head
+    torch.manual_seed(args.seed)
+    cfg = TrainConfig(method=args.method, epochs=args.epochs, batch_size=args.batch_size,
+                      lr=args.lr, seed=args.seed, ttt_steps=args.ttt_steps,
+                      save_every=args.save_every)
+    try:
+        cfg.validate()
+        texts = training_prompts(args.num_prompts, args.seed)
+        if args.new_tokens < 1:
+            raise ValueError(f"argument 'new_tokens' must be >= 1, got {args.new_tokens}")
+    except ValueError as exc:
+        raise SystemExit(f"specdec train-draft: {exc}")
+    out = args.out or os.path.join(DEFAULT_OUT, args.method)
+    os.makedirs(out, exist_ok=True)
+    t_start = time.perf_counter()
+    target, tokenizer = load_model(args.model, DTYPES[args.dtype])
+    layers = eagle3_layers(target.config.num_hidden_layers) if args.method == "eagle3" else []
+    meta = {"prompts": args.num_prompts, "new_tokens": args.new_tokens, "seed": args.seed,
+            "layers": layers, "model": args.model, "dtype": args.dtype, "chat": args.chat}
+    data_path = os.path.join(out, "data.pt")
+    meta_path = os.path.join(out, "data.json")
+    data = None
+    if args.resume and os.path.exists(data_path) and os.path.exists(meta_path):
+        with open(meta_path) as f:
+            if json.load(f) == meta:
+                data = DraftData.load(data_path)
+                _log(f"[train-draft] reusing {data_path}: {len(data)} sequences")
+    if data is None:
+        prompts = [encode(tokenizer, t, args.chat) for t in texts]
+        data = build_draft_data(target, prompts, layers, new_tokens=args.new_tokens,
+                                eos_token_id=tokenizer.eos_token_id, max_batch=args.max_batch,
+                                compile=False if args.eager else None, progress=_log)
+        data.save(data_path)
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
+    t_data = time.perf_counter() - t_start
+    _log(f"[train-draft] data: {len(data)} sequences, {data.num_tokens()} tokens "
+         f"({data.num_generated_tokens} generated) in {t_data:.0f} s")
+    t0 = time.perf_counter()
+    train_head(target, data, out, cfg, draft_vocab_size=args.draft_vocab_size,
+               resume=args.resume, progress=_log)
+    t_train = time.perf_counter() - t0
+    _log(f"[train-draft] wrote {out} (published {args.method} layout, bf16); data {t_data:.0f} s, "
+         f"training {t_train:.0f} s, total {time.perf_counter() - t_start:.0f} s")
+    if args.eval:
+        from specdec_inductor.train.evaluate import evaluate_head, format_eval
+        result = evaluate_head(args.method, out, model_path=args.model, dtype=args.dtype,
+                               chat=args.chat, compile=not args.eager, progress=_log)
+        print(format_eval(result))
+    return 0

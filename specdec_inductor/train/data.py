@@ -1,0 +1,153 @@
+"""Training data for draft heads, built offline through the Engine (EAGLE recommends the
+target's own outputs): prompts -> the target's greedy continuations -> one prefill over
+prompt + continuation capturing the hidden states the head needs -> soft labels (the target's
+next-token distribution at every position, truncated to its top LABEL_TOP_K entries).
+
+A `DraftData` holds, per sequence: tokens [T], feats [T, k*H] (the captured layers, in the
+Engine's capture_hidden order), final [T, H] (the final normed hidden state: EAGLE's input
+and regression target, and what the labels are computed from), label_ids / label_probs
+[T, LABEL_TOP_K] (row t = the target's distribution of token t+1).
+"""
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+from torch import Tensor
+
+LABEL_TOP_K = 32  # keeps the labels small (80 MB for 100k tokens) and loses <1% of mass here
+
+
+@dataclass
+class DraftData:
+    tokens: List[Tensor]  # [T] int64 each
+    feats: List[Tensor]  # [T, k*H] float32 (captured layers; empty [T, 0] for EAGLE)
+    final: List[Tensor]  # [T, H] float32
+    label_ids: List[Tensor]  # [T, K] int64
+    label_probs: List[Tensor]  # [T, K] float32
+    layers: List[int]  # the captured HF hidden_states indices behind feats
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def num_tokens(self) -> int:
+        return sum(int(t.numel()) for t in self.tokens)
+
+    def save(self, path: str) -> None:
+        torch.save(self.__dict__, path)
+
+    @classmethod
+    def load(cls, path: str) -> "DraftData":
+        return cls(**torch.load(path, weights_only=True))
+
+    def token_counts(self, vocab_size: int) -> Tensor:
+        """How often each target token id appears (prompts and continuations) [V]."""
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for t in self.tokens:
+            counts += torch.bincount(t, minlength=vocab_size)
+        return counts
+
+
+def _topk_probs(logits: Tensor, top_k: int):
+    """(ids [R, K] int64, probs [R, K] float32): the top_k of softmax(logits [R, V]), renormalised."""
+    p = torch.softmax(logits.float(), dim=-1)
+    top = p.topk(top_k, dim=-1)
+    return top.indices, top.values / top.values.sum(-1, keepdim=True)
+
+
+@torch.inference_mode()
+def soft_labels(lm_head: torch.nn.Module, final: Tensor, top_k: int = LABEL_TOP_K,
+                chunk: int = 512):
+    """The target's next-token distribution at every row of final [T, H] (top_k entries)."""
+    ids, probs = [], []
+    weight_dtype = next(lm_head.parameters()).dtype
+    for part in final.split(chunk):
+        i, p = _topk_probs(lm_head(part.to(weight_dtype)), top_k)
+        ids.append(i)
+        probs.append(p)
+    return torch.cat(ids), torch.cat(probs)
+
+
+@torch.inference_mode()
+def generate_with_hidden(engine, prompts: List[List[int]], new_tokens: int,
+                         eos_token_id: Optional[int]):
+    """Greedy continuation of up to engine.max_batch prompts, recording what training needs
+    in the same pass: per sequence (tokens [T], captured hidden [T, k*H], next-token labels
+    (ids, probs) [T, K]) for the prompt and every generated token that was fed back (eos and
+    the token after the last step are not: they have no hidden state)."""
+    bs = len(prompts)
+    bucket = engine.bucket_for(bs)
+    lens = [len(p) for p in prompts]
+    requests = engine.pool.admit(lens, new_tokens)
+    lm_head = engine.model.get_output_embeddings()
+    try:
+        rows = [r.row for r in requests] + [engine.pool.padding_row] * (bucket - bs)
+        req_rows = torch.tensor(rows, dtype=torch.int64)  # [B]
+        last, hidden = engine.prefill_with_hidden(prompts, req_rows)  # [B, V], [B, P, k*H]
+        width = hidden.shape[-1] // len(engine.capture_hidden)
+        toks = [list(p) for p in prompts]
+        hids = [[hidden[b, :lens[b]].float()] for b in range(bs)]
+        labels = []
+        for b in range(bs):
+            ids, probs = soft_labels(lm_head, hidden[b, :lens[b] - 1, -width:])
+            li, lp = _topk_probs(last[b:b + 1], LABEL_TOP_K)
+            labels.append(([ids, li], [probs, lp]))
+        tokens = last.argmax(-1)  # [B]
+        seq_lens = torch.tensor(lens + [1] * (bucket - bs), dtype=torch.int64)  # [B]
+        done = [False] * bs
+        for _ in range(new_tokens - 1):
+            for b in range(bs):
+                done[b] = done[b] or (eos_token_id is not None and int(tokens[b]) == eos_token_id)
+            if all(done):
+                break
+            nxt, logits, hid = engine.decode(tokens, req_rows, seq_lens)  # [B], [B, V], [B, k*H]
+            li, lp = _topk_probs(logits[:bs], LABEL_TOP_K)
+            for b in range(bs):
+                if not done[b]:
+                    toks[b].append(int(tokens[b]))
+                    hids[b].append(hid[b:b + 1].float())
+                    labels[b][0].append(li[b:b + 1])
+                    labels[b][1].append(lp[b:b + 1])
+            tokens, seq_lens = nxt, seq_lens + 1
+    finally:
+        for r in requests:
+            engine.pool.release(r)
+    out = []
+    for b in range(bs):
+        h = torch.cat(hids[b])  # [T, k*H]
+        out.append((torch.tensor(toks[b], dtype=torch.int64), h[:, :-width].clone(),
+                    h[:, -width:].clone(), torch.cat(labels[b][0]), torch.cat(labels[b][1])))
+    return out
+
+
+def build_draft_data(target, prompts: List[List[int]], layers: List[int], *, new_tokens: int,
+                     eos_token_id: Optional[int], max_batch: int = 8, compile: Optional[bool] = None,
+                     progress: Callable[[str], None] = lambda s: None) -> DraftData:
+    """Greedy continuations of `prompts` (token ids) by `target` (a HF causal LM) through one
+    Engine that captures `layers` (HF hidden_states indices, may be empty) and the final
+    hidden in the same pass."""
+    from specdec_inductor.engine.engine import Engine
+    longest = max(len(p) for p in prompts) + new_tokens
+    engine = Engine(target, max_batch=max_batch, max_len=longest + 1, compile=compile,
+                    capture_hidden=list(layers) + [-1])
+    data = DraftData([], [], [], [], [], list(layers))
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), max_batch):
+        batch = prompts[i:i + max_batch]
+        # A short last batch is padded with copies so every batch runs the same graphs.
+        padded = batch + [batch[0]] * (max_batch - len(batch))
+        for tokens, feats, final, ids, probs in generate_with_hidden(
+                engine, padded, new_tokens, eos_token_id)[:len(batch)]:
+            data.tokens.append(tokens)
+            data.feats.append(feats)
+            data.final.append(final)
+            data.label_ids.append(ids)
+            data.label_probs.append(probs)
+        data.num_prompt_tokens += sum(len(p) for p in batch)
+        data.num_generated_tokens = data.num_tokens() - data.num_prompt_tokens
+        progress(f"[data] {len(data)}/{len(prompts)} sequences, {data.num_tokens()} tokens, "
+                 f"{data.num_generated_tokens / (time.perf_counter() - t0):.0f} generated tok/s")
+    engine.pool.check_consistent()
+    return data

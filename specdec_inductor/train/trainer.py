@@ -1,0 +1,209 @@
+"""The training loop of `specdec train-draft`: seeded batches of whole sequences, AdamW with
+warmup + cosine decay, progress lines, a resumable trainer state every `save_every` steps, and
+the final head written in its published checkpoint layout.
+
+Objectives (as published): EAGLE -- feature regression (SmoothL1 of g_p against h_{p+1}) plus
+0.1 x cross-entropy of the head's next-token distribution against the target's; EAGLE-3 --
+cross-entropy against the target's distribution restricted to the draft vocabulary at every
+unrolled step, weighted 0.8^s, positions whose target top-1 lies outside the draft vocabulary
+masked out.
+"""
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdec_inductor.train.data import DraftData
+from specdec_inductor.train.heads import Eagle3Head, EagleHead, write_checkpoint
+
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass
+class TrainConfig:
+    method: str = "eagle"  # "eagle" | "eagle3"
+    epochs: int = 4
+    batch_size: int = 8  # sequences per step
+    lr: float = 1e-3
+    warmup: float = 0.05  # fraction of steps
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    seed: int = 0
+    ttt_steps: int = 4  # EAGLE-3 unrolled draft steps
+    noise: float = 0.2  # EAGLE: uniform feature noise amplitude (total width)
+    save_every: int = 50
+
+    def validate(self) -> None:
+        if self.method not in ("eagle", "eagle3"):
+            raise ValueError(f"argument 'method' must be 'eagle' or 'eagle3', got {self.method!r}")
+        for name in ("epochs", "batch_size", "ttt_steps", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"argument '{name}' must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"argument 'lr' must be > 0, got {self.lr}")
+
+
+def _pad(rows: List[Tensor], length: int) -> Tensor:
+    out = rows[0].new_zeros((len(rows), length) + tuple(rows[0].shape[1:]))
+    for b, r in enumerate(rows):
+        out[b, :r.shape[0]] = r
+    return out
+
+
+def _batch_order(n: int, batch_size: int, seed: int, epoch: int) -> List[List[int]]:
+    gen = torch.Generator().manual_seed(seed * 1000 + epoch)
+    perm = torch.randperm(n, generator=gen).tolist()
+    return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
+
+
+def _soft_ce(logits: Tensor, ids: Tensor, probs: Tensor) -> Tensor:
+    """-sum_k probs[..., k] * log_softmax(logits)[ids[..., k]] per row: logits [..., V],
+    ids / probs [..., K] -> [...]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.gather(-1, ids) * probs).sum(-1)
+
+
+def eagle_loss(head: EagleHead, data: DraftData, idx: List[int], noise: float,
+               gen: torch.Generator) -> Tuple[Tensor, Dict[str, float]]:
+    lens = [int(data.tokens[i].numel()) - 1 for i in idx]  # pairs (x_{p+1}, h_p) per sequence
+    t = max(lens)
+    nxt = _pad([data.tokens[i][1:] for i in idx], t)  # [B, T]
+    feats = _pad([data.final[i][:-1] for i in idx], t)  # [B, T, H]
+    want = _pad([data.final[i][1:] for i in idx], t)  # [B, T, H]
+    ids = _pad([data.label_ids[i][1:] for i in idx], t)  # [B, T, K]
+    probs = _pad([data.label_probs[i][1:] for i in idx], t)  # [B, T, K]
+    valid = torch.arange(t).view(1, t) < torch.tensor(lens).view(-1, 1)  # [B, T]
+    if noise:
+        feats = feats + (torch.rand(feats.shape, generator=gen) - 0.5) * noise
+    g = head(nxt, feats)  # [B, T, H]
+    reg = F.smooth_l1_loss(g, want, reduction="none").mean(-1)  # [B, T]
+    logits = head.frozen.lm_head(g)  # [B, T, V]
+    ce = _soft_ce(logits, ids, probs)  # [B, T]
+    n = valid.sum()
+    loss = (reg[valid].sum() + 0.1 * ce[valid].sum()) / n
+    acc = (logits.argmax(-1) == ids[..., 0])[valid].float().mean()
+    return loss, {"reg": float(reg[valid].mean().detach()), "ce": float(ce[valid].mean().detach()),
+                  "acc": float(acc), "tokens": int(n)}
+
+
+def eagle3_loss(head: Eagle3Head, data: DraftData, idx: List[int], steps: int
+                ) -> Tuple[Tensor, Dict[str, float]]:
+    lens = [int(data.tokens[i].numel()) for i in idx]
+    t = max(lens)
+    tokens = _pad([data.tokens[i] for i in idx], t)  # [B, T]
+    feats = _pad([data.feats[i] for i in idx], t)  # [B, T, 3H]
+    ids_t = _pad([data.label_ids[i] for i in idx], t)  # [B, T, K] target ids
+    probs = _pad([data.label_probs[i] for i in idx], t)  # [B, T, K]
+    ids_d = head.target_to_draft[ids_t]  # [B, T, K] draft ids, -1 outside the draft vocab
+    inside = ids_d >= 0
+    probs = probs * inside
+    mass = probs.sum(-1, keepdim=True)
+    probs = probs / mass.clamp(min=1e-9)
+    label_ok = inside[..., 0]  # [B, T] target top-1 is a draft token
+    ids_d = ids_d.clamp(min=0)
+    lens_t = torch.tensor(lens).view(-1, 1)
+    logits = head(tokens, feats, steps)
+    loss, total_w, stats = 0.0, 0.0, {}
+    for s, lg in enumerate(logits):
+        # index i at step s predicts token i+s+2: the label row is i+s+1.
+        rows = torch.arange(t) + s + 1  # [T]
+        valid = rows.view(1, t) < lens_t  # [B, T]
+        rows = rows.clamp(max=t - 1)
+        lid, lp, ok = ids_d[:, rows], probs[:, rows], label_ok[:, rows]  # [B, T, K] / [B, T]
+        mask = valid & ok
+        ce = _soft_ce(lg, lid, lp)  # [B, T]
+        w = 0.8 ** s
+        n = mask.sum().clamp(min=1)
+        loss = loss + w * ce[mask].sum() / n
+        total_w += w
+        acc = (lg.argmax(-1) == lid[..., 0])[mask].float().mean()
+        stats[f"acc{s}"] = float(acc)
+        if s == 0:
+            stats["tokens"] = int(mask.sum())
+            stats["ce"] = float(ce[mask].mean())
+    return loss / total_w, stats
+
+
+def make_head(target, data: DraftData, cfg: TrainConfig, draft_vocab_size: int):
+    torch.manual_seed(cfg.seed)
+    if cfg.method == "eagle":
+        return EagleHead(target)
+    counts = data.token_counts(target.config.vocab_size)
+    size = min(draft_vocab_size, target.config.vocab_size)
+    vocab = counts.topk(size).indices.sort().values  # the most frequent ids, ascending
+    return Eagle3Head(target, vocab, data.layers)
+
+
+def train_head(target, data: DraftData, out_dir: str, cfg: TrainConfig, *,
+               draft_vocab_size: int = 8192, resume: bool = False,
+               progress: Callable[[str], None] = print, log_every: int = 10):
+    """Train a head on `data` and write it to `out_dir` (published layout, bf16); returns it."""
+    cfg.validate()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    head = make_head(target, data, cfg, draft_vocab_size)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    per_epoch = math.ceil(len(data) / cfg.batch_size)
+    total = per_epoch * cfg.epochs
+    warm = max(1, int(cfg.warmup * total))
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return cfg.lr * (step + 1) / warm
+        frac = (step - warm) / max(1, total - warm)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    step, noise_gen = 0, torch.Generator().manual_seed(cfg.seed + 1)
+    state_path = os.path.join(out_dir, STATE_FILE)
+    if resume and os.path.exists(state_path):
+        st = torch.load(state_path, weights_only=False)
+        if st["config"] != asdict(cfg):
+            raise ValueError(f"argument 'resume': {state_path} was written with another training "
+                             f"configuration ({st['config']}); use a fresh --out directory")
+        head.load_state_dict(st["head"])
+        opt.load_state_dict(st["optimizer"])
+        noise_gen.set_state(st["noise_rng"])
+        step = st["step"]
+        progress(f"[train] resumed at step {step}/{total}")
+    os.makedirs(out_dir, exist_ok=True)
+
+    def save_state():
+        tmp = state_path + ".tmp"
+        torch.save({"config": asdict(cfg), "head": head.state_dict(), "optimizer": opt.state_dict(),
+                    "noise_rng": noise_gen.get_state(), "step": step}, tmp)
+        os.replace(tmp, state_path)
+
+    head.train()
+    t0, tokens_seen, start_step = time.perf_counter(), 0, step
+    while step < total:
+        epoch, k = divmod(step, per_epoch)
+        idx = _batch_order(len(data), cfg.batch_size, cfg.seed, epoch)[k]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        if cfg.method == "eagle":
+            loss, stats = eagle_loss(head, data, idx, cfg.noise, noise_gen)
+        else:
+            loss, stats = eagle3_loss(head, data, idx, cfg.ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        opt.step()
+        step += 1
+        tokens_seen += stats["tokens"]
+        if step % log_every == 0 or step == total:
+            el = time.perf_counter() - t0
+            eta = el / (step - start_step) * (total - step)
+            accs = " ".join(f"{k}={v:.3f}" for k, v in stats.items() if k.startswith(("acc", "reg", "ce")))
+            progress(f"[train] epoch {epoch + 1}/{cfg.epochs} step {step}/{total} "
+                     f"loss={loss.item():.4f} {accs} {tokens_seen / el:.0f} tok/s eta {eta:.0f} s")
+        if step % cfg.save_every == 0 or step == total:
+            save_state()
+    head.eval()
+    write_checkpoint(head, out_dir)
+    return head

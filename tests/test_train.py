@@ -1,0 +1,149 @@
+"""Draft-head training (specdec_inductor/train/): the data built through the Engine equals a
+plain HF forward over the same tokens; a few training steps lower the loss and write a
+checkpoint that the method's own loader reads and whose drafts keep greedy output exact and
+are accepted more often than the untrained head's; resuming from the trainer state gives the
+same head bit for bit; held-out prompts never occur in training; bad arguments are refused."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from specdec_inductor.engine.engine import Engine  # noqa: E402
+from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head  # noqa: E402
+from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats  # noqa: E402
+from specdec_inductor.train import corpus  # noqa: E402
+from specdec_inductor.train.data import build_draft_data  # noqa: E402
+from specdec_inductor.train.heads import EagleHead, write_checkpoint  # noqa: E402
+from specdec_inductor.train.trainer import TrainConfig, eagle_loss, train_head  # noqa: E402
+
+VOCAB = 96
+
+
+def sharp_target(seed=0):
+    """A tiny Llama whose greedy continuations are predictable enough to learn (scaled LM head)."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+def prompts(count, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (3 + i % 6,), generator=gen).tolist() for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def data_and_target():
+    target = sharp_target()
+    reference = copy.deepcopy(target)
+    data = build_draft_data(target, prompts(24), [], new_tokens=20, eos_token_id=None,
+                            max_batch=8, compile=False)
+    return data, target, reference
+
+
+def test_data_matches_a_plain_forward(data_and_target):
+    data, target, reference = data_and_target
+    engine = Engine(target, max_batch=1, max_len=64, compile=False)
+    for i, p in enumerate(prompts(24)[:6]):
+        tokens = data.tokens[i]
+        cont = engine.generate([p], 20)[0]
+        # Every generated token but the last was fed back, so it has a hidden row.
+        assert tokens.tolist() == p + cont[:-1]
+        with torch.no_grad():
+            out = reference(tokens.view(1, -1), output_hidden_states=True)
+        torch.testing.assert_close(data.final[i], out.hidden_states[-1][0], atol=2e-5, rtol=1e-4)
+        assert torch.equal(data.label_ids[i][:, 0], out.logits[0].argmax(-1))
+        assert data.feats[i].shape == (tokens.numel(), 0)
+        torch.testing.assert_close(data.label_probs[i].sum(-1), torch.ones(tokens.numel()))
+    assert data.num_generated_tokens == sum(t.numel() for t in data.tokens) - data.num_prompt_tokens
+
+
+def _acceptance(target, head_dir, plist):
+    head = load_eagle_head(str(head_dir), target)
+    engine = Engine(target, max_batch=1, max_len=64, compile=False, capture_hidden=[-1])
+    draft = Engine(head, max_batch=1, max_len=64, compile=False, capture_hidden=[-1],
+                   prefill_chunk=8)
+    spec = SpeculativeGenerator(engine, EagleProposer(draft, 4), min_accepted=0.0)
+    stats = SpeculativeStats()
+    for p in plist:
+        assert spec.generate([p], 20, None, stats)[0] == engine.generate([p], 20)[0]
+    for e in (engine, draft):
+        e.pool.check_consistent()
+        assert e.pool.num_free_slots == e.pool.num_slots
+    return stats.mean_accepted_length
+
+
+def test_eagle_training_lowers_the_loss_and_the_head_drafts_exactly(data_and_target, tmp_path):
+    data, target, _ = data_and_target
+    cfg = TrainConfig(epochs=25, batch_size=8, lr=3e-3, save_every=1000)
+    torch.manual_seed(cfg.seed)
+    untrained = EagleHead(target)
+    write_checkpoint(untrained, str(tmp_path / "untrained"))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        before = float(eagle_loss(untrained, data, list(range(8)), 0.0, gen)[0])
+    head = train_head(target, data, str(tmp_path / "trained"), cfg, progress=lambda s: None)
+    with torch.no_grad():
+        after = float(eagle_loss(head, data, list(range(8)), 0.0, gen)[0])
+    assert after < 0.8 * before, (before, after)
+    trained = _acceptance(target, tmp_path / "trained", prompts(24)[:4])
+    baseline = _acceptance(target, tmp_path / "untrained", prompts(24)[:4])
+    assert trained > baseline + 0.1, (trained, baseline)
+
+
+def test_resume_continues_to_the_same_head(data_and_target, tmp_path):
+    data, target, _ = data_and_target
+    cfg = TrainConfig(epochs=2, batch_size=8, lr=3e-3, save_every=1)
+    whole = train_head(target, data, str(tmp_path / "a"), cfg, progress=lambda s: None)
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_step_4(line):
+        if "step 4/" in line:
+            raise Stop
+
+    with pytest.raises(Stop):  # interrupted at step 4 (the state of step 3 is on disk)
+        train_head(target, data, str(tmp_path / "b"), cfg, progress=stop_at_step_4, log_every=1)
+    resumed = train_head(target, data, str(tmp_path / "b"), cfg, resume=True,
+                         progress=lambda s: None)
+    for (k, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), k
+    with pytest.raises(ValueError, match="resume"):
+        train_head(target, data, str(tmp_path / "b"), TrainConfig(epochs=3, lr=3e-3),
+                   resume=True, progress=lambda s: None)
+
+
+def test_heldout_prompts_never_occur_in_training():
+    from specdec_inductor.cli import BENCH_PROMPTS
+    everything = corpus.training_prompts(len(corpus.TEMPLATES) * len(corpus.TOPICS)
+                                         + len(corpus.CODE_TEMPLATES) * len(corpus.CODE_TASKS))
+    held = corpus.heldout_prompts()
+    assert len(set(everything)) == len(everything) and len(held) >= 16
+    for topic in corpus.HELDOUT_TOPICS + corpus.HELDOUT_CODE_TASKS:
+        assert not any(topic in p for p in everything), topic
+    assert not set(BENCH_PROMPTS) & set(everything)
+    assert corpus.training_prompts(40, seed=3) == corpus.training_prompts(40, seed=3)
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="'method'"):
+        TrainConfig(method="medusa").validate()
+    with pytest.raises(ValueError, match="'epochs'"):
+        TrainConfig(epochs=0).validate()
+    with pytest.raises(ValueError, match="'lr'"):
+        TrainConfig(lr=0.0).validate()
+    with pytest.raises(ValueError, match="'num_prompts'"):
+        corpus.training_prompts(0)
+    from specdec_inductor.cli import main
+    with pytest.raises(SystemExit, match="epochs"):
+        main(["train-draft", "--method", "eagle", "--epochs", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="num_prompts"):
+        main(["train-draft", "--method", "eagle", "--num-prompts", "100000", "--out", str(tmp_path)])
