@@ -1,11 +1,13 @@
-"""Speculative decoding vs our own compiled autoregressive decoding on SmolLM2-135M, batch 1,
-greedy and sampled (--temperatures, default 0 and 0.7): per prompt kind (code-like, chat),
-temperature and method prints tokens/s, speedup over our AR at the same temperature, mean
-accepted length, per-position acceptance and (greedy) whether the tokens are identical.
+"""Speculative decoding vs our own compiled autoregressive decoding on SmolLM2-135M (or --model
+DIR), batch 1, greedy and sampled (--temperatures, default 0 and 0.7): per prompt kind
+(code-like, chat), temperature and method prints tokens/s, speedup over our AR at the same
+temperature, mean accepted length, per-position acceptance and (greedy) whether the tokens are
+identical.
 Sampled AR runs through the same loop with no drafts (proposers/autoregressive.py).
 
     python benchmarks/bench_spec.py                    # NGRAM N=8, STANDALONE, 128 new tokens
     python benchmarks/bench_spec.py --eager --max-new-tokens 32 --temperatures 0.7
+    python benchmarks/bench_spec.py --model DIR --methods ngram,mtp   # DIR with NextN layers
 """
 import argparse
 import statistics
@@ -20,6 +22,7 @@ from specdec_inductor.engine.engine import Engine, GenerationStats
 from specdec_inductor.engine.hf import keep_first_layers, load_model
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
 from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
+from specdec_inductor.proposers.mtp import MtpCheckpointError, MtpProposer
 from specdec_inductor.proposers.ngram import NgramProposer
 from specdec_inductor.proposers.standalone import StandaloneProposer
 from specdec_inductor.sampler import SamplingParams
@@ -46,7 +49,10 @@ def main():
     parser.add_argument("--ngram-breadth", default="2,1",
                         help="NGRAM children kept per level, comma list (1: a chain)")
     parser.add_argument("--methods", default="ngram,standalone",
-                        help="comma list of ngram, standalone, eagle")
+                        help="comma list of ngram, standalone, eagle, mtp (mtp: only with a "
+                             "--model directory whose checkpoint carries NextN layers)")
+    parser.add_argument("--model", default=None,
+                        help="target model directory (default: SmolLM2-135M from the GGUF)")
     parser.add_argument("--eagle-head", default=None,
                         help="EAGLE checkpoint directory (default: a random head, which proves "
                              "correctness only: its drafts are almost never accepted)")
@@ -55,8 +61,8 @@ def main():
                              "model with its vocabulary is available offline)")
     args = parser.parse_args()
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    model, tokenizer = load_model()
-    eagle = "eagle" in args.methods.split(",")
+    model, tokenizer = load_model(args.model)
+    eagle = {"eagle", "mtp"} & set(args.methods.split(","))  # draft from target hidden states
     engine = Engine(model, max_batch=1, max_len=1024, compile=not args.eager, prefill_chunk=64,
                     capture_hidden=[-1] if eagle else None)
     methods = {}
@@ -66,7 +72,7 @@ def main():
             methods[f"NGRAM N={args.num_draft_tokens} breadth {breadth}"] = SpeculativeGenerator(
                 engine, NgramProposer(num_draft_tokens=args.num_draft_tokens, breadth=breadth))
         elif name == "standalone":
-            draft = keep_first_layers(load_model()[0], args.draft_layers)
+            draft = keep_first_layers(load_model(args.model)[0], args.draft_layers)
             draft_engine = Engine(draft, max_batch=1, max_len=1024, compile=not args.eager)
             k = min(args.num_draft_tokens, 5)
             methods[f"STANDALONE {args.draft_layers}L N={k}"] = SpeculativeGenerator(
@@ -82,10 +88,23 @@ def main():
             label = "EAGLE" + ("" if args.eagle_head else " (random head)")
             methods[f"{label} N={args.num_draft_tokens}"] = SpeculativeGenerator(
                 engine, EagleProposer(draft_engine, args.num_draft_tokens))
+        elif name == "mtp":
+            if args.model is None:
+                print("# MTP skipped: the default SmolLM2 has no NextN layer; pass --model DIR "
+                      "with num_nextn_predict_layers in its config.json")
+                continue
+            try:
+                proposer = MtpProposer.from_model_dir(args.model, engine, args.num_draft_tokens)
+            except MtpCheckpointError as exc:
+                print(f"# MTP skipped: {exc}")
+                continue
+            methods[f"MTP (NextN layer 0) N={args.num_draft_tokens}"] = SpeculativeGenerator(
+                engine, proposer)
         else:
-            raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, eagle)")
+            raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, eagle, mtp)")
     ar_loop = SpeculativeGenerator(engine, AutoregressiveProposer())
-    print(f"# SmolLM2-135M fp32, batch 1, {args.max_new_tokens} new tokens (no eos stop), "
+    print(f"# {args.model or 'SmolLM2-135M'} fp32, batch 1, {args.max_new_tokens} new tokens "
+          "(no eos stop), "
           f"{'eager' if args.eager else 'compiled'}; {torch.get_num_threads()} threads, ISA "
           f"{specdec_inductor.active_isa()}, torch {torch.__version__}; medians of {args.repeats}")
     print("| prompt | T | method | tok/s | speedup vs our AR | mean accepted length | acceptance by position | tokens == AR |")

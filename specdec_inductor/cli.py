@@ -37,10 +37,10 @@ def encode(tokenizer, prompt: str, chat: bool) -> List[int]:
 
 def build_engine(args, model):
     from specdec_inductor.engine.engine import Engine
-    eagle = getattr(args, "method", None) == "eagle"
+    needs_hidden = getattr(args, "method", None) in ("eagle", "mtp")  # drafts from target hidden
     return Engine(model, max_batch=args.max_batch, max_len=args.max_len,
                   compile=False if args.eager else None, attention=args.attention,
-                  capture_hidden=[-1] if eagle else None)
+                  capture_hidden=[-1] if needs_hidden else None)
 
 
 def machine_line() -> str:
@@ -128,6 +128,18 @@ def make_proposer(args, engine=None):
                               compile=engine.compiled, attention=args.attention,
                               prefill_chunk=16, capture_hidden=[-1])
         return EagleProposer(draft_engine, args.num_draft_tokens)
+    if args.method == "mtp":
+        from specdec_inductor.engine.hf import convert_gguf, default_gguf_path
+        from specdec_inductor.proposers.mtp import MtpCheckpointError, MtpProposer
+        path = args.model or default_gguf_path()
+        directory = convert_gguf(path) if path.endswith(".gguf") else path
+        try:
+            proposer = MtpProposer.from_model_dir(directory, engine, args.num_draft_tokens,
+                                                  layer=args.mtp_layer)
+        except MtpCheckpointError as exc:
+            raise SystemExit(f"--method mtp drafts with the model's own NextN layer: {exc}")
+        _log(f"[specdec] MTP (NextN) layer {args.mtp_layer} of {args.model or 'the default model'}")
+        return proposer
     raise ValueError(f"--method {args.method!r} is not available yet")
 
 
@@ -307,7 +319,7 @@ def make_parser() -> argparse.ArgumentParser:
                        help="feed prompts as plain text (default: the model's chat template)")
 
     def method(p):
-        p.add_argument("--method", choices=["none", "ngram", "standalone", "eagle"],
+        p.add_argument("--method", choices=["none", "ngram", "standalone", "eagle", "mtp"],
                        default="none", help="speculative method (none: plain decoding)")
         p.add_argument("--draft-model", default=None,
                        help="standalone: draft model directory or .gguf (default: the target); "
@@ -315,6 +327,8 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--draft-layers", type=int, default=None,
                        help="standalone: keep only the draft's first K layers (default 8 when "
                             "the draft is the target itself)")
+        p.add_argument("--mtp-layer", type=int, default=0,
+                       help="mtp: which of the model's NextN layers drafts (default 0)")
         p.add_argument("--num-draft-tokens", type=int, default=8,
                        help="N, tree nodes incl. the root")
 

@@ -1,7 +1,8 @@
 """Random draft trees made the way a real multi-step top-k draft loop makes them (kernels.md
 section 1): cumulative log-prob scores, topk beams kept per step, the N-1 best ids selected and
 sorted; random greedy-verify inputs that accept, reject and hop siblings; and random EAGLE heads
-written in the published checkpoint layout. Used by the tests and the benchmarks."""
+written in the published checkpoint layout; tiny target checkpoints carrying random MTP (NextN)
+layers in the DeepSeek-V3 layout. Used by the tests and the benchmarks."""
 import json
 import os
 from dataclasses import dataclass
@@ -113,3 +114,68 @@ def write_random_eagle_checkpoint(path, config, seed=0, scale=0.3, bias=True, fm
         from safetensors.torch import save_file
         save_file(sd, os.path.join(path, "model.safetensors"))
     return sd
+
+
+def write_random_mtp_checkpoint(path, target, num_nextn_predict_layers=1, seed=0, scale=0.3,
+                                fmt="safetensors", own_head=False, own_embed=False,
+                                tokenizer=None):
+    """`target` (a tiny HF causal LM) saved to directory `path` with save_pretrained, plus
+    `num_nextn_predict_layers` random NextN layers in the DeepSeek-V3 layout
+    (`model.layers.{num_hidden_layers + j}.`: enorm, hnorm, eh_proj [H, 2H], one decoder layer
+    of the target's own kind, shared_head.norm, and shared_head.head / embed_tokens when
+    own_head / own_embed) and the count in config.json. fmt: "safetensors" (one file),
+    "sharded" (target and NextN tensors in two shards with an index) or "bin"
+    (pytorch_model.bin). The norms' weights are random too, so a swapped enorm / hnorm or a
+    reversed concat changes the output. Random layers prove correctness only: their drafts are
+    almost never accepted. Returns the NextN tensors written, by full name."""
+    from safetensors.torch import load_file, save_file
+    cfg = target.config
+    hidden, vocab, num_layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    gen = torch.Generator().manual_seed(seed)
+    # The decoder layer's names and shapes, whatever the family (Qwen2 biases, Qwen3 q/k norms).
+    layer_shapes = {k: v.shape for k, v in target.get_decoder().layers[0].state_dict().items()}
+    nextn = {}
+    for j in range(num_nextn_predict_layers):
+        prefix = f"model.layers.{num_layers + j}."
+        shapes = dict(layer_shapes, **{"enorm.weight": (hidden,), "hnorm.weight": (hidden,),
+                                       "eh_proj.weight": (hidden, 2 * hidden),
+                                       "shared_head.norm.weight": (hidden,)})
+        if own_head:
+            shapes["shared_head.head.weight"] = (vocab, hidden)
+        if own_embed:
+            shapes["embed_tokens.weight"] = (vocab, hidden)
+        for name, shape in shapes.items():
+            if name.endswith("norm.weight"):  # RMSNorm scales near 1
+                t = 1 + 0.2 * torch.randn(*shape, generator=gen)
+            else:
+                t = torch.randn(*shape, generator=gen) * scale
+            nextn[prefix + name] = t.to(next(target.parameters()).dtype).contiguous()
+    os.makedirs(path, exist_ok=True)
+    target.save_pretrained(path, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    raw["num_nextn_predict_layers"] = num_nextn_predict_layers
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f, indent=2)
+    single = os.path.join(path, "model.safetensors")
+    main = load_file(single)
+    if fmt == "safetensors":
+        save_file(dict(main, **nextn), single, metadata={"format": "pt"})
+    elif fmt == "sharded":
+        os.remove(single)
+        files = {"model-00001-of-00002.safetensors": main,
+                 "model-00002-of-00002.safetensors": nextn}
+        weight_map = {}
+        for name, tensors in files.items():
+            save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in tensors})
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    elif fmt == "bin":
+        os.remove(single)
+        torch.save(dict(main, **nextn), os.path.join(path, "pytorch_model.bin"))
+    else:
+        raise ValueError(f"argument 'fmt' must be safetensors, sharded or bin, got {fmt!r}")
+    return nextn
