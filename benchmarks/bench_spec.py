@@ -8,6 +8,7 @@ Sampled AR runs through the same loop with no drafts (proposers/autoregressive.p
     python benchmarks/bench_spec.py                    # NGRAM N=8, STANDALONE, 128 new tokens
     python benchmarks/bench_spec.py --eager --max-new-tokens 32 --temperatures 0.7
     python benchmarks/bench_spec.py --model DIR --methods ngram,mtp   # DIR with NextN layers
+    python benchmarks/bench_spec.py --methods eagle3 --eagle3-head DIR   # random head if absent
 """
 import argparse
 import statistics
@@ -23,11 +24,12 @@ from specdec_inductor.engine.hf import keep_first_layers, load_model
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
 from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
 from specdec_inductor.proposers.mtp import MtpCheckpointError, MtpProposer
+from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
 from specdec_inductor.proposers.ngram import NgramProposer
 from specdec_inductor.proposers.standalone import StandaloneProposer
 from specdec_inductor.sampler import SamplingParams
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
-from specdec_inductor.testing import write_random_eagle_checkpoint
+from specdec_inductor.testing import write_random_eagle3_checkpoint, write_random_eagle_checkpoint
 
 PROMPTS = {
     "code": ("def bubble_sort(items):\n    n = len(items)\n    for i in range(n):\n"
@@ -49,13 +51,16 @@ def main():
     parser.add_argument("--ngram-breadth", default="2,1",
                         help="NGRAM children kept per level, comma list (1: a chain)")
     parser.add_argument("--methods", default="ngram,standalone",
-                        help="comma list of ngram, standalone, eagle, mtp (mtp: only with a "
+                        help="comma list of ngram, standalone, eagle, eagle3, mtp (mtp: only with a "
                              "--model directory whose checkpoint carries NextN layers)")
     parser.add_argument("--model", default=None,
                         help="target model directory (default: SmolLM2-135M from the GGUF)")
     parser.add_argument("--eagle-head", default=None,
                         help="EAGLE checkpoint directory (default: a random head, which proves "
                              "correctness only: its drafts are almost never accepted)")
+    parser.add_argument("--eagle3-head", default=None,
+                        help="EAGLE-3 checkpoint directory (default: a random head, which proves "
+                             "correctness only)")
     parser.add_argument("--draft-layers", type=int, default=8,
                         help="standalone draft: SmolLM2 cut to its first K layers (no smaller "
                              "model with its vocabulary is available offline)")
@@ -100,8 +105,23 @@ def main():
                 continue
             methods[f"MTP (NextN layer 0) N={args.num_draft_tokens}"] = SpeculativeGenerator(
                 engine, proposer)
+        elif name == "eagle3":
+            path = args.eagle3_head
+            if path is None:
+                path = tempfile.mkdtemp(prefix="specdec_eagle3_")
+                write_random_eagle3_checkpoint(path, model.config, scale=0.02)
+            head = load_eagle3_head(path, model)
+            draft_engine = Engine(head, max_batch=1, max_len=1024, compile=not args.eager,
+                                  prefill_chunk=16, capture_hidden=[-1])
+            proposer = Eagle3Proposer(draft_engine, args.num_draft_tokens)
+            # Its own target Engine over the same weights: it captures the head's three layers
+            # (the AR baseline and the other methods keep `engine`).
+            engine3 = Engine(model, max_batch=1, max_len=1024, compile=not args.eager,
+                             prefill_chunk=64, capture_hidden=proposer.target_hidden_layers)
+            label = "EAGLE-3" + ("" if args.eagle3_head else " (random head)")
+            methods[f"{label} N={args.num_draft_tokens}"] = SpeculativeGenerator(engine3, proposer)
         else:
-            raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, eagle, mtp)")
+            raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, eagle, eagle3, mtp)")
     ar_loop = SpeculativeGenerator(engine, AutoregressiveProposer())
     print(f"# {args.model or 'SmolLM2-135M'} fp32, batch 1, {args.max_new_tokens} new tokens "
           "(no eos stop), "

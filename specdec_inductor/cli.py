@@ -35,12 +35,27 @@ def encode(tokenizer, prompt: str, chat: bool) -> List[int]:
     return tokenizer(prompt)["input_ids"]
 
 
+def target_capture(args, model):
+    """The target hidden_states the method's proposer drafts from (Engine capture_hidden)."""
+    method = getattr(args, "method", None)
+    if method in ("eagle", "mtp"):
+        return [-1]
+    if method == "eagle3":
+        from specdec_inductor.proposers.eagle3 import load_eagle3_head
+        if args.draft_model is None:
+            raise SystemExit("--method eagle3 needs --draft-model DIR (an EAGLE-3 checkpoint: "
+                             "config.json + model.safetensors or pytorch_model.bin)")
+        # Loaded once here (its layers decide the target Engine) and reused by make_proposer.
+        args.eagle3_head = load_eagle3_head(args.draft_model, model)
+        return args.eagle3_head.target_hidden_layers
+    return None
+
+
 def build_engine(args, model):
     from specdec_inductor.engine.engine import Engine
-    needs_hidden = getattr(args, "method", None) in ("eagle", "mtp")  # drafts from target hidden
     return Engine(model, max_batch=args.max_batch, max_len=args.max_len,
                   compile=False if args.eager else None, attention=args.attention,
-                  capture_hidden=[-1] if needs_hidden else None)
+                  capture_hidden=target_capture(args, model))
 
 
 def machine_line() -> str:
@@ -139,6 +154,20 @@ def make_proposer(args, engine=None):
         except MtpCheckpointError as exc:
             raise SystemExit(f"--method mtp drafts with the model's own NextN layer: {exc}")
         _log(f"[specdec] MTP (NextN) layer {args.mtp_layer} of {args.model or 'the default model'}")
+        return proposer
+    if args.method == "eagle3":
+        from specdec_inductor.engine.engine import Engine
+        from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
+        head = getattr(args, "eagle3_head", None) or load_eagle3_head(args.draft_model, engine.model)
+        _log(f"[specdec] EAGLE-3 head: {args.draft_model} (target layers "
+             f"{head.target_hidden_layers}, draft vocabulary {head.lm_head.out_features})")
+        draft_engine = Engine(head, max_batch=engine.max_batch, max_len=engine.max_len,
+                              compile=engine.compiled, attention=args.attention,
+                              prefill_chunk=16, capture_hidden=[-1])
+        proposer = Eagle3Proposer(draft_engine, args.num_draft_tokens)
+        if engine.capture_hidden != proposer.target_hidden_layers:
+            raise SystemExit(f"--method eagle3: the target engine captures {engine.capture_hidden}"
+                             f", the head needs {proposer.target_hidden_layers}")
         return proposer
     raise ValueError(f"--method {args.method!r} is not available yet")
 
@@ -319,11 +348,11 @@ def make_parser() -> argparse.ArgumentParser:
                        help="feed prompts as plain text (default: the model's chat template)")
 
     def method(p):
-        p.add_argument("--method", choices=["none", "ngram", "standalone", "eagle", "mtp"],
+        p.add_argument("--method", choices=["none", "ngram", "standalone", "eagle", "eagle3", "mtp"],
                        default="none", help="speculative method (none: plain decoding)")
         p.add_argument("--draft-model", default=None,
                        help="standalone: draft model directory or .gguf (default: the target); "
-                            "eagle: the EAGLE checkpoint directory")
+                            "eagle / eagle3: the EAGLE / EAGLE-3 checkpoint directory")
         p.add_argument("--draft-layers", type=int, default=None,
                        help="standalone: keep only the draft's first K layers (default 8 when "
                             "the draft is the target itself)")

@@ -1,8 +1,8 @@
 """Random draft trees made the way a real multi-step top-k draft loop makes them (kernels.md
 section 1): cumulative log-prob scores, topk beams kept per step, the N-1 best ids selected and
-sorted; random greedy-verify inputs that accept, reject and hop siblings; and random EAGLE heads
-written in the published checkpoint layout; tiny target checkpoints carrying random MTP (NextN)
-layers in the DeepSeek-V3 layout. Used by the tests and the benchmarks."""
+sorted; random greedy-verify inputs that accept, reject and hop siblings; random EAGLE and
+EAGLE-3 heads written in the published checkpoint layouts; tiny target checkpoints carrying
+random MTP (NextN) layers in the DeepSeek-V3 layout. Used by the tests and the benchmarks."""
 import json
 import os
 from dataclasses import dataclass
@@ -179,3 +179,73 @@ def write_random_mtp_checkpoint(path, target, num_nextn_predict_layers=1, seed=0
     else:
         raise ValueError(f"argument 'fmt' must be safetensors, sharded or bin, got {fmt!r}")
     return nextn
+
+
+def write_random_eagle3_checkpoint(path, target_config, seed=0, scale=0.3, draft_vocab_size=None,
+                                   layer_ids=None, fmt="safetensors", intermediate_size=None,
+                                   own_embedding=False, bias=False):
+    """A random EAGLE-3 head for a target with HF `target_config`, written to directory `path`
+    in the published layout (config.json with architectures ["LlamaForCausalLMEagle3"] and
+    draft_vocab_size, + model.safetensors or pytorch_model.bin with fc [H, 3H], midlayer.*,
+    norm, lm_head [Vd, H], d2t, t2d; see proposers/eagle3.py). The draft vocabulary
+    (default a quarter of the target's) is a random subset of the target ids, so d2t is far
+    from zero. layer_ids: eagle_config.eagle_aux_hidden_state_layer_ids (layer OUTPUT ids), or
+    None for the default layers. Norm weights are random too, so a test that swaps two norms
+    fails. Random heads prove correctness only. Returns the state dict."""
+    hidden, heads = target_config.hidden_size, target_config.num_attention_heads
+    kv_heads = getattr(target_config, "num_key_value_heads", None) or heads
+    head_dim = hidden // heads
+    vocab = target_config.vocab_size
+    draft_vocab = draft_vocab_size or max(1, vocab // 4)
+    inter = intermediate_size or target_config.intermediate_size
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen) * scale
+
+    def norm_weight():
+        return 1.0 + r(hidden)
+
+    hot = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values  # [Vd] target ids
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[hot] = True
+    sd = {"fc.weight": r(hidden, 3 * hidden),
+          "midlayer.input_layernorm.weight": norm_weight(),
+          "midlayer.hidden_norm.weight": norm_weight(),
+          "midlayer.self_attn.q_proj.weight": r(heads * head_dim, 2 * hidden),
+          "midlayer.self_attn.k_proj.weight": r(kv_heads * head_dim, 2 * hidden),
+          "midlayer.self_attn.v_proj.weight": r(kv_heads * head_dim, 2 * hidden),
+          "midlayer.self_attn.o_proj.weight": r(hidden, heads * head_dim),
+          "midlayer.post_attention_layernorm.weight": norm_weight(),
+          "midlayer.mlp.gate_proj.weight": r(inter, hidden),
+          "midlayer.mlp.up_proj.weight": r(inter, hidden),
+          "midlayer.mlp.down_proj.weight": r(hidden, inter),
+          "norm.weight": norm_weight(),
+          "lm_head.weight": r(draft_vocab, hidden),
+          "d2t": hot - torch.arange(draft_vocab),
+          "t2d": t2d}
+    if bias:
+        sd["fc.bias"] = r(hidden)
+    if own_embedding:
+        sd["embed_tokens.weight"] = r(vocab, hidden)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+              "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "num_hidden_layers": 1,
+              "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
+              "vocab_size": vocab, "draft_vocab_size": draft_vocab, "tie_word_embeddings": False,
+              "max_position_embeddings": target_config.max_position_embeddings,
+              "hidden_act": "silu"}
+    rope = getattr(target_config, "rope_parameters", None) or {}
+    if "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+    if layer_ids is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    if fmt == "bin":
+        torch.save(sd, os.path.join(path, "pytorch_model.bin"))
+    else:
+        from safetensors.torch import save_file
+        save_file(sd, os.path.join(path, "model.safetensors"))
+    return sd

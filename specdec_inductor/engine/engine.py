@@ -51,6 +51,26 @@ def _skip_model_guards(guard_entries) -> List[bool]:
             for e in guard_entries]
 
 
+def _capture_layer_input(index: int):
+    """Forward pre-hook of decoder layer `index`: when the step's StepBatch asks for this layer
+    (its `captured` dict has the key), store the layer's input hidden [B, T, H] there. A no-op
+    for any other call (plain engines on the same model, stock HF calls without a StepBatch),
+    so it traces to nothing in their graphs."""
+    def hook(module, args, kwargs):
+        batch = kwargs.get("specdec_batch")
+        if batch is not None and batch.captured is not None and index in batch.captured:
+            batch.captured[index] = args[0] if args else kwargs["hidden_states"]
+    return hook
+
+
+def _install_capture_hooks(layers) -> None:
+    """The capture pre-hooks on every decoder layer (once per model; idempotent)."""
+    for i, layer in enumerate(layers):
+        if getattr(layer, "_specdec_capture_hook", None) is None:
+            layer._specdec_capture_hook = layer.register_forward_pre_hook(
+                _capture_layer_input(i), with_kwargs=True)
+
+
 def batch_buckets(max_batch: int) -> List[int]:
     """Powers of two up to max_batch, plus max_batch itself."""
     sizes, b = [], 1
@@ -88,10 +108,17 @@ class Engine:
         compile_backend: torch.compile backend name ("specdec" = Inductor + our passes).
         compile_options: Inductor config patches on top of the specdec backend's own.
         prefill_chunk: new tokens per prefill step (the EXTEND graph's T).
-        capture_hidden: indices into the model's `hidden_states` output (-1: the final, normed
-            hidden state) whose rows every step also returns, concatenated on the last dim
-            ([B, T, k*H]); EAGLE-style proposers draft from them. Steps then return
-            (logits, hidden) / (tokens, logits, hidden), and prefill_with_hidden works.
+        capture_hidden: indices into the model's `hidden_states` output whose rows every step
+            also returns, concatenated on the last dim in the order given ([B, T, k*H]);
+            EAGLE-style proposers draft from them. Steps then return (logits, hidden) /
+            (tokens, logits, hidden), and prefill_with_hidden works. Convention (that of HF
+            `output_hidden_states`, for a model with L decoder layers): index i in [0, L) is the
+            input of decoder layer i (= the output of layer i - 1; 0 = the embeddings); L and -1
+            are the final, normed hidden state; other negative indices count from L + 1. On a
+            stock HF model layer inputs are taken by forward pre-hooks on its decoder layers,
+            installed only when such an index is asked for (they do nothing for other engines'
+            steps), so any indices trace under torch.compile(fullgraph=True). A model without
+            decoder layers (a draft head) must return them itself as `hidden_states`.
         The model may take an auxiliary per-token input (`aux_hidden` [B, T, A], e.g. an EAGLE
         head's target features): pass it as `aux` to extend / verify / decode / prefill.
     """
@@ -103,6 +130,11 @@ class Engine:
                  capture_hidden: Optional[Sequence[int]] = None):
         self.model = model
         self.capture_hidden = list(capture_hidden) if capture_hidden is not None else None
+        # Per capture_hidden entry: the decoder layer whose input it is, None for the final
+        # normed hidden; None overall when the model has no decoder layers to hook.
+        self._capture_layers: Optional[List[Optional[int]]] = None
+        if self.capture_hidden is not None:
+            self._capture_layers = self._plan_capture(model, self.capture_hidden)
         self.compiled = (not eager_requested()) if compile is None else compile
         self.attention_backend = ab.resolve_backend(attention)
         if self.compiled and not self.attention_backend.traceable:
@@ -140,18 +172,52 @@ class Engine:
         else:
             self._extend_fn, self._decode_fn = self._extend_step, self._decode_step
 
+    @staticmethod
+    def _plan_capture(model, capture_hidden: List[int]) -> Optional[List[Optional[int]]]:
+        """Map capture_hidden to decoder layer indices (None = final normed hidden) and hook the
+        layers whose inputs are asked for; None when `model` has no decoder layers."""
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        layers = getattr(decoder, "layers", None)
+        if layers is None:
+            # No layers to hook: the final hidden still comes from the decoder's output.
+            return [None] if decoder is not None and capture_hidden == [-1] else None
+        n = len(layers)
+        plan: List[Optional[int]] = []
+        for i in capture_hidden:
+            if not isinstance(i, int) or not -(n + 1) <= i <= n:
+                raise ValueError(f"argument 'capture_hidden': index {i!r} is outside [{-(n + 1)}, "
+                                 f"{n}] (hidden_states of a model with {n} decoder layers)")
+            j = i % (n + 1)
+            plan.append(None if j == n else j)
+        if any(j is not None for j in plan):
+            _install_capture_hooks(layers)
+        return plan
+
     # -- step functions (traced) ---------------------------------------------------------------
+    def _capture_slots(self) -> Optional[dict]:
+        """A fresh StepBatch.captured dict: the hooked layers this engine reads, or None."""
+        if self._capture_layers is None or all(j is None for j in self._capture_layers):
+            return None
+        return {j: None for j in self._capture_layers if j is not None}
+
     def _forward(self, input_ids: Tensor, positions: Tensor, batch: StepBatch,
                  aux: Optional[Tensor]):
         """The model over one step; (logits, captured hidden or None)."""
         extra = {} if aux is None else {"aux_hidden": aux}
-        if self.capture_hidden == [-1] and hasattr(self.model, "get_decoder"):
-            # The final normed hidden of a stock HF model: run its decoder and LM head
-            # ourselves (output_hidden_states records through a lock Dynamo cannot trace).
+        if self._capture_layers is not None:
+            # A stock HF model: run its decoder and LM head ourselves (output_hidden_states
+            # records through a lock Dynamo cannot trace); layer inputs land in batch.captured
+            # through the pre-hooks while the decoder runs.
             hidden = self.model.get_decoder()(
                 input_ids=input_ids, position_ids=positions, use_cache=False,
                 specdec_batch=batch, **extra).last_hidden_state  # [B, T, H]
-            return self.model.get_output_embeddings()(hidden), hidden
+            rows = [hidden if j is None else batch.captured[j] for j in self._capture_layers]
+            if any(r is None for r in rows):
+                raise RuntimeError("capture_hidden: a decoder layer ran without its capture hook "
+                                   "seeing specdec_batch (the model does not pass its forward "
+                                   "kwargs on to its layers)")
+            captured = rows[0] if len(rows) == 1 else torch.cat(rows, dim=-1)  # [B, T, k*H]
+            return self.model.get_output_embeddings()(hidden), captured
         if self.capture_hidden is not None:
             extra["output_hidden_states"] = True
         out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
@@ -177,7 +243,7 @@ class Engine:
         store_pos = (prefix_lens.view(bs, 1) + t).clamp(max=self.max_len - 1)  # [B, T]
         slots = torch.where(valid, torch.gather(table, 1, store_pos), -1)  # [B, T]
         batch = StepBatch(StepKind.EXTEND, self.attention_backend, self.pool, req_rows,
-                          prefix_lens, extend_lens, slots, tree_mask)
+                          prefix_lens, extend_lens, slots, tree_mask, self._capture_slots())
         logits, hidden = self._forward(input_ids, positions, batch, aux)
         return logits if hidden is None else (logits, hidden)  # [B, T, V] (, [B, T, k*H])
 
@@ -189,7 +255,7 @@ class Engine:
         slots = self.pool.req_to_token[req_rows, seq_lens].view(bs, 1)  # [B, 1]
         slots = torch.where((req_rows != self.pool.padding_row).view(bs, 1), slots, -1)
         batch = StepBatch(StepKind.DECODE, self.attention_backend, self.pool, req_rows,
-                          seq_lens, torch.ones_like(seq_lens), slots, None)
+                          seq_lens, torch.ones_like(seq_lens), slots, None, self._capture_slots())
         logits, hidden = self._forward(tokens.view(bs, 1), seq_lens.view(bs, 1), batch,
                                        None if aux is None else aux.view(bs, 1, -1))
         logits = logits[:, 0]  # [B, V]

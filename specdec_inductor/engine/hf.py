@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -45,6 +45,9 @@ class StepBatch:
     extend_lens: Tensor  # [B] new tokens per request (decode: ones)
     slots: Tensor  # [B, T] slot of each new token, -1 for padding
     tree_mask: Optional[Tensor] = None  # QLEN_ONLY [B*T*T] bool or bit-packed [B*T]; None = causal
+    # Engine capture_hidden: decoder layer index -> that layer's input [B, T, H], filled during
+    # the forward by the capture hooks (engine.py); None when the step captures no layer inputs.
+    captured: Optional[Dict[int, Optional[Tensor]]] = None
 
 
 def _specdec_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
