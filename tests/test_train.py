@@ -21,16 +21,16 @@ from specdec_inductor.train.trainer import TrainConfig, eagle_loss, train_head  
 VOCAB = 96
 
 
-def sharp_target(seed=0):
+def sharp_target(seed=0, num_layers=2, scale=4.0):
     """A tiny Llama whose greedy continuations are predictable enough to learn (scaled LM head)."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_hidden_layers=num_layers, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=256)
     config._attn_implementation = "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
+        model.lm_head.weight.mul_(scale)
     return model
 
 
@@ -147,3 +147,87 @@ def test_bad_arguments_are_refused(tmp_path):
         main(["train-draft", "--method", "eagle", "--epochs", "0", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="num_prompts"):
         main(["train-draft", "--method", "eagle", "--num-prompts", "100000", "--out", str(tmp_path)])
+
+
+LAYERS3 = [1, 2, 3]  # a 4-layer target's inputs of layers 1..3 (the defaults collide this shallow)
+
+
+@pytest.fixture(scope="module")
+def data3_and_target():
+    target = sharp_target(seed=2, num_layers=4, scale=8.0)
+    data = build_draft_data(target, prompts(16, seed=5), LAYERS3, new_tokens=16,
+                            eos_token_id=None, max_batch=8, compile=False)
+    return data, target
+
+
+def _draft_engine(head_dir, target):
+    from specdec_inductor.proposers.eagle3 import load_eagle3_head
+    head = load_eagle3_head(str(head_dir), target)
+    return head, Engine(head, max_batch=1, max_len=64, compile=False, capture_hidden=[-1],
+                        prefill_chunk=32)
+
+
+def test_eagle3_training_time_test_matches_drafting(data3_and_target, tmp_path):
+    """The unrolled training forward (step s, index i) equals what the loaded head computes
+    while drafting: extend over the committed pairs 0..i, then s decode steps feeding back g."""
+    from specdec_inductor.train.heads import Eagle3Head
+    data, target = data3_and_target
+    torch.manual_seed(0)
+    vocab = torch.arange(0, VOCAB, 2)  # a draft vocabulary of every other id
+    train = Eagle3Head(target, vocab, LAYERS3)
+    with torch.no_grad():
+        for p in train.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    write_checkpoint(train, str(tmp_path), dtype=torch.float32)
+    head, engine = _draft_engine(tmp_path, target)
+    assert head.target_hidden_layers == LAYERS3
+    assert torch.equal(head.draft_to_target, vocab)
+    tokens, feats = data.tokens[0], data.feats[0]  # [T], [T, 3H]
+    t = tokens.numel()
+    with torch.no_grad():
+        want = train(tokens.view(1, t), feats.view(1, t, -1), steps=3)  # [1, T, Vd] per step
+    req = engine.pool.admit([t], 4)[0]
+    rows = torch.tensor([req.row])
+    for i in (0, 3, t - 5):
+        ids = tokens[1:i + 2].view(1, -1)  # x_1 .. x_{i+1}
+        logits, g = engine.extend(ids, torch.arange(i + 1).view(1, -1), rows,
+                                  torch.tensor([0]), torch.tensor([i + 1]), None,
+                                  feats[:i + 1].view(1, i + 1, -1))
+        torch.testing.assert_close(logits[0, i, vocab], want[0][0, i], atol=1e-4, rtol=1e-4)
+        g = g[:, i]  # [1, H]
+        for s in (1, 2):
+            tok = tokens[i + s + 1].view(1)
+            _, logits, g = engine.decode(tok, rows, torch.tensor([i + s]), g)
+            torch.testing.assert_close(logits[0, vocab], want[s][0, i], atol=1e-4, rtol=1e-4)
+    engine.pool.release(req)
+
+
+def test_eagle3_training_lowers_the_loss_and_the_head_drafts_exactly(data3_and_target, tmp_path):
+    from specdec_inductor.proposers.eagle3 import Eagle3Proposer
+    from specdec_inductor.train.trainer import eagle3_loss, make_head
+    data, target = data3_and_target
+    cfg = TrainConfig(method="eagle3", epochs=40, batch_size=8, lr=3e-3, ttt_steps=3,
+                      save_every=1000)
+    untrained = make_head(target, data, cfg, draft_vocab_size=64)
+    with torch.no_grad():
+        before = eagle3_loss(untrained, data, list(range(8)), 3)
+    head = train_head(target, data, str(tmp_path), cfg, draft_vocab_size=64,
+                      progress=lambda s: None)
+    with torch.no_grad():
+        after = eagle3_loss(head, data, list(range(8)), 3)
+    # The soft cross-entropy has the target's entropy as its floor: check top-1 agreement too.
+    assert float(after[0]) < float(before[0]) - 0.2, (before, after)
+    assert after[1]["acc0"] > before[1]["acc0"] + 0.2, (before, after)
+    assert int(head.t2d.sum()) == 64
+    # The draft vocabulary is the 64 most frequent ids of the data.
+    counts = data.token_counts(VOCAB)
+    assert counts[head.t2d].min() >= counts[~head.t2d].max()
+    _, draft = _draft_engine(tmp_path, target)
+    proposer = Eagle3Proposer(draft, 4)
+    engine = Engine(target, max_batch=1, max_len=64, compile=False,
+                    capture_hidden=proposer.target_hidden_layers)
+    spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
+    stats = SpeculativeStats()
+    for p in prompts(16, seed=5)[:3]:
+        assert spec.generate([p], 16, None, stats)[0] == engine.generate([p], 16)[0]
+    assert stats.mean_accepted_length > 1.1, stats.summary()

@@ -125,7 +125,7 @@ def eagle3_loss(head: Eagle3Head, data: DraftData, idx: List[int], steps: int
         stats[f"acc{s}"] = float(acc)
         if s == 0:
             stats["tokens"] = int(mask.sum())
-            stats["ce"] = float(ce[mask].mean())
+            stats["ce"] = float(ce[mask].mean().detach())
     return loss / total_w, stats
 
 
