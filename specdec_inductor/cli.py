@@ -91,8 +91,28 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _draft_engine_size(args, engine):
+    """(max_batch, max_len) of a draft Engine: a top-k tree decodes batch*topk beams through
+    one virtual row each and writes topk*(depth-1) slots past the target's positions."""
+    topk, depth = getattr(args, "topk", 1), getattr(args, "depth", None)
+    if topk <= 1:
+        return engine.max_batch, engine.max_len
+    depth = depth if depth is not None else args.num_draft_tokens - 1
+    return engine.max_batch * (1 + topk), engine.max_len + topk * depth
+
+
 def make_proposer(args, engine=None):
     """The proposer of --method (one file per method in specdec_inductor/proposers/)."""
+    topk, depth = getattr(args, "topk", 1), getattr(args, "depth", None)
+    if args.method not in ("standalone", "eagle") and (topk != 1 or depth is not None):
+        raise SystemExit(f"--topk/--depth apply to --method standalone or eagle, not {args.method}")
+    if args.method in ("standalone", "eagle"):
+        from specdec_inductor.proposers.tree_draft import check_tree_shape
+        try:
+            check_tree_shape(args.num_draft_tokens, topk,
+                             depth if depth is not None else args.num_draft_tokens - 1)
+        except ValueError as exc:
+            raise SystemExit(f"specdec: --num-draft-tokens/--topk/--depth: {exc}")
     if args.method == "none":
         from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
         return AutoregressiveProposer()
@@ -113,9 +133,10 @@ def make_proposer(args, engine=None):
             keep_first_layers(draft, args.draft_layers)
         _log(f"[specdec] draft: {args.draft_model or 'the target'}"
              f"{f', first {args.draft_layers} layers' if args.draft_layers else ''}")
-        draft_engine = Engine(draft, max_batch=engine.max_batch, max_len=engine.max_len,
+        max_batch, max_len = _draft_engine_size(args, engine)
+        draft_engine = Engine(draft, max_batch=max_batch, max_len=max_len,
                               compile=engine.compiled, attention=args.attention)
-        return StandaloneProposer(draft_engine, args.num_draft_tokens)
+        return StandaloneProposer(draft_engine, args.num_draft_tokens, topk=topk, depth=depth)
     if args.method == "eagle":
         from specdec_inductor.engine.engine import Engine
         from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
@@ -124,10 +145,11 @@ def make_proposer(args, engine=None):
                              "config.json + pytorch_model.bin or model.safetensors)")
         head = load_eagle_head(args.draft_model, engine.model)
         _log(f"[specdec] EAGLE head: {args.draft_model}")
-        draft_engine = Engine(head, max_batch=engine.max_batch, max_len=engine.max_len,
+        max_batch, max_len = _draft_engine_size(args, engine)
+        draft_engine = Engine(head, max_batch=max_batch, max_len=max_len,
                               compile=engine.compiled, attention=args.attention,
                               prefill_chunk=16, capture_hidden=[-1])
-        return EagleProposer(draft_engine, args.num_draft_tokens)
+        return EagleProposer(draft_engine, args.num_draft_tokens, topk=topk, depth=depth)
     raise ValueError(f"--method {args.method!r} is not available yet")
 
 
@@ -260,13 +282,15 @@ def run_method_bench(args) -> dict:
              f"{rows[-1]['spec_tok_s']:.1f} tok/s")
     return {"machine": machine_line(), "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf",
             "dtype": args.dtype, "method": args.method, "num_draft_tokens": args.num_draft_tokens,
+            "topk": args.topk, "depth": args.depth,
             "compiled": engine.compiled, "warmup_compile_s": warmup_s, "repeats": args.repeats,
             "rows": rows, "median_speedup": statistics.median(r["speedup"] for r in rows)}
 
 
 def print_method_table(result: dict) -> None:
     print(f"# {result['model']} {result['dtype']}, batch 1, greedy, {result['method']} "
-          f"N={result['num_draft_tokens']} vs our AR, "
+          f"N={result['num_draft_tokens']} topk={result['topk']} depth={result['depth'] or 'N-1'} "
+          f"vs our AR, "
           f"{'compiled' if result['compiled'] else 'eager'}; {result['machine']}")
     print(f"# warm-up/compile {result['warmup_compile_s']:.1f} s; medians of {result['repeats']}")
     print("| prompt | AR tok/s | method tok/s | speedup vs our AR | mean accepted length | "
@@ -317,6 +341,10 @@ def make_parser() -> argparse.ArgumentParser:
                             "the draft is the target itself)")
         p.add_argument("--num-draft-tokens", type=int, default=8,
                        help="N, tree nodes incl. the root")
+        p.add_argument("--topk", type=int, default=1,
+                       help="standalone/eagle: branching of the draft tree (1: a chain)")
+        p.add_argument("--depth", type=int, default=None,
+                       help="standalone/eagle: draft steps (default N-1, as a chain needs)")
 
     g = sub.add_parser("generate", help="stream text for one prompt")
     common(g)
