@@ -9,6 +9,7 @@ Sampled AR runs through the same loop with no drafts (proposers/autoregressive.p
     python benchmarks/bench_spec.py --eager --max-new-tokens 32 --temperatures 0.7
     python benchmarks/bench_spec.py --model DIR --methods ngram,mtp   # DIR with NextN layers
     python benchmarks/bench_spec.py --methods eagle3 --eagle3-head DIR   # random head if absent
+    python benchmarks/bench_spec.py --methods standalone --topk 2 --depth 4 --num-draft-tokens 8
 """
 import argparse
 import statistics
@@ -43,6 +44,10 @@ PROMPTS = {
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-draft-tokens", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=1,
+                        help="standalone/eagle: branching of the draft tree (1: a chain)")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="standalone/eagle: draft steps (default N-1, as a chain needs)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true")
@@ -71,6 +76,12 @@ def main():
     engine = Engine(model, max_batch=1, max_len=1024, compile=not args.eager, prefill_chunk=64,
                     capture_hidden=[-1] if eagle else None)
     methods = {}
+    # A top-k tree decodes topk beams per request through one virtual row each and writes
+    # topk*(depth-1) slots past the target's positions (proposers/tree_draft.py).
+    tree = args.topk > 1
+    draft_batch = 1 + args.topk if tree else 1
+    draft_len = 1024 + (args.topk * args.num_draft_tokens if tree else 0)
+    shape = f" topk={args.topk} depth={args.depth or 'N-1'}" if tree else ""
     for name in args.methods.split(","):
         if name == "ngram":
             breadth = tuple(int(b) for b in args.ngram_breadth.split(","))
@@ -78,32 +89,36 @@ def main():
                 engine, NgramProposer(num_draft_tokens=args.num_draft_tokens, breadth=breadth))
         elif name == "standalone":
             draft = keep_first_layers(load_model(args.model)[0], args.draft_layers)
-            draft_engine = Engine(draft, max_batch=1, max_len=1024, compile=not args.eager)
-            k = min(args.num_draft_tokens, 5)
-            methods[f"STANDALONE {args.draft_layers}L N={k}"] = SpeculativeGenerator(
-                engine, StandaloneProposer(draft_engine, k))
+            draft_engine = Engine(draft, max_batch=draft_batch, max_len=draft_len,
+                                  compile=not args.eager)
+            k = args.num_draft_tokens if tree else min(args.num_draft_tokens, 5)
+            methods[f"STANDALONE {args.draft_layers}L N={k}{shape}"] = SpeculativeGenerator(
+                engine, StandaloneProposer(draft_engine, k, topk=args.topk, depth=args.depth))
         elif name == "eagle":
             path = args.eagle_head
             if path is None:
                 path = tempfile.mkdtemp(prefix="specdec_eagle_")
                 write_random_eagle_checkpoint(path, model.config, scale=0.02)
             head = load_eagle_head(path, model)
-            draft_engine = Engine(head, max_batch=1, max_len=1024, compile=not args.eager,
-                                  prefill_chunk=16, capture_hidden=[-1])
+            draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
+                                  compile=not args.eager, prefill_chunk=16, capture_hidden=[-1])
             label = "EAGLE" + ("" if args.eagle_head else " (random head)")
-            methods[f"{label} N={args.num_draft_tokens}"] = SpeculativeGenerator(
-                engine, EagleProposer(draft_engine, args.num_draft_tokens))
+            methods[f"{label} N={args.num_draft_tokens}{shape}"] = SpeculativeGenerator(
+                engine, EagleProposer(draft_engine, args.num_draft_tokens, topk=args.topk,
+                                      depth=args.depth))
         elif name == "mtp":
             if args.model is None:
                 print("# MTP skipped: the default SmolLM2 has no NextN layer; pass --model DIR "
                       "with num_nextn_predict_layers in its config.json")
                 continue
             try:
-                proposer = MtpProposer.from_model_dir(args.model, engine, args.num_draft_tokens)
+                proposer = MtpProposer.from_model_dir(args.model, engine, args.num_draft_tokens,
+                                                      topk=args.topk, depth=args.depth,
+                                                      max_batch=draft_batch, max_len=draft_len)
             except MtpCheckpointError as exc:
                 print(f"# MTP skipped: {exc}")
                 continue
-            methods[f"MTP (NextN layer 0) N={args.num_draft_tokens}"] = SpeculativeGenerator(
+            methods[f"MTP (NextN layer 0) N={args.num_draft_tokens}{shape}"] = SpeculativeGenerator(
                 engine, proposer)
         elif name == "eagle3":
             path = args.eagle3_head
@@ -111,15 +126,17 @@ def main():
                 path = tempfile.mkdtemp(prefix="specdec_eagle3_")
                 write_random_eagle3_checkpoint(path, model.config, scale=0.02)
             head = load_eagle3_head(path, model)
-            draft_engine = Engine(head, max_batch=1, max_len=1024, compile=not args.eager,
-                                  prefill_chunk=16, capture_hidden=[-1])
-            proposer = Eagle3Proposer(draft_engine, args.num_draft_tokens)
+            draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
+                                  compile=not args.eager, prefill_chunk=16, capture_hidden=[-1])
+            proposer = Eagle3Proposer(draft_engine, args.num_draft_tokens, topk=args.topk,
+                                      depth=args.depth)
             # Its own target Engine over the same weights: it captures the head's three layers
             # (the AR baseline and the other methods keep `engine`).
             engine3 = Engine(model, max_batch=1, max_len=1024, compile=not args.eager,
                              prefill_chunk=64, capture_hidden=proposer.target_hidden_layers)
             label = "EAGLE-3" + ("" if args.eagle3_head else " (random head)")
-            methods[f"{label} N={args.num_draft_tokens}"] = SpeculativeGenerator(engine3, proposer)
+            methods[f"{label} N={args.num_draft_tokens}{shape}"] = SpeculativeGenerator(engine3,
+                                                                                    proposer)
         else:
             raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, eagle, eagle3, mtp)")
     ar_loop = SpeculativeGenerator(engine, AutoregressiveProposer())

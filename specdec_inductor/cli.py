@@ -106,8 +106,29 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _draft_engine_size(args, engine):
+    """(max_batch, max_len) of a draft Engine: a top-k tree decodes batch*topk beams through
+    one virtual row each and writes topk*(depth-1) slots past the target's positions."""
+    topk, depth = getattr(args, "topk", 1), getattr(args, "depth", None)
+    if topk <= 1:
+        return engine.max_batch, engine.max_len
+    depth = depth if depth is not None else args.num_draft_tokens - 1
+    return engine.max_batch * (1 + topk), engine.max_len + topk * depth
+
+
 def make_proposer(args, engine=None):
     """The proposer of --method (one file per method in specdec_inductor/proposers/)."""
+    topk, depth = getattr(args, "topk", 1), getattr(args, "depth", None)
+    drafting = ("standalone", "eagle", "eagle3", "mtp")
+    if args.method not in drafting and (topk != 1 or depth is not None):
+        raise SystemExit(f"--topk/--depth apply to --method {'/'.join(drafting)}, not {args.method}")
+    if args.method in drafting:
+        from specdec_inductor.proposers.tree_draft import check_tree_shape
+        try:
+            check_tree_shape(args.num_draft_tokens, topk,
+                             depth if depth is not None else args.num_draft_tokens - 1)
+        except ValueError as exc:
+            raise SystemExit(f"specdec: --num-draft-tokens/--topk/--depth: {exc}")
     if args.method == "none":
         from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
         return AutoregressiveProposer()
@@ -128,9 +149,10 @@ def make_proposer(args, engine=None):
             keep_first_layers(draft, args.draft_layers)
         _log(f"[specdec] draft: {args.draft_model or 'the target'}"
              f"{f', first {args.draft_layers} layers' if args.draft_layers else ''}")
-        draft_engine = Engine(draft, max_batch=engine.max_batch, max_len=engine.max_len,
+        max_batch, max_len = _draft_engine_size(args, engine)
+        draft_engine = Engine(draft, max_batch=max_batch, max_len=max_len,
                               compile=engine.compiled, attention=args.attention)
-        return StandaloneProposer(draft_engine, args.num_draft_tokens)
+        return StandaloneProposer(draft_engine, args.num_draft_tokens, topk=topk, depth=depth)
     if args.method == "eagle":
         from specdec_inductor.engine.engine import Engine
         from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
@@ -139,18 +161,21 @@ def make_proposer(args, engine=None):
                              "config.json + pytorch_model.bin or model.safetensors)")
         head = load_eagle_head(args.draft_model, engine.model)
         _log(f"[specdec] EAGLE head: {args.draft_model}")
-        draft_engine = Engine(head, max_batch=engine.max_batch, max_len=engine.max_len,
+        max_batch, max_len = _draft_engine_size(args, engine)
+        draft_engine = Engine(head, max_batch=max_batch, max_len=max_len,
                               compile=engine.compiled, attention=args.attention,
                               prefill_chunk=16, capture_hidden=[-1])
-        return EagleProposer(draft_engine, args.num_draft_tokens)
+        return EagleProposer(draft_engine, args.num_draft_tokens, topk=topk, depth=depth)
     if args.method == "mtp":
         from specdec_inductor.engine.hf import convert_gguf, default_gguf_path
         from specdec_inductor.proposers.mtp import MtpCheckpointError, MtpProposer
         path = args.model or default_gguf_path()
         directory = convert_gguf(path) if path.endswith(".gguf") else path
         try:
+            max_batch, max_len = _draft_engine_size(args, engine)
             proposer = MtpProposer.from_model_dir(directory, engine, args.num_draft_tokens,
-                                                  layer=args.mtp_layer)
+                                                  layer=args.mtp_layer, topk=topk, depth=depth,
+                                                  max_batch=max_batch, max_len=max_len)
         except MtpCheckpointError as exc:
             raise SystemExit(f"--method mtp drafts with the model's own NextN layer: {exc}")
         _log(f"[specdec] MTP (NextN) layer {args.mtp_layer} of {args.model or 'the default model'}")
@@ -161,10 +186,11 @@ def make_proposer(args, engine=None):
         head = getattr(args, "eagle3_head", None) or load_eagle3_head(args.draft_model, engine.model)
         _log(f"[specdec] EAGLE-3 head: {args.draft_model} (target layers "
              f"{head.target_hidden_layers}, draft vocabulary {head.lm_head.out_features})")
-        draft_engine = Engine(head, max_batch=engine.max_batch, max_len=engine.max_len,
+        max_batch, max_len = _draft_engine_size(args, engine)
+        draft_engine = Engine(head, max_batch=max_batch, max_len=max_len,
                               compile=engine.compiled, attention=args.attention,
                               prefill_chunk=16, capture_hidden=[-1])
-        proposer = Eagle3Proposer(draft_engine, args.num_draft_tokens)
+        proposer = Eagle3Proposer(draft_engine, args.num_draft_tokens, topk=topk, depth=depth)
         if engine.capture_hidden != proposer.target_hidden_layers:
             raise SystemExit(f"--method eagle3: the target engine captures {engine.capture_hidden}"
                              f", the head needs {proposer.target_hidden_layers}")
@@ -301,13 +327,15 @@ def run_method_bench(args) -> dict:
              f"{rows[-1]['spec_tok_s']:.1f} tok/s")
     return {"machine": machine_line(), "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf",
             "dtype": args.dtype, "method": args.method, "num_draft_tokens": args.num_draft_tokens,
+            "topk": args.topk, "depth": args.depth,
             "compiled": engine.compiled, "warmup_compile_s": warmup_s, "repeats": args.repeats,
             "rows": rows, "median_speedup": statistics.median(r["speedup"] for r in rows)}
 
 
 def print_method_table(result: dict) -> None:
     print(f"# {result['model']} {result['dtype']}, batch 1, greedy, {result['method']} "
-          f"N={result['num_draft_tokens']} vs our AR, "
+          f"N={result['num_draft_tokens']} topk={result['topk']} depth={result['depth'] or 'N-1'} "
+          f"vs our AR, "
           f"{'compiled' if result['compiled'] else 'eager'}; {result['machine']}")
     print(f"# warm-up/compile {result['warmup_compile_s']:.1f} s; medians of {result['repeats']}")
     print("| prompt | AR tok/s | method tok/s | speedup vs our AR | mean accepted length | "
@@ -360,6 +388,10 @@ def make_parser() -> argparse.ArgumentParser:
                        help="mtp: which of the model's NextN layers drafts (default 0)")
         p.add_argument("--num-draft-tokens", type=int, default=8,
                        help="N, tree nodes incl. the root")
+        p.add_argument("--topk", type=int, default=1,
+                       help="standalone/eagle: branching of the draft tree (1: a chain)")
+        p.add_argument("--depth", type=int, default=None,
+                       help="standalone/eagle: draft steps (default N-1, as a chain needs)")
 
     g = sub.add_parser("generate", help="stream text for one prompt")
     common(g)

@@ -62,6 +62,7 @@ class KVPool:
         self._free_slots: List[int] = list(range(num_slots - 1, -1, -1))
         self._free_rows: List[int] = list(range(max_reqs - 1, -1, -1))
         self._live: dict = {}  # row -> Request
+        self._bare: set = set()  # rows handed out by take_rows (no slots of their own)
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -147,6 +148,29 @@ class KVPool:
         del self._live[request.row]
         self._free_rows.append(request.row)
 
+    # -- bare rows ---------------------------------------------------------------------------
+    def take_rows(self, n: int) -> List[int]:
+        """`n` request rows that own no slots, for slot tables the caller fills itself (e.g.
+        one virtual row per draft-tree branch: a request's prefix slots, then the branch's
+        draft slots). All-or-nothing; give them back with return_rows."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > len(self._free_rows):
+            raise PoolExhaustedError(f"no free request rows: {n} needed, {len(self._free_rows)} free")
+        rows = [self._free_rows.pop() for _ in range(n)]
+        self._bare.update(rows)
+        return rows
+
+    def return_rows(self, rows: Sequence[int]) -> None:
+        """Give back rows from take_rows (their req_to_token rows are cleared)."""
+        for r in rows:
+            if r not in self._bare:
+                raise ValueError(f"rows: {r} is not a row taken with take_rows")
+        for r in rows:
+            self.req_to_token[r].fill_(-1)
+            self._bare.remove(r)
+            self._free_rows.append(r)
+
     def release_all(self) -> None:
         for req in list(self._live.values()):
             self.release(req)
@@ -156,7 +180,7 @@ class KVPool:
         owned = [s for r in self._live.values() for s in r.slots.tolist()]
         everything = owned + self._free_slots
         assert sorted(everything) == list(range(self.num_slots)), "slots leaked or double-owned"
-        rows = list(self._live) + self._free_rows
+        rows = list(self._live) + list(self._bare) + self._free_rows
         assert sorted(rows) == list(range(self.max_reqs)), "request rows leaked or double-owned"
         for r in self._live.values():
             table = self.req_to_token[r.row, :r.budget].to(torch.int64)

@@ -10,17 +10,21 @@ Per step: the draft first extends its own KV over the newly committed pairs (x_{
 the positions the target just verified, root and accepted drafts -- then decodes K - 1 more
 tokens feeding back its own g. Its KV row therefore always covers exactly the target's
 committed positions before drafting, and speculative positions are overwritten next step.
-Chains only for now (no top-k tree expansion). EAGLE-3 checkpoints are refused here.
+With topk > 1 the head drafts EAGLE-2 top-k trees instead (proposers/tree_draft.py): each
+beam decodes through its own virtual row with its parent's g as aux input; the KV bookkeeping
+is unchanged (tree nodes only write past the committed positions). EAGLE-3 checkpoints are
+refused here.
 """
 import json
 import os
-from dataclasses import dataclass
-from typing import Dict, List
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
 
 from specdec_inductor.proposers.chain import admit_draft_requests, chain_tree
+from specdec_inductor.proposers.tree_draft import TreeDrafter, check_tree_shape
 from specdec_inductor.speculative import DraftTree
 
 _LAYER_KEYS = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -141,24 +145,37 @@ class _EagleRequest:
     hidden: Tensor  # pending h_p [pending, H], one row per pending token
     done: bool = False
     root: int = 0
+    virtual_rows: List[int] = field(default_factory=list)  # trees: one draft-pool row per beam
 
 
 class EagleProposer:
-    """Greedy EAGLE chains of K = N - 1 drafts from `draft_engine` (an Engine over an
-    EagleDraftModel made with capture_hidden=[-1]); the target Engine needs
-    capture_hidden=[-1] too."""
+    """Greedy EAGLE chains of K = N - 1 drafts (topk = 1) or EAGLE-2 top-k trees from
+    `draft_engine` (an Engine over an EagleDraftModel made with capture_hidden=[-1]); the
+    target Engine needs capture_hidden=[-1] too.
+
+    Args:
+        num_draft_tokens: N, nodes per tree including the root.
+        topk: branching (1: a chain, today's code path); depth: draft steps (default N - 1).
+        For trees the draft Engine needs max_batch >= batch * (1 + topk) and topk*(depth-1)
+        row positions past the target's.
+    """
 
     needs_target_hidden = True
 
-    def __init__(self, draft_engine, num_draft_tokens: int):
+    def __init__(self, draft_engine, num_draft_tokens: int, topk: int = 1,
+                 depth: Optional[int] = None):
         if num_draft_tokens < 2:
             raise ValueError(f"num_draft_tokens must be >= 2 (root + drafts), got {num_draft_tokens}")
         if draft_engine.capture_hidden != [-1]:
             raise ValueError("argument 'draft_engine' must be made with capture_hidden=[-1]")
+        depth = num_draft_tokens - 1 if depth is None else depth
+        check_tree_shape(num_draft_tokens, topk, depth)
         self.engine = draft_engine
         self.num_draft_tokens = num_draft_tokens
-        self.num_spec_steps = num_draft_tokens
+        self.topk, self.depth = topk, depth
+        self.num_spec_steps = depth + 1
         self.k = num_draft_tokens - 1
+        self._tree = TreeDrafter(draft_engine, num_draft_tokens, topk, depth) if topk > 1 else None
         self._requests: Dict[int, _EagleRequest] = {}
 
     def _rows(self, states) -> Tensor:
@@ -168,10 +185,19 @@ class EagleProposer:
         return torch.tensor(rows, dtype=torch.int64)  # [B]
 
     def start(self, request_ids: List[int], contexts: List[List[int]], hidden: List[Tensor]):
-        requests = admit_draft_requests(self.engine.pool, contexts, self.num_draft_tokens)
+        reserve = max(self.num_draft_tokens, self.topk * (self.depth - 1) + 1)
+        requests = admit_draft_requests(self.engine.pool, contexts, reserve)
         for rid, req, ctx, h in zip(request_ids, requests, contexts, hidden):
             # Pairs (x_{p+1}, h_p) for the prompt positions p = 0 .. P-1.
             self._requests[rid] = _EagleRequest(req, 0, list(ctx[1:]), h, root=ctx[-1])
+        if self._tree is not None:
+            try:
+                virtual = self._tree.reserve_rows(len(request_ids))
+            except BaseException:
+                self.finish(request_ids)
+                raise
+            for rid, rows in zip(request_ids, virtual):
+                self._requests[rid].virtual_rows = rows
 
     def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
         bs, eng = len(request_ids), self.engine
@@ -210,6 +236,12 @@ class EagleProposer:
             if last_logits[b] is None:
                 last_logits[b] = torch.zeros(vocab, dtype=eng.dtype)
                 last_g[b] = torch.zeros(hdim, dtype=hdtype)
+        if self._tree is not None:  # beams at depth 1 take the root's g, deeper ones their parent's
+            roots = torch.tensor([st.root for st in states])  # [bs]
+            return self._tree.draft(roots, seq_lens, torch.stack(last_logits),
+                                    [None if st.done else st.request.row for st in states],
+                                    [st.cached for st in states],
+                                    [st.virtual_rows for st in states], torch.stack(last_g))
         tok = torch.stack(last_logits).argmax(-1)  # [bs] d1
         g = torch.stack(last_g)  # [bs, H]
         drafts = [tok]
@@ -241,4 +273,6 @@ class EagleProposer:
         for rid in request_ids:
             st = self._requests.pop(rid, None)
             if st is not None:
+                if st.virtual_rows:
+                    self._tree.release_rows(st.virtual_rows)
                 self.engine.pool.release(st.request)

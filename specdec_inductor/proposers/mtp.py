@@ -203,13 +203,16 @@ class MtpProposer(EagleProposer):
 
     @classmethod
     def from_model_dir(cls, path: str, target_engine, num_draft_tokens: int, layer: int = 0,
-                       prefill_chunk: int = 16) -> "MtpProposer":
+                       prefill_chunk: int = 16, topk: int = 1, depth=None, max_batch=None,
+                       max_len=None) -> "MtpProposer":
         """NextN layer `layer` of `path` in a draft Engine shaped like `target_engine` (same
-        batch, length, compile mode and attention backend)."""
+        batch, length, compile mode and attention backend; a top-k tree needs max_batch
+        >= batch * (1 + topk) and topk * depth more positions, see cli._draft_engine_size)."""
         from specdec_inductor.engine.engine import Engine
         head = load_mtp_head(path, target_engine.model, layer)
-        draft = Engine(head, max_batch=target_engine.max_batch, max_len=target_engine.max_len,
+        draft = Engine(head, max_batch=max_batch or target_engine.max_batch,
+                       max_len=max_len or target_engine.max_len,
                        compile=target_engine.compiled,
                        attention=target_engine.attention_backend.value,
                        prefill_chunk=prefill_chunk, capture_hidden=[-1])
-        return cls(draft, num_draft_tokens)
+        return cls(draft, num_draft_tokens, topk=topk, depth=depth)

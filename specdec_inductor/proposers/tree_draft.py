@@ -1,0 +1,218 @@
+"""Multi-step top-k draft trees (EAGLE-2 dynamic trees) over a draft `Engine`, shared by the
+STANDALONE and EAGLE proposers. Not here: the proposers' own KV catch-up (draft extend) and
+their request state; this file only turns the draft's logits at each root into a DraftTree.
+
+The rule (kernels.md section 1): step 0 takes the root's topk children, scored by their draft
+log-probs; each later step decodes the topk kept beams, expands each by its topk children
+(score = beam score + child log-prob) and keeps the topk best of those topk*topk; after `depth`
+steps the N-1 best scores overall are selected, sorted by global id (ancestors first) and
+`ops.build_tree` makes the verify tree. Ties rank the lower global id first (a stable sort),
+and a child's score never exceeds its parent's (log-probs are <= 0), so every selected node's
+parent is selected too, even among equal or -inf scores.
+
+Draft decode attention: beam k of request b decodes through its own virtual row of the draft
+pool (rows from `KVPool.take_rows`) whose slot table is the request's committed prefix followed
+by its beam's ancestors' draft slots and its own (build_draft_decode_table semantics). Each
+(beam index, step) owns one slot: position base + k*(depth-1) + step of the request's own row,
+a position past the committed prefix that the next catch-up extend overwrites, so drafting
+allocates nothing. One `Engine.decode` per depth runs all beams of all requests (B*topk rows).
+"""
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from specdec_inductor import ops
+from specdec_inductor.engine.kv_pool import PoolExhaustedError
+from specdec_inductor.ops.tree import TreeMaskMode
+from specdec_inductor.speculative import DraftTree
+
+
+def check_tree_shape(num_draft_tokens: int, topk: int, depth: int) -> None:
+    """Raise ValueError naming the argument unless (N, topk, depth) makes a valid tree."""
+    if topk < 1:
+        raise ValueError(f"argument 'topk' must be >= 1, got {topk}")
+    if depth < 1:
+        raise ValueError(f"argument 'depth' must be >= 1, got {depth}")
+    if num_draft_tokens < 2:
+        raise ValueError(f"argument 'num_draft_tokens' must be >= 2 (root + drafts), got "
+                         f"{num_draft_tokens}")
+    if depth > num_draft_tokens - 1:
+        raise ValueError(f"argument 'depth' ({depth}) exceeds num_draft_tokens - 1 "
+                         f"({num_draft_tokens - 1}): a tree of N nodes is at most N-1 drafts deep")
+    if topk == 1 and depth != num_draft_tokens - 1:
+        raise ValueError(f"argument 'depth' must be num_draft_tokens - 1 = {num_draft_tokens - 1} "
+                         f"for a chain (topk=1), got {depth}")
+    candidates = topk + topk * topk * (depth - 1)
+    if num_draft_tokens - 1 > candidates:
+        raise ValueError(f"argument 'num_draft_tokens' ({num_draft_tokens}) needs "
+                         f"{num_draft_tokens - 1} drafts but topk={topk}, depth={depth} "
+                         f"score only {candidates} candidates")
+
+
+def draft_log_probs(logits: Tensor) -> Tensor:
+    """log_softmax in fp32 over the last dim; -inf logits (e.g. outside an EAGLE-3 draft
+    vocabulary) give -inf, and a row with no finite logit gives -inf everywhere, never NaN."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.masked_fill(torch.isnan(logp), float("-inf"))
+
+
+def top_children(logp: Tensor, topk: int):
+    """(scores, tokens) [..., topk] of the topk best log-probs of each row (descending).
+
+    A row with fewer than topk finite log-probs fills up with -inf entries whose index is
+    arbitrary: those take the row's best token instead, a duplicate of their best sibling that
+    verify never prefers (it accepts the first match in sibling order), so no -inf token is
+    ever drafted."""
+    scores, tokens = logp.topk(topk, dim=-1)
+    tokens = torch.where(torch.isneginf(scores), tokens[..., :1], tokens)
+    return scores, tokens
+
+
+def best_first(scores: Tensor, count: int) -> Tensor:
+    """Column indices [R, count] of the `count` best scores of each row [R, C]; equal scores
+    rank the lower index first."""
+    return torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :count]
+
+
+class TreeDrafter:
+    """EAGLE-2 top-k trees of N nodes from `engine` (the draft Engine).
+
+    Args:
+        engine: the draft Engine. Its max_batch must hold the decode batch of B*topk beams
+            and its pool B*(1+topk) rows (the requests plus their virtual rows).
+        num_draft_tokens: N, nodes per tree including the root.
+        topk: branching; depth: draft steps (the deepest node's depth).
+    """
+
+    def __init__(self, engine, num_draft_tokens: int, topk: int, depth: int):
+        check_tree_shape(num_draft_tokens, topk, depth)
+        self.engine = engine
+        self.num_draft_tokens, self.topk, self.depth = num_draft_tokens, topk, depth
+        # Row positions past a request's committed prefix that drafting writes.
+        self.draft_positions = topk * (depth - 1)
+
+    def reserve_rows(self, count: int) -> List[List[int]]:
+        """topk virtual rows of the draft pool for each of `count` requests."""
+        need = count * self.topk
+        if need > self.engine.max_batch:
+            raise ValueError(f"draft engine max_batch {self.engine.max_batch} cannot decode "
+                             f"{count} requests x topk {self.topk} = {need} beams: make the draft "
+                             f"Engine with max_batch >= batch * (1 + topk)")
+        try:
+            rows = self.engine.pool.take_rows(need)
+        except PoolExhaustedError as exc:
+            raise ValueError(f"draft engine max_batch {self.engine.max_batch} has no room for "
+                             f"{need} virtual rows next to its requests: make the draft Engine "
+                             f"with max_batch >= batch * (1 + topk) ({exc})") from exc
+        return [rows[i * self.topk:(i + 1) * self.topk] for i in range(count)]
+
+    def release_rows(self, rows: Sequence[int]) -> None:
+        self.engine.pool.return_rows(rows)
+
+    @torch.inference_mode()
+    def draft(self, roots: Tensor, seq_lens: Tensor, logits: Tensor, rows: Sequence[Optional[int]],
+              bases: Sequence[int], virtual_rows: Sequence[Sequence[int]],
+              aux: Optional[Tensor] = None) -> DraftTree:
+        """The tree of every request.
+
+        Args:
+            roots [B]: each tree's root token; seq_lens [B]: the target's committed tokens (the
+                root's position); logits [B, V]: the draft's logits at the root.
+            rows: each request's draft-pool row, None for a request that drafts nothing (its
+                beams decode on the padding row; its tree is never verified).
+            bases: draft KV cached per request: the beams' first decode position.
+            virtual_rows: the request's topk rows from reserve_rows.
+            aux [B, A]: the root's auxiliary output (EAGLE's g), fed to the depth-1 beams; each
+                deeper beam gets its parent's (the draft Engine then returns it from decode).
+        """
+        k, depth, n = self.topk, self.depth, self.num_draft_tokens
+        bs = roots.shape[0]
+        scores, tokens = top_children(draft_log_probs(logits), k)  # [B, k]
+        score_list, token_list = [scores], [tokens]
+        parents = [torch.full((bs, 1), -1, dtype=torch.int64),
+                   torch.arange(k, dtype=torch.int64).expand(bs, k)]
+        if depth > 1:
+            self._expand(scores, tokens, rows, bases, virtual_rows, aux, score_list, token_list,
+                         parents)
+        all_scores = torch.cat(score_list, dim=1)  # [B, k + k*k*(depth-1)]
+        all_tokens = torch.cat(token_list, dim=1)
+        selected = best_first(all_scores, n - 1).sort(dim=1).values  # [B, N-1] ascending ids
+        parent_list = (torch.cat(parents, dim=1) if depth > 1
+                       else torch.empty(bs, 0, dtype=torch.int64))  # [B, k*(depth-1)+1]
+        mask, positions, ridx, nxt, sib = ops.build_tree(
+            parent_list, selected, seq_lens, k, depth, n, TreeMaskMode.QLEN_ONLY)
+        draft_tokens = torch.gather(all_tokens, 1, selected)  # [B, N-1]
+        tree_tokens = torch.cat([roots.view(bs, 1).long(), draft_tokens], dim=1)  # [B, N]
+        return DraftTree(tree_tokens, mask, positions, ridx, nxt, sib,
+                         torch.full((bs,), n - 1, dtype=torch.int64))
+
+    def _expand(self, beam_scores, beam_tokens, rows, bases, virtual_rows, aux, score_list,
+                token_list, parents):
+        """Draft steps 1..depth-1: one batched decode of every kept beam per step."""
+        eng, k, depth = self.engine, self.topk, self.depth
+        bs = beam_scores.shape[0]
+        pool = eng.pool
+        table = pool.req_to_token
+        bucket = eng.bucket_for(bs * k)
+        active = [b for b in range(bs) if rows[b] is not None]
+        act = torch.tensor(active, dtype=torch.int64)  # [A]
+        beam_rows = torch.full((bucket,), pool.padding_row, dtype=torch.int64)  # [Bd]
+        positions = torch.ones(bucket, dtype=torch.int64)  # [Bd]; padding decodes at 1
+        flat = (act.view(-1, 1) * k + torch.arange(k).view(1, k)).flatten()  # [A*k] batch rows
+        if active:
+            req = torch.tensor([rows[b] for b in active], dtype=torch.int64)  # [A]
+            base = torch.tensor([bases[b] for b in active], dtype=torch.int64)  # [A]
+            vrows = torch.tensor([r for b in active for r in virtual_rows[b]],
+                                 dtype=torch.int64)  # [A*k]
+            if int(base.max()) + self.draft_positions > pool.max_len:
+                raise ValueError(f"draft engine max_len {pool.max_len}: a request at position "
+                                 f"{int(base.max())} has no room for its {self.draft_positions} "
+                                 "draft-tree slots; make the draft Engine's max_len larger")
+            # Step 1's tables: prefix + beam k's first draft slot; later steps rewrite the
+            # draft part from the beam's ancestry.
+            table[vrows] = ops.build_draft_decode_table(table, req, base, k, depth - 1)
+            own = ops.assign_draft_cache_locs(table, req, base, k, depth - 1).view(-1, k, depth - 1)
+            if bool((own < 0).any()):  # past the slots the request reserved at admission
+                raise ValueError(f"draft engine max_len {pool.max_len}: a request at position "
+                                 f"{int(base.max())} has no reserved room for its "
+                                 f"{self.draft_positions} draft-tree slots; make the draft "
+                                 "Engine's max_len larger")
+            path = own.clone()  # [A, k, depth-1]: slot of beam k's node at each depth
+            beam_rows[flat] = vrows
+            base_k = base.repeat_interleave(k)  # [A*k]
+        if aux is not None:
+            beam_aux = aux.unsqueeze(1).expand(bs, k, aux.shape[-1])  # [B, k, A]: the root's
+        for step in range(1, depth):
+            if step > 1 and active:
+                ops.assign_req_to_token(table, vrows, base_k, base_k + step,
+                                        path[:, :, :step].reshape(-1))
+            if active:
+                positions[flat] = base_k + step - 1
+            tok_in = torch.zeros(bucket, dtype=torch.int64)  # [Bd]
+            tok_in[:bs * k] = beam_tokens.reshape(-1)
+            if aux is None:
+                out = eng.decode(tok_in, beam_rows, positions)
+            else:
+                aux_in = aux.new_zeros(bucket, aux.shape[-1])  # [Bd, A]
+                aux_in[:bs * k] = beam_aux.reshape(bs * k, -1)
+                out = eng.decode(tok_in, beam_rows, positions, aux_in)
+            logp = draft_log_probs(out[1][:bs * k]).view(bs, k, -1)  # [B, k, V]
+            child_scores, child_tokens = top_children(logp, k)  # [B, k, k]
+            child_scores = (beam_scores.unsqueeze(-1) + child_scores).view(bs, k * k)
+            child_tokens = child_tokens.reshape(bs, k * k)
+            score_list.append(child_scores)
+            token_list.append(child_tokens)
+            if step == depth - 1:
+                break
+            best = best_first(child_scores, k)  # [B, k] ids within this step
+            parent = best // k  # [B, k] the kept beam's parent among this step's beams
+            beam_scores = torch.gather(child_scores, 1, best)
+            beam_tokens = torch.gather(child_tokens, 1, best)
+            parents.append(k + k * k * (step - 1) + best)
+            if aux is not None:
+                g = out[2][:bs * k].view(bs, k, -1)  # [B, k, A] this step's outputs
+                beam_aux = torch.gather(g, 1, parent.unsqueeze(-1).expand_as(g))
+            if active:  # a kept beam inherits its parent's path and adds its own next slot
+                inherited = torch.gather(path, 1, parent[act].unsqueeze(-1).expand_as(path))
+                path = torch.cat([inherited[:, :, :step], own[:, :, step:]], dim=2)
