@@ -5,6 +5,7 @@ times a prompt set against HF `generate` and prints a table
 """
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -35,6 +36,26 @@ def encode(tokenizer, prompt: str, chat: bool) -> List[int]:
     return tokenizer(prompt)["input_ids"]
 
 
+HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
+
+
+def shipped_head(method: str) -> str:
+    """The trained head shipped for the default model (specdec train-draft, see heads/README.md)."""
+    return os.path.join(HEADS_DIR, f"smollm2-135m-instruct-{method}")
+
+
+def draft_head_dir(args) -> str:
+    """--draft-model, else (default model only) the shipped head for --method eagle / eagle3."""
+    if args.draft_model is not None:
+        return args.draft_model
+    path = shipped_head(args.method)
+    if args.model is None and os.path.exists(os.path.join(path, "config.json")):
+        return path
+    raise SystemExit(f"--method {args.method} needs --draft-model DIR (a checkpoint in the "
+                     f"published {args.method} layout; `specdec train-draft --method {args.method}` "
+                     "makes one); heads ship only for the default model")
+
+
 def target_capture(args, model):
     """The target hidden_states the method's proposer drafts from (Engine capture_hidden)."""
     method = getattr(args, "method", None)
@@ -42,9 +63,7 @@ def target_capture(args, model):
         return [-1]
     if method == "eagle3":
         from specdec_inductor.proposers.eagle3 import load_eagle3_head
-        if args.draft_model is None:
-            raise SystemExit("--method eagle3 needs --draft-model DIR (an EAGLE-3 checkpoint: "
-                             "config.json + model.safetensors or pytorch_model.bin)")
+        args.draft_model = draft_head_dir(args)
         # Loaded once here (its layers decide the target Engine) and reused by make_proposer.
         args.eagle3_head = load_eagle3_head(args.draft_model, model)
         return args.eagle3_head.target_hidden_layers
@@ -156,9 +175,7 @@ def make_proposer(args, engine=None):
     if args.method == "eagle":
         from specdec_inductor.engine.engine import Engine
         from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
-        if args.draft_model is None:
-            raise SystemExit("--method eagle needs --draft-model DIR (an EAGLE checkpoint: "
-                             "config.json + pytorch_model.bin or model.safetensors)")
+        args.draft_model = draft_head_dir(args)
         head = load_eagle_head(args.draft_model, engine.model)
         _log(f"[specdec] EAGLE head: {args.draft_model}")
         max_batch, max_len = _draft_engine_size(args, engine)

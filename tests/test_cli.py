@@ -93,6 +93,8 @@ def test_generate_eagle_with_a_random_head_is_still_exact(tmp_path, capsys):
     assert "Paris" in out and "EAGLE head" in err
 
 
-def test_eagle_needs_a_checkpoint():
+def test_eagle_needs_a_checkpoint(monkeypatch, tmp_path):
+    # Without a shipped head for the model (here: none at all), --draft-model is required.
+    monkeypatch.setattr(cli, "shipped_head", lambda method: str(tmp_path / "none"))
     with pytest.raises(SystemExit, match="--draft-model"):
         cli.main(["generate", "--eager", "--method", "eagle", "--max-new-tokens", "2"])

@@ -434,7 +434,8 @@ def test_cli_generate_eagle3_with_a_random_head_is_still_exact(tmp_path, capsys)
     assert "Paris" in out and "EAGLE-3 head" in err and "[2, 15, 27]" in err
 
 
-def test_cli_eagle3_needs_a_checkpoint():
+def test_cli_eagle3_needs_a_checkpoint(monkeypatch, tmp_path):
     from specdec_inductor import cli
+    monkeypatch.setattr(cli, "shipped_head", lambda method: str(tmp_path / "none"))
     with pytest.raises(SystemExit, match="--method eagle3 needs --draft-model"):
         cli.main(["generate", "--eager", "--method", "eagle3", "--max-new-tokens", "2"])

@@ -42,13 +42,27 @@ def _own_code(method):
 
 
 def _skip_model_guards(guard_entries) -> List[bool]:
-    """Dynamo guard filter: keep every guard except those on the engine's model (thousands of
-    parameter, hook-dict and attribute checks, ~1 ms per step on SmolLM2). Safe because each
-    engine has its own code objects (`_own_code`) and the engine owns its model: the model's
-    modules, parameters and config must not be replaced after the Engine is made (values may be
-    updated in place; parameters are graph inputs read on every call)."""
-    return [not (e.name == "self.model" or e.name.startswith(("self.model.", "self.model[")))
-            for e in guard_entries]
+    """Dynamo guard filter: keep every guard except those on the engine's model and KV pool
+    (thousands of parameter, hook-dict, module-class and attribute checks, ~1 ms per step on
+    SmolLM2). Safe because each engine has its own code objects (`_own_code`) and the engine
+    owns its model and pool: the model's modules, their classes, parameters and config, and the
+    pool's buffers must not be replaced after the Engine is made (values may be updated in
+    place; parameters and pool buffers are graph inputs read on every call)."""
+    return [not _engine_owned(e.name) for e in guard_entries]
+
+
+def _engine_owned(name: str) -> bool:
+    """A guard source on the engine's model (its attributes, parameters, and the class dicts of
+    its modules: `dict(type(self.model.model.layers[0]))...`) or its KV pool, which the engine
+    creates and never replaces."""
+    for root in ("self.model", "self.pool"):
+        at = name.find(root)
+        while at >= 0:
+            end = at + len(root)
+            if end == len(name) or name[end] in ".[)":
+                return True
+            at = name.find(root, end)
+    return False
 
 
 def _capture_layer_input(index: int):

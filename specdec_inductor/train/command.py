@@ -32,6 +32,9 @@ def add_parser(sub, common) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 draft vocabulary")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=50, help="trainer state every K steps")
+    p.add_argument("--data", default=None,
+                   help="data cache file (default <out>/data.pt); reused when it was built with "
+                        "the same prompts / tokens / seed (EAGLE can reuse EAGLE-3's data)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --out's trainer state and cached data")
     p.add_argument("--no-eval", dest="eval", action="store_false",
@@ -67,14 +70,22 @@ def run(args) -> int:
     layers = eagle3_layers(target.config.num_hidden_layers) if args.method == "eagle3" else []
     meta = {"prompts": args.num_prompts, "new_tokens": args.new_tokens, "seed": args.seed,
             "layers": layers, "model": args.model, "dtype": args.dtype, "chat": args.chat}
-    data_path = os.path.join(out, "data.pt")
-    meta_path = os.path.join(out, "data.json")
+    data_path = args.data or os.path.join(out, "data.pt")
+    meta_path = data_path + ".json"
     data = None
-    if args.resume and os.path.exists(data_path) and os.path.exists(meta_path):
+    if os.path.exists(data_path) and os.path.exists(meta_path):
         with open(meta_path) as f:
-            if json.load(f) == meta:
-                data = DraftData.load(data_path)
-                _log(f"[train-draft] reusing {data_path}: {len(data)} sequences")
+            cached = json.load(f)
+        # EAGLE reads only the final hidden state, which every data file carries.
+        same = ({k: v for k, v in cached.items() if k != "layers"} ==
+                {k: v for k, v in meta.items() if k != "layers"}
+                and (cached["layers"] == layers or not layers))
+        if same:
+            data = DraftData.load(data_path)
+            _log(f"[train-draft] reusing {data_path}: {len(data)} sequences")
+        elif args.data:
+            raise SystemExit(f"specdec train-draft: --data {data_path} was built with {cached}, "
+                             f"this run needs {meta}")
     if data is None:
         prompts = [encode(tokenizer, t, args.chat) for t in texts]
         data = build_draft_data(target, prompts, layers, new_tokens=args.new_tokens,
@@ -95,6 +106,6 @@ def run(args) -> int:
     if args.eval:
         from specdec_inductor.train.evaluate import evaluate_head, format_eval
         result = evaluate_head(args.method, out, model_path=args.model, dtype=args.dtype,
-                               chat=args.chat, compile=not args.eager, progress=_log)
+                               chat=args.chat, compile=False, progress=_log)
         print(format_eval(result))
     return 0
