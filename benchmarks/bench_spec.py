@@ -69,7 +69,19 @@ def main():
     parser.add_argument("--draft-layers", type=int, default=8,
                         help="standalone draft: SmolLM2 cut to its first K layers (no smaller "
                              "model with its vocabulary is available offline)")
+    parser.add_argument("--heldout", type=int, default=0,
+                        help="bench K prompts of the draft-head training's held-out set "
+                             "(train/corpus.py: half prose, half code) instead of the code/chat "
+                             "pair; the chat prompt shares a topic with the training corpus")
     args = parser.parse_args()
+    prompts = PROMPTS
+    if args.heldout:
+        from specdec_inductor.train.corpus import HELDOUT_TOPICS, heldout_prompts
+        held = heldout_prompts()
+        prose, code = held[:len(HELDOUT_TOPICS)], held[len(HELDOUT_TOPICS):]
+        half = (args.heldout + 1) // 2
+        prompts = {f"heldout-prose-{i}": t for i, t in enumerate(prose[:half])}
+        prompts.update({f"heldout-code-{i}": t for i, t in enumerate(code[:args.heldout - half])})
     temperatures = [float(t) for t in args.temperatures.split(",")]
     model, tokenizer = load_model(args.model)
     eagle = {"eagle", "mtp"} & set(args.methods.split(","))  # draft from target hidden states
@@ -146,7 +158,8 @@ def main():
           f"{specdec_inductor.active_isa()}, torch {torch.__version__}; medians of {args.repeats}")
     print("| prompt | T | method | tok/s | speedup vs our AR | mean accepted length | acceptance by position | tokens == AR |")
     print("|---|---|---|---|---|---|---|---|")
-    for kind, text in PROMPTS.items():
+    speedups = {}  # (method, T) -> [speedup per prompt]
+    for kind, text in prompts.items():
         ids = encode(tokenizer, text, chat=True)
         engine.generate([ids], 2)  # warm-up / compile
         for spec in methods.values():
@@ -178,6 +191,10 @@ def main():
                       f"{ar_s / sp_s:.2f}x | {stats.mean_accepted_length:.2f} | {accept} | {same} |",
                       flush=True)
                 print(f"#   {kind} T={temp:g} {label}: {stats.summary()}")
+                speedups.setdefault((label, temp), []).append(ar_s / sp_s)
+    for (label, temp), values in speedups.items():
+        print(f"# median over {len(values)} prompts, T={temp:g}, {label}: "
+              f"{statistics.median(values):.2f}x our AR")
 
 if __name__ == "__main__":
     main()

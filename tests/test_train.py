@@ -231,3 +231,27 @@ def test_eagle3_training_lowers_the_loss_and_the_head_drafts_exactly(data3_and_t
     for p in prompts(16, seed=5)[:3]:
         assert spec.generate([p], 16, None, stats)[0] == engine.generate([p], 16)[0]
     assert stats.mean_accepted_length > 1.1, stats.summary()
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_shipped_heads_draft_for_the_default_model_exactly(method):
+    """The heads in specdec_inductor/heads/ load by default for SmolLM2 and are accepted on a
+    held-out prompt, with output identical to plain greedy decoding."""
+    import argparse
+
+    from specdec_inductor import cli
+    from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.train.corpus import heldout_prompts
+    target, tokenizer = load_model()
+    args = argparse.Namespace(method=method, draft_model=None, model=None, num_draft_tokens=6,
+                              topk=1, depth=None, max_batch=1, max_len=256, eager=True,
+                              attention=None, dtype="fp32", draft_layers=None)
+    engine = cli.build_engine(args, target)
+    proposer = cli.make_proposer(args, engine)
+    assert args.draft_model == cli.shipped_head(method)
+    ids = cli.encode(tokenizer, heldout_prompts()[0], chat=True)
+    stats = SpeculativeStats()
+    spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
+    assert spec.generate([ids], 24, None, stats)[0] == engine.generate([ids], 24)[0]
+    # A random head accepts ~nothing on SmolLM2 (tests/test_cli.py); a trained one does.
+    assert stats.mean_accepted_length > 1.2, stats.summary()
