@@ -69,6 +69,9 @@ def main():
     parser.add_argument("--draft-layers", type=int, default=8,
                         help="standalone draft: SmolLM2 cut to its first K layers (no smaller "
                              "model with its vocabulary is available offline)")
+    parser.add_argument("--min-accepted", type=float, default=None,
+                        help="acceptance gate threshold (default: the loop's own, 0.15*(N-1)); "
+                             "0 drafts every step, showing a head's raw acceptance and speed")
     parser.add_argument("--heldout", type=int, default=0,
                         help="bench K prompts of the draft-head training's held-out set "
                              "(train/corpus.py: half prose, half code) instead of the code/chat "
@@ -151,6 +154,9 @@ def main():
                                                                                     proposer)
         else:
             raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, eagle, eagle3, mtp)")
+    if args.min_accepted is not None:
+        for spec in methods.values():
+            spec.min_accepted = args.min_accepted
     ar_loop = SpeculativeGenerator(engine, AutoregressiveProposer())
     print(f"# {args.model or 'SmolLM2-135M'} fp32, batch 1, {args.max_new_tokens} new tokens "
           "(no eos stop), "
