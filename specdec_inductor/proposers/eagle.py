@@ -78,6 +78,15 @@ def _read_state_dict(path: str) -> Dict[str, Tensor]:
                                "pytorch_model.bin")
 
 
+def set_head_rope(config, raw: dict, target_config) -> None:
+    """A draft head's RoPE: as its checkpoint's config.json (`raw`) says, else as the target has
+    it (transformers 5 keeps it in rope_parameters; older configs in rope_theta)."""
+    if "rope_theta" in raw:
+        config.rope_parameters = {"rope_type": "default", "rope_theta": float(raw["rope_theta"])}
+    elif getattr(target_config, "rope_parameters", None):
+        config.rope_parameters = dict(target_config.rope_parameters)
+
+
 def load_eagle_head(path: str, target) -> EagleDraftModel:
     """An EAGLE head from a checkpoint directory (config.json + one state dict) for `target`
     (a HF causal LM, whose embedding and LM head the head shares)."""
@@ -112,12 +121,7 @@ def load_eagle_head(path: str, target) -> EagleDraftModel:
         rms_norm_eps=raw.get("rms_norm_eps", getattr(tcfg, "rms_norm_eps", 1e-6)),
         max_position_embeddings=raw.get("max_position_embeddings", tcfg.max_position_embeddings),
         hidden_act=raw.get("hidden_act", "silu"))
-    # RoPE as the checkpoint says, else as the target has it (transformers 5 keeps it in
-    # rope_parameters; older configs in rope_theta).
-    if "rope_theta" in raw:
-        config.rope_parameters = {"rope_type": "default", "rope_theta": float(raw["rope_theta"])}
-    elif getattr(tcfg, "rope_parameters", None):
-        config.rope_parameters = dict(tcfg.rope_parameters)
+    set_head_rope(config, raw, tcfg)
     head = EagleDraftModel(config, target, fc_bias="fc.bias" in sd)
     own = {"fc.weight": sd["fc.weight"]}
     if "fc.bias" in sd:

@@ -26,7 +26,8 @@ from typing import Dict, List
 import torch
 from torch import Tensor, nn
 
-from specdec_inductor.proposers.eagle import EagleCheckpointError, EagleProposer, _read_state_dict
+from specdec_inductor.proposers.eagle import (EagleCheckpointError, EagleProposer,
+                                              _read_state_dict, set_head_rope)
 
 _MIDLAYER_KEYS = ["input_layernorm.weight", "hidden_norm.weight", "self_attn.q_proj.weight",
                   "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -253,11 +254,7 @@ def load_eagle3_head(path: str, target) -> Eagle3DraftModel:
         rms_norm_eps=raw.get("rms_norm_eps", getattr(tcfg, "rms_norm_eps", 1e-6)),
         max_position_embeddings=raw.get("max_position_embeddings", tcfg.max_position_embeddings),
         hidden_act=raw.get("hidden_act", "silu"))
-    # RoPE as the checkpoint says, else as the target has it (see load_eagle_head).
-    if "rope_theta" in raw:
-        config.rope_parameters = {"rope_type": "default", "rope_theta": float(raw["rope_theta"])}
-    elif getattr(tcfg, "rope_parameters", None):
-        config.rope_parameters = dict(tcfg.rope_parameters)
+    set_head_rope(config, raw, tcfg)
     head = Eagle3DraftModel(config, target, t_hidden, draft_vocab, "fc.bias" in sd,
                             own_embedding, layers)
     own: Dict[str, Tensor] = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}
