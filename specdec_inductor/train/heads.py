@@ -19,7 +19,6 @@ import os
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -167,6 +166,7 @@ class Eagle3Head(nn.Module):
         position) -> draft-vocab logits [B, T, Dv] per step; step s, index i predicts token
         i + s + 2 from input token i + s + 1."""
         bs, t = tokens.shape
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
         m = self.midlayer
         a = m.self_attn
         hidden = self.fc(feats)  # [B, T, H]
@@ -182,7 +182,6 @@ class Eagle3Head(nn.Module):
             k = a.k_proj(x).view(bs, t, a.kv_heads, a.head_dim).transpose(1, 2)
             v = a.v_proj(x).view(bs, t, a.kv_heads, a.head_dim).transpose(1, 2)
             pos = (torch.arange(t) + s).view(1, t).expand(bs, t)  # [B, T]
-            from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
             cos, sin = self.rotary(x, pos)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             rep = a.heads // a.kv_heads
