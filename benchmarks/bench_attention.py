@@ -1,9 +1,12 @@
 """Benchmark of extend_attention (tree verify) and decode_attention over the paged KV pool,
 against plain PyTorch SDPA with an exact-length bool mask (K/V gathered from the pool by index,
 and, separately, SDPA alone on pre-gathered K/V), compiled flex_attention with the tree as its
-mask_mod, and the memory roofline (K/V bytes read / bandwidth measured here by summing a large
-tensor). Every method cycles through enough copies of the K/V data (>= 96 MiB in all) that each
-call reads it from DRAM, not from the last-level cache, unless --warm. Prints medians over repeats
+mask_mod, and the roofline: the larger of the memory time (K/V + q + out bytes / read bandwidth
+measured here by summing a large tensor) and the compute time (the attention's multiply-add flops
+/ the peak measured here by a cache-resident GEMM of the same dtype and thread count; exp and
+max are not counted, so the roofline is a lower bound on any kernel's time). Every method cycles
+through enough copies of the K/V data (>= 96 MiB in all) that each call reads it from DRAM, not
+from the last-level cache, unless --warm. Prints medians over repeats
 and ratios measured in the same run; never asserts.
 
     python benchmarks/bench_attention.py [--quick] [--isa portable|avx512|amx] [--no-flex]
@@ -44,6 +47,22 @@ def measure_read_bandwidth(repeats):
     x = torch.ones(128 * 1024 * 1024)  # [128M] fp32 = 512 MiB
     t = median_time(lambda: x.sum(), repeats, warmup=2)
     return x.numel() * 4 / t
+
+
+def measure_peak_flops(dtype, repeats):
+    """Flop/s of torch.mm on 512 x 512 matrices of `dtype` (cache-resident, all threads): the
+    compute roofline. It is what the machine's GEMM library reaches, not a datasheet number."""
+    a = torch.randn(512, 512).to(dtype)
+    b = torch.randn(512, 512).to(dtype)
+    t = min(median_time(lambda: torch.mm(a, b), repeats, warmup=3) for _ in range(3))
+    return 2 * 512 ** 3 / t
+
+
+def attention_flops(bs, h, d, n, prefix, tree_pairs):
+    """Multiply-add flops of QK^T and PV over the visible (query, key) pairs: every query sees
+    the whole prefix plus its tree ancestors (tree_pairs = visible pairs inside the trees)."""
+    pairs = bs * n * prefix + tree_pairs
+    return 2 * 2 * h * d * pairs
 
 
 def cpu_name():
@@ -136,6 +155,7 @@ def bench_verify(bs, h, h_kv, d, n, prefix, dtype, repeats, use_flex, flex_fn, w
         res["flex_err"] = (out.transpose(1, 2).float() - ours.float()).abs().max().item()
     qo_bytes = 2 * q.numel() * q.element_size()
     res["bytes"] = kv_bytes + qo_bytes
+    res["flops"] = attention_flops(bs, h, d, n, prefix, int(tree.sum()))
     return res
 
 
@@ -166,6 +186,7 @@ def bench_decode(bs, h, h_kv, d, kv_len, dtype, repeats, warm):
     res["sdpa"] = median_time(lambda: F.scaled_dot_product_attention(
         qt, *dense.next(), attn_mask=mask, scale=scale, enable_gqa=True), repeats)
     res["bytes"] = kv_bytes + 2 * q.numel() * q.element_size()
+    res["flops"] = attention_flops(bs, h, d, 1, kv_len, 0)
     return res
 
 
@@ -205,16 +226,26 @@ def main():
         flex_note = "flex skipped (--no-flex)"
 
     bw = measure_read_bandwidth(5 if args.quick else 10)
+    peak = {dt: measure_peak_flops(dt, 5 if args.quick else 10)
+            for dt in (torch.float32, torch.bfloat16)}
+
+    def roofline(r, dt):
+        """(roofline time, 'mem' or 'cmp': which bound sets it)."""
+        mem, cmp = r["bytes"] / bw, r["flops"] / peak[dt]
+        return (mem, "mem") if mem >= cmp else (cmp, "cmp")
+
     si.reset_kernel_path_counts()
     print(f"# CPU: {cpu_name()}; threads: {torch.get_num_threads()}; os.cpu_count: {os.cpu_count()}")
     print(f"# torch {torch.__version__}; specdec detected ISA: {si.detected_isa()}, "
           f"active path: {si.active_isa()} (AMX attention kernel: bf16 only, fp32 on amx runs "
           f"avx512)")
     print(f"# measured read bandwidth (x.sum over 512 MiB): {bw / 1e9:.1f} GB/s; roofline = "
-          f"(K/V + q + out bytes) / bandwidth; K/V " +
+          f"max((K/V + q + out bytes) / bandwidth, flops / peak GEMM flop/s); peak (torch.mm 512^3, "
+          f"cache-resident): fp32 {peak[torch.float32] / 1e9:.1f}, bf16 "
+          f"{peak[torch.bfloat16] / 1e9:.1f} GFLOP/s; K/V " +
           ("reused (warm caches)" if args.warm else "cycled over >= 96 MiB of copies (cold caches)"))
     print(f"# times in microseconds (median of {repeats}); ratios = baseline time / ours; "
-          f"roof% = roofline time / ours")
+          f"roof% = roofline time / ours, bound = which side of the roofline sets it")
     if flex_note:
         print("# " + flex_note)
 
@@ -235,7 +266,7 @@ def main():
     print("\n## verify: extend_attention with a random tree mask")
     hdr = (f"{'dtype':5} {'bs':>2} {'H/Hkv':>5} {'N':>3} {'prefix':>6} | {'ours':>9} {'sdpa+gat':>9} "
            f"{'sdpa':>9} {'flex':>9} {'roof':>9} | {'x sdpa+g':>8} {'x sdpa':>7} {'x flex':>7} "
-           f"{'roof%':>6}")
+           f"{'roof%':>6} bound")
     print(hdr)
     ratios = {"sdpa+gather": [], "sdpa": [], "flex": [], "roof": []}
     for (bs, h, hk, d, n, p, dt) in verify_shapes:
@@ -250,13 +281,14 @@ def main():
                   f"{msg[-400:]}); continuing without flex")
             flex_fn = None
             r = bench_verify(bs, h, hk, d, n, p, dt, repeats, False, None, args.warm)
-        roof = r["bytes"] / bw
+        roof, bound = roofline(r, dt)
         flex_t = r.get("flex")
         row = (f"{str(dt)[6:]:5} {bs:2d} {h:2d}/{hk:<2d} {n:3d} {p:6d} | {fmt_us(r['ours'])} "
                f"{fmt_us(r['sdpa+gather'])} {fmt_us(r['sdpa'])} "
                f"{fmt_us(flex_t) if flex_t else '        -'} {fmt_us(roof)} | "
                f"{r['sdpa+gather'] / r['ours']:8.2f} {r['sdpa'] / r['ours']:7.2f} "
-               f"{(flex_t / r['ours']) if flex_t else float('nan'):7.2f} {100 * roof / r['ours']:5.0f}%")
+               f"{(flex_t / r['ours']) if flex_t else float('nan'):7.2f} {100 * roof / r['ours']:5.0f}% "
+               f"{bound}")
         print(row, flush=True)
         ratios["sdpa+gather"].append(r["sdpa+gather"] / r["ours"])
         ratios["sdpa"].append(r["sdpa"] / r["ours"])
@@ -273,15 +305,15 @@ def main():
 
     print("\n## decode: decode_attention (one query per request)")
     print(f"{'dtype':5} {'bs':>2} {'H/Hkv':>5} {'kv_len':>6} | {'ours':>9} {'sdpa+gat':>9} {'sdpa':>9} "
-          f"{'roof':>9} | {'x sdpa+g':>8} {'x sdpa':>7} {'roof%':>6}")
+          f"{'roof':>9} | {'x sdpa+g':>8} {'x sdpa':>7} {'roof%':>6} bound")
     dratios = {"sdpa+gather": [], "sdpa": [], "roof": []}
     for (bs, h, hk, d, L, dt) in decode_shapes:
         r = bench_decode(bs, h, hk, d, L, dt, repeats, args.warm)
-        roof = r["bytes"] / bw
+        roof, bound = roofline(r, dt)
         print(f"{str(dt)[6:]:5} {bs:2d} {h:2d}/{hk:<2d} {L:6d} | {fmt_us(r['ours'])} "
               f"{fmt_us(r['sdpa+gather'])} {fmt_us(r['sdpa'])} {fmt_us(roof)} | "
               f"{r['sdpa+gather'] / r['ours']:8.2f} {r['sdpa'] / r['ours']:7.2f} "
-              f"{100 * roof / r['ours']:5.0f}%", flush=True)
+              f"{100 * roof / r['ours']:5.0f}% {bound}", flush=True)
         dratios["sdpa+gather"].append(r["sdpa+gather"] / r["ours"])
         dratios["sdpa"].append(r["sdpa"] / r["ours"])
         dratios["roof"].append(roof / r["ours"])
