@@ -20,11 +20,16 @@ void skinny_linear_portable(const LinearBlock& b) {
   };
   for (int64_t n = b.n_begin; n < b.n_end; ++n) {
     for (int64_t m = 0; m < b.M; ++m) {
-      float acc = 0.f;
-      for (int64_t k = 0; k < b.K; ++k) acc += load(b.x, m * b.x_stride + k) * load(b.w, n * b.w_stride + k);
+      // Sums in double: a plain fp32 running sum over K = 576 errs more than twice torch's
+      // blocked sums on some rows (STYLE.md's 2x rule); the portable path is for correctness.
+      double acc = 0.0;
+      for (int64_t k = 0; k < b.K; ++k) {
+        acc += static_cast<double>(load(b.x, m * b.x_stride + k)) * load(b.w, n * b.w_stride + k);
+      }
       if (b.bias) acc += load(b.bias, n);
-      if (f32) static_cast<float*>(b.y)[m * b.y_stride + n] = acc;
-      else static_cast<c10::BFloat16*>(b.y)[m * b.y_stride + n] = c10::BFloat16(acc);
+      const float out = static_cast<float>(acc);
+      if (f32) static_cast<float*>(b.y)[m * b.y_stride + n] = out;
+      else static_cast<c10::BFloat16*>(b.y)[m * b.y_stride + n] = c10::BFloat16(out);
     }
   }
 }

@@ -31,7 +31,7 @@ def _check_close(out, x, w, b):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,k,n", [(1, 576, 100), (1, 1, 9), (2, 15, 8), (3, 17, 7),
+@pytest.mark.parametrize("m,k,n", [(1, 576, 100), (4, 576, 576), (1, 1536, 576), (1, 1, 9), (2, 15, 8), (3, 17, 7),
                                    (4, 32, 16), (5, 33, 1), (7, 63, 24), (16, 1000, 40),
                                    (33, 64, 9)])
 @pytest.mark.parametrize("bias", [False, True])
