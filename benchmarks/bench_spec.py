@@ -26,7 +26,7 @@ from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
 from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
 from specdec_inductor.proposers.mtp import MtpCheckpointError, MtpProposer
 from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
-from specdec_inductor.proposers.ngram import NgramProposer
+from specdec_inductor.proposers.ngram import RECOMMENDED_WINDOW, NgramProposer, parse_window
 from specdec_inductor.proposers.standalone import StandaloneProposer
 from specdec_inductor.sampler import SamplingParams
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
@@ -55,6 +55,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ngram-breadth", default="2,1",
                         help="NGRAM children kept per level, comma list (1: a chain)")
+    parser.add_argument("--ngram-window", default=",".join(map(str, RECOMMENDED_WINDOW)),
+                        help="NGRAM MIN,MAX suffix lengths matched (default %(default)s)")
     parser.add_argument("--methods", default="ngram,standalone",
                         help="comma list of ngram, standalone, eagle, eagle3, mtp (mtp: only with a "
                              "--model directory whose checkpoint carries NextN layers)")
@@ -100,8 +102,11 @@ def main():
     for name in args.methods.split(","):
         if name == "ngram":
             breadth = tuple(int(b) for b in args.ngram_breadth.split(","))
-            methods[f"NGRAM N={args.num_draft_tokens} breadth {breadth}"] = SpeculativeGenerator(
-                engine, NgramProposer(num_draft_tokens=args.num_draft_tokens, breadth=breadth))
+            lo, hi = parse_window(args.ngram_window)
+            methods[f"NGRAM N={args.num_draft_tokens} breadth {breadth} window {lo}-{hi}"] = \
+                SpeculativeGenerator(engine, NgramProposer(
+                    num_draft_tokens=args.num_draft_tokens, min_window=lo, max_window=hi,
+                    breadth=breadth))
         elif name == "standalone":
             draft = keep_first_layers(load_model(args.model)[0], args.draft_layers)
             draft_engine = Engine(draft, max_batch=draft_batch, max_len=draft_len,

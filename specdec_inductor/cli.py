@@ -152,11 +152,16 @@ def make_proposer(args, engine=None):
         from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
         return AutoregressiveProposer()
     if args.method == "ngram":
-        from specdec_inductor.proposers.ngram import NgramProposer
+        from specdec_inductor.proposers.ngram import NgramProposer, parse_window
+        try:
+            lo, hi = parse_window(args.ngram_window)
+        except ValueError as exc:
+            raise SystemExit(f"specdec: {exc}")
         # Two children at the first draft level, chains below: on SmolLM2 code prompts
         # (benchmarks/bench_spec.py --ngram-breadth) it accepted 2.40 tokens per verify vs 1.90
-        # for a plain chain at the same N=8.
-        return NgramProposer(num_draft_tokens=args.num_draft_tokens, breadth=(2, 1))
+        # for a plain chain at the same N=8. The window: see ngram.RECOMMENDED_WINDOW.
+        return NgramProposer(num_draft_tokens=args.num_draft_tokens, min_window=lo,
+                             max_window=hi, breadth=(2, 1))
     if args.method == "standalone":
         if args.draft_model is None and args.draft_layers is None:
             args.draft_layers = 8  # a draft that is the whole target would never pay
@@ -377,6 +382,7 @@ def cmd_bench(args) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from specdec_inductor.proposers.ngram import RECOMMENDED_WINDOW
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -409,6 +415,9 @@ def make_parser() -> argparse.ArgumentParser:
                        help="standalone/eagle: branching of the draft tree (1: a chain)")
         p.add_argument("--depth", type=int, default=None,
                        help="standalone/eagle: draft steps (default N-1, as a chain needs)")
+        p.add_argument("--ngram-window", default=",".join(map(str, RECOMMENDED_WINDOW)),
+                       help="ngram: MIN,MAX context-suffix lengths matched, longest first "
+                            "(default %(default)s)")
 
     g = sub.add_parser("generate", help="stream text for one prompt")
     common(g)

@@ -255,13 +255,15 @@ class SpeculativeGenerator:
                         req_rows[b] = engine.pool.padding_row
                 t = time.perf_counter()
                 if cooldown > 0:  # the gate says decode: do not pay for a draft either
-                    draft = root_only_draft(torch.tensor([o[-1] for o in out]), seq_lens[:bs])
                     size, cooldown = 1, cooldown - 1
                 else:
                     draft = proposer.propose(ids, seq_lens[:bs])
                     size = self._size_for(draft, done)
+                if size > 1:
                     draft = self._truncate(draft, size, seq_lens[:bs])
-                tokens, mask, positions, linkage = self._pad(draft, bucket, seq_lens)
+                    tokens, mask, positions, linkage = self._pad(draft, bucket, seq_lens)
+                else:  # the roots alone (each request's last emitted token), no tree to build
+                    tokens = torch.tensor([o[-1] for o in out] + [0] * (bucket - bs)).view(bucket, 1)
                 t1 = time.perf_counter()
                 if size == 1:  # nothing to verify: a plain decode step of the roots
                     res = engine.decode(tokens[:, 0].contiguous(), req_rows, seq_lens)
@@ -338,8 +340,9 @@ class SpeculativeGenerator:
                 stats.accepted_at_depth[k] += 1
             local = [i - b * n for i in path]
             local_paths[b] = local
-            rest = [i for i in range(n) if i not in set(local)]
-            perm[b] = torch.tensor(local + rest) + b * n
+            if n > 1:
+                rest = [i for i in range(n) if i not in set(local)]
+                perm[b] = torch.tensor(local + rest) + b * n
             for tok in tokens:
                 out[b].append(tok)
                 emitted[b].append(tok)
@@ -352,7 +355,7 @@ class SpeculativeGenerator:
         # Permute the slots of positions [seq_len, seq_len + N) (before the advance) of every
         # request that took a step; requests that just finished need no compaction.
         stepped = [b for b in range(bs) if emitted[b] and bool(live[b])]
-        if stepped:
+        if stepped and n > 1:  # a tree of the root alone is already in place
             idx = torch.tensor(stepped)
             rows = req_rows[idx]
             start = tree_start[idx]

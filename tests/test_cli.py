@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from specdec_inductor import cli
 
@@ -98,3 +99,16 @@ def test_eagle_needs_a_checkpoint(monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "shipped_head", lambda method: str(tmp_path / "none"))
     with pytest.raises(SystemExit, match="--draft-model"):
         cli.main(["generate", "--eager", "--method", "eagle", "--max-new-tokens", "2"])
+
+
+def test_ngram_window_flag_reaches_the_proposer_and_bad_values_exit():
+    args = cli.make_parser().parse_args(["generate", "--method", "ngram", "--ngram-window", "3,6"])
+    p = cli.make_proposer(args)
+    from specdec_inductor.proposers.ngram import RECOMMENDED_WINDOW
+    p.add_request(0, [1, 2, 3, 4, 1, 2])  # a 2-token match only: window 3 drafts nothing
+    assert int(p.propose([0], torch.tensor([6])).num_drafts[0]) == 0
+    default = cli.make_parser().parse_args(["generate", "--method", "ngram"])
+    assert default.ngram_window == ",".join(map(str, RECOMMENDED_WINDOW))
+    bad = cli.make_parser().parse_args(["generate", "--method", "ngram", "--ngram-window", "4,2"])
+    with pytest.raises(SystemExit, match="argument 'ngram_window'"):
+        cli.make_proposer(bad)

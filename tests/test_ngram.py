@@ -136,3 +136,23 @@ def test_ngram_path_is_counted():
     p.add_request(0, [1, 2, 1])
     p.propose([0], torch.tensor([3]))
     assert specdec_inductor.kernel_path_counts()["ngram_propose:portable"] == 1
+
+
+def test_min_window_skips_one_token_matches():
+    # Only the last token (7) recurs: a 1-token window drafts its continuation, 2 does not.
+    ctx = [7, 8, 9, 1, 2, 7]
+    one = NgramProposer(num_draft_tokens=3, min_window=1, max_window=8, breadth=(1,))
+    one.add_request(0, ctx)
+    assert one.propose([0], torch.tensor([6])).tokens.tolist() == [[7, 8, 9]]
+    two = NgramProposer(num_draft_tokens=3, min_window=2, max_window=8, breadth=(1,))
+    two.add_request(0, ctx)
+    assert int(two.propose([0], torch.tensor([6])).num_drafts[0]) == 0
+    two.append(0, [8])  # now "7 8" recurs
+    assert two.propose([0], torch.tensor([7])).tokens.tolist() == [[8, 9, 1]]
+
+
+@pytest.mark.parametrize("text", ["2", "a,b", "3,2", "0,4", "1,2,3"])
+def test_parse_window_names_the_argument(text):
+    from specdec_inductor.proposers.ngram import parse_window
+    with pytest.raises(ValueError, match="argument 'ngram_window'"):
+        parse_window(text)

@@ -12,6 +12,25 @@ from specdec_inductor import ops
 from specdec_inductor._library import _C
 from specdec_inductor.speculative import DraftTree
 
+# The window the CLI and benchmarks use (the class keeps the general defaults 1..4). A 1-token
+# suffix match (a newline, a space) drafts poorly and its verify costs ~2 decode steps on a
+# small CPU: on SmolLM2-135M, N=8, breadth (2, 1), greedy, 128 tokens, one run,
+# `min_window 1, max 4` gave code 1.48x / chat 1.04x over our compiled AR, `2, 8` gave
+# 1.69x / 1.11x (code: 35 of 52 steps became plain decodes, each verify emitted 5.5 tokens
+# instead of 3.2). See benchmarks/bench_spec.py --ngram-window.
+RECOMMENDED_WINDOW = (2, 8)
+
+
+def parse_window(text: str, name: str = "ngram_window"):
+    """'MIN,MAX' -> (min, max), with a clear error naming the argument."""
+    try:
+        lo, hi = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"argument '{name}' must be MIN,MAX (two integers), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"argument '{name}' needs 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
 
 class NgramProposer:
     """Proposes NGRAM draft trees for a batch of requests.
