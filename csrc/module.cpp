@@ -3,7 +3,10 @@
 // the ISA queries and kernel-path counters of cpu_features.h.
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
 #include "cpu_features.h"
+#include "peak_isa.h"
 
 namespace specdec {
 void bind_ngram(pybind11::module& m);  // ngram.cpp
@@ -30,5 +33,26 @@ PYBIND11_MODULE(_C, m) {
         "Force a path; raises ValueError if this machine or build cannot run it.");
   m.def("kernel_path_counts", &kernel_path_counts, "Calls per '<op>:<path>' since the last reset.");
   m.def("reset_kernel_path_counts", &reset_kernel_path_counts);
+  m.def("peak_multiply_adds", [](bool bf16, int64_t iters) -> double {
+    // Multiply-adds done by `iters` probe steps on each of torch's threads (benchmarks time the
+    // call for their compute roofline); 0 when this build or CPU has no AVX-512 probe.
+#ifdef SPECDEC_BUILT_AVX512
+    if (active_isa() < Isa::AVX512) return 0.0;
+    const int64_t threads = at::get_num_threads();
+    std::vector<float> sink(threads);
+    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) sink[t] = peak_probe_avx512(bf16, iters);
+    });
+    volatile float keep = 0.f;
+    for (float v : sink) keep = keep + v;
+    (void)keep;
+    return static_cast<double>(threads) * iters * kPeakAccumulators * (bf16 ? 32 : 16);
+#else
+    (void)bf16;
+    (void)iters;
+    return 0.0;
+#endif
+  }, "Run the AVX-512 peak multiply-add probe on every thread; returns its multiply-adds "
+     "(0 without AVX-512). Time the call for the machine's peak rate.");
   bind_ngram(m);
 }

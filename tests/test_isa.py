@@ -51,3 +51,14 @@ def test_avx512_path_really_runs_here():
     with specdec_inductor.forced_isa("avx512"):
         ops.compact_accepted_cache_locs(torch.arange(10), torch.tensor([1, -1, 3]))
     assert specdec_inductor.kernel_path_counts() == {"compact_accepted_cache_locs:avx512": 1}
+
+
+def test_peak_probe_counts_its_multiply_adds_and_needs_avx512():
+    from specdec_inductor import _C
+    threads = torch.get_num_threads()
+    if "avx512" in specdec_inductor.runnable_isas():
+        with specdec_inductor.forced_isa("avx512"):
+            assert _C.peak_multiply_adds(False, 10) == threads * 10 * 12 * 16  # fp32 FMAs
+            assert _C.peak_multiply_adds(True, 10) == threads * 10 * 12 * 32  # bf16 pairs
+    with specdec_inductor.forced_isa("portable"):
+        assert _C.peak_multiply_adds(False, 10) == 0

@@ -1,0 +1,15 @@
+// Peak multiply-add probe for benchmarks' compute roofline (benchmarks/bench_attention.py): a
+// loop of independent register-only multiply-adds, the most this ISA's units can do, with no
+// memory traffic. Raw-pointer-free; defined in peak_avx512.cpp (built only with AVX-512 flags).
+#pragma once
+#include <cstdint>
+
+namespace specdec {
+
+// Runs `iters` steps of kPeakAccumulators independent 512-bit multiply-adds on one thread:
+// fp32 FMA (16 multiply-adds each) or, with bf16, vdpbf16ps (32 each). Returns a value that
+// depends on every result, so the loop cannot be optimised away.
+constexpr int kPeakAccumulators = 12;
+float peak_probe_avx512(bool bf16, int64_t iters);
+
+}  // namespace specdec
