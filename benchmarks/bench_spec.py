@@ -174,6 +174,7 @@ def main():
         ids = encode(tokenizer, text, chat=True)
         engine.generate([ids], 2)  # warm-up / compile
         for spec in methods.values():
+            spec.compile_verify()
             spec.generate([ids], args.num_draft_tokens + 2)
         for temp in temperatures:
             ar_t = []

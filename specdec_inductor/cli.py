@@ -228,6 +228,7 @@ def _generate_speculative(args, engine, tokenizer, prompt_ids, eos) -> int:
     if engine.compiled and args.method != "none":
         t0 = time.perf_counter()
         _log("[specdec] compiling the verify graph (first run only)...")
+        spec.compile_verify()
         spec.generate([prompt_ids], max_new_tokens=args.num_draft_tokens + 2)
         _log(f"[specdec] warm-up/compile {time.perf_counter() - t0:.1f} s")
     stats = SpeculativeStats()
@@ -325,6 +326,7 @@ def run_method_bench(args) -> dict:
     prompts = [encode(tokenizer, p, args.chat) for p in BENCH_PROMPTS[:args.num_prompts]]
     t0 = time.perf_counter()
     engine.generate([prompts[0]], max_new_tokens=2)
+    spec.compile_verify()
     spec.generate([prompts[0]], max_new_tokens=args.num_draft_tokens + 2)
     warmup_s = time.perf_counter() - t0
     rows = []

@@ -156,6 +156,32 @@ class SpeculativeGenerator:
         # show the losslessness test catches it).
         self.tree_sampling = ops.tree_speculative_sampling
 
+    @torch.inference_mode()
+    def compile_verify(self, batch_size: int = 1) -> None:
+        """Compile the target's verify graph of every tree size > 1 for batch_size's bucket now.
+        A warm-up `generate` may never verify (NGRAM before any context suffix recurs), and the
+        graph would then compile inside the first timed step. Runs one verify per size on a
+        scratch request (admitted and released here; its slots are written, then freed)."""
+        engine = self.engine
+        sizes = [s for s in self.tree_sizes if s > 1]
+        if not sizes or not engine.compiled:
+            return
+        bucket = engine.bucket_for(batch_size)
+        (scratch,) = engine.pool.admit([1], max(sizes))
+        try:
+            rows = torch.tensor([scratch.row] + [engine.pool.padding_row] * (bucket - 1))  # [B]
+            seq_lens = torch.zeros(bucket, dtype=torch.int64)  # [B] no prefix
+            for n in sizes:
+                star = torch.eye(n, dtype=torch.bool)
+                star[:, 0] = True  # every node a child of the root
+                depth = torch.ones(n, dtype=torch.int64)
+                depth[0] = 0
+                engine.verify(torch.zeros(bucket, n, dtype=torch.int64),
+                              depth.view(1, n).expand(bucket, n).contiguous(), rows, seq_lens,
+                              star.flatten().repeat(bucket))
+        finally:
+            engine.pool.release(scratch)
+
     def _size_for(self, draft: DraftTree, done: List[bool]) -> int:
         if draft.num_drafts is None:
             return self.proposer.num_draft_tokens

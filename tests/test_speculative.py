@@ -162,3 +162,23 @@ def test_gated_decode_steps_do_not_call_the_proposer():
         engine.generate(prompts, 32)
     assert stats.decode_steps > 0
     assert len(calls) == stats.verify_steps - stats.decode_steps, (len(calls), stats.summary())
+
+
+def test_compile_verify_compiles_every_verify_size_before_the_first_draft():
+    torch._dynamo.reset()
+    engine = Engine(tiny_model(), max_batch=1, max_len=128, compile=True, prefill_chunk=16)
+    spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=6, breadth=(1,)),
+                                tree_sizes=(1, 3, 6))
+    engine.generate([[5, 6, 7]], 3)  # prefill + decode graphs
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    spec.compile_verify()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2  # N = 3 and 6
+    assert engine.pool.num_free_slots == engine.pool.num_slots  # the scratch request is freed
+    # A warm-up that never drafts (no suffix recurs) leaves nothing to compile later.
+    assert spec.generate([[1, 2, 3, 4]], 2) is not None
+    stats = SpeculativeStats()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = spec.generate(repetitive_prompts(1), 30, stats=stats)
+    assert stats.verify_steps > stats.decode_steps  # some steps verified drafts, none compiled
+    assert got == engine.generate(repetitive_prompts(1), 30)
+    engine.pool.check_consistent()
