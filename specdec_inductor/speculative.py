@@ -38,6 +38,16 @@ class DraftTree:
     num_drafts: Optional[Tensor] = None  # [B] real (unpadded) drafts, for metrics
 
 
+def star_tree(n: int):
+    """A tree of n nodes that are all children of the root: (QLEN_ONLY mask [n*n] bool,
+    depth [n] int64). Padding requests and compile warm-ups verify it."""
+    mask = torch.eye(n, dtype=torch.bool)
+    mask[:, 0] = True
+    depth = torch.ones(n, dtype=torch.int64)
+    depth[0] = 0
+    return mask.flatten(), depth
+
+
 def root_only_draft(roots: Tensor, seq_lens: Tensor) -> DraftTree:
     """Trees of the root alone (roots [B]): verifying them is a plain decode step."""
     bs = roots.shape[0]
@@ -172,13 +182,10 @@ class SpeculativeGenerator:
             rows = torch.tensor([scratch.row] + [engine.pool.padding_row] * (bucket - 1))  # [B]
             seq_lens = torch.zeros(bucket, dtype=torch.int64)  # [B] no prefix
             for n in sizes:
-                star = torch.eye(n, dtype=torch.bool)
-                star[:, 0] = True  # every node a child of the root
-                depth = torch.ones(n, dtype=torch.int64)
-                depth[0] = 0
+                mask, depth = star_tree(n)
                 engine.verify(torch.zeros(bucket, n, dtype=torch.int64),
                               depth.view(1, n).expand(bucket, n).contiguous(), rows, seq_lens,
-                              star.flatten().repeat(bucket))
+                              mask.repeat(bucket))
         finally:
             engine.pool.release(scratch)
 
@@ -205,11 +212,8 @@ class SpeculativeGenerator:
         real, n = draft.tokens.shape
         pad = bucket - real
         tokens = torch.cat([draft.tokens, torch.zeros(pad, n, dtype=torch.int64)])  # [B, N]
-        star = torch.eye(n, dtype=torch.bool)
-        star[:, 0] = True  # every padding node is a child of the root
-        mask = torch.cat([draft.tree_mask, star.flatten().repeat(pad)])  # [B*N*N]
-        depth = torch.ones(n, dtype=torch.int64)
-        depth[0] = 0
+        star, depth = star_tree(n)  # every padding node is a child of the root
+        mask = torch.cat([draft.tree_mask, star.repeat(pad)])  # [B*N*N]
         positions = torch.cat([draft.positions.view(real, n),
                                seq_lens[real:].view(pad, 1) + depth.view(1, n)])  # [B, N]
         linkage = []
