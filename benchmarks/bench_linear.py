@@ -1,7 +1,9 @@
 """skinny_linear vs aten's F.linear over the linear layers of one SmolLM2-135M step (30 x
 q/k/v/o/gate/up/down + the 49152-row lm_head, random weights), fp32 and bf16, for M rows
-(batch x new tokens). Prints medians, the ratio, the weight-read rate and its share of this
-process's measured read bandwidth; the crossover in M sets lowerings/skinny_linear.MAX_ROWS.
+(batch x new tokens), with plain weights (the row kernel) and with registered, packed weights
+(the path the specdec backend uses for parameters; csrc/linear.cpp). Prints medians, the
+ratios, the packed path's weight-read rate and its share of this process's measured read
+bandwidth; the crossover in M sets lowerings/skinny_linear.MAX_ROWS.
 
     python benchmarks/bench_linear.py [--rows 1,2,4,8,16,32,64] [--repeats 7]
 """
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import specdec_inductor
+from specdec_inductor import _C
 from specdec_inductor.ops import skinny_linear
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -50,8 +53,9 @@ def main():
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{torch.get_num_threads()} threads, ISA {specdec_inductor.active_isa()}, torch "
           f"{torch.__version__}; read bandwidth {bw:.1f} GB/s; medians of {args.repeats}")
-    print("| dtype | M | aten ms | ours ms | speedup | ours GB/s | % of read bandwidth |")
-    print("|---|---|---|---|---|---|---|")
+    print("| dtype | M | aten ms | row ms | packed ms | row vs aten | packed vs aten | "
+          "packed vs row | packed GB/s | % of read bandwidth |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
         gen = torch.Generator().manual_seed(0)
         weights = [torch.randn(n, k, generator=gen).to(dtype) for n, k in SHAPES]
@@ -59,10 +63,21 @@ def main():
         for m in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (576, 1536)}
             t_aten = time_step(F.linear, weights, xs, args.repeats)
-            t_ours = time_step(skinny_linear, weights, xs, args.repeats)
+            t_row = time_step(skinny_linear, weights, xs, args.repeats)
+            for w in weights:
+                _C.linear_pack_register(w)
+            specdec_inductor.reset_kernel_path_counts()
+            t_packed = time_step(skinny_linear, weights, xs, args.repeats)
+            ran = specdec_inductor.kernel_path_counts()
+            if not ran.get("skinny_linear_packed:avx512"):
+                raise SystemExit(f"the packed path did not run (no AVX-512 here?): {ran}")
+            for w in weights:
+                _C.linear_pack_release(w)
             print(f"| {str(dtype).replace('torch.', '')} | {m} | {1e3 * t_aten:.1f} | "
-                  f"{1e3 * t_ours:.1f} | {t_aten / t_ours:.2f}x | {nbytes / t_ours / 1e9:.1f} | "
-                  f"{100 * nbytes / t_ours / 1e9 / bw:.0f}% |", flush=True)
+                  f"{1e3 * t_row:.1f} | {1e3 * t_packed:.1f} | {t_aten / t_row:.2f}x | "
+                  f"{t_aten / t_packed:.2f}x | {t_row / t_packed:.2f}x | "
+                  f"{nbytes / t_packed / 1e9:.1f} | {100 * nbytes / t_packed / 1e9 / bw:.0f}% |",
+                  flush=True)
 
 
 if __name__ == "__main__":

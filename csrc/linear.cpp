@@ -5,7 +5,22 @@
 // ISA paths: AVX-512 (linear_avx512.cpp) when active_isa() >= AVX512; portable otherwise. AMX
 // would not help: one weight element feeds only M <= 16 products, so the op is memory-bound.
 // Output features are split across threads in blocks of 8 rows.
-#include <torch/library.h>
+//
+// Packed weights: a weight registered with linear_pack_register (the specdec backend registers
+// the parameters of the graphs it compiles) is copied once, on its first skinny_linear call,
+// into the blocked layout of linear_isa.h, and later calls on the AVX-512 path read that copy
+// instead ("skinny_linear_packed" in kernel_path_counts()): no horizontal sums, x broadcast
+// against 16 outputs, one contiguous stream per block -- at M = 8 it runs at the memory
+// bandwidth where the row kernel is compute-bound (benchmarks/bench_linear.py). The copy costs
+// the weight's size again in memory. The registry keys on the weight's storage (held weakly:
+// a freed weight's entry and copy are dropped) and its version counter: an in-place update
+// (copy_, load_state_dict, optimizer steps) re-packs on the next call ("skinny_linear_repack").
+// A write that bypasses the version counter (through `.data`, or to an inference tensor) is
+// not seen: call linear_pack_release (and register again) after such a write.
+#include <torch/extension.h>
+
+#include <shared_mutex>
+#include <unordered_map>
 
 #include "common.h"
 #include "linear_isa.h"
@@ -37,6 +52,100 @@ void skinny_linear_portable(const LinearBlock& b) {
 namespace {
 
 constexpr int64_t kRowBlock = 8;
+
+// ---- Packed-weight registry ----
+
+struct PackEntry {
+  explicit PackEntry(const at::Tensor& w)
+      : storage(w.storage().getWeakStorageImpl()), sizes(w.sizes().vec()),
+        strides(w.strides().vec()), offset(w.storage_offset()), dtype(w.scalar_type()) {}
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  std::vector<int64_t> sizes, strides;
+  int64_t offset = 0;
+  at::ScalarType dtype = at::kFloat;
+  int64_t version = 0;
+  at::Tensor packed;  // undefined until the first skinny_linear call
+};
+
+std::shared_mutex g_pack_mu;
+std::unordered_map<const void*, PackEntry> g_packs;  // key: the weight's data pointer
+
+int64_t version_of(const at::Tensor& w) { return w.is_inference() ? -1 : w._version(); }
+
+bool describes(const PackEntry& e, const at::Tensor& w) {
+  if (e.storage.expired()) return false;
+  c10::intrusive_ptr<c10::StorageImpl> live = e.storage.lock();
+  return live && live.get() == w.storage().unsafeGetStorageImpl() && e.dtype == w.scalar_type() &&
+         e.offset == w.storage_offset() && w.sizes().equals(e.sizes) && w.strides().equals(e.strides);
+}
+
+void check_packable(const at::Tensor& w, const char* name) {
+  check_cpu(w, name);
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
+                   "argument '", name, "' must be float32 or bfloat16, got ", w.scalar_type());
+  check_dim(w, 2, name);
+}
+
+// W [N, K] (any strides) into the blocked layout of linear_isa.h, reusing `out` if it fits.
+at::Tensor pack_weight(const at::Tensor& w, at::Tensor out) {
+  const int64_t N = w.size(0), K = w.size(1);
+  const bool f32 = w.scalar_type() == at::kFloat;
+  const int64_t P = f32 ? 1 : 2, Kp = (K + P - 1) / P, NB = (N + kPackLanes - 1) / kPackLanes;
+  if (!out.defined() || out.sizes() != at::IntArrayRef({NB, Kp, kPackLanes * P}) ||
+      out.scalar_type() != w.scalar_type()) {
+    out = at::empty({NB, Kp, kPackLanes * P}, w.options());
+  }
+  const int64_t s0 = w.stride(0), s1 = w.stride(1);
+  auto fill = [&](auto* dst, const auto* src) {
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t nb = b0; nb < b1; ++nb) {
+        auto* d = dst + nb * Kp * kPackLanes * P;
+        for (int64_t kk = 0; kk < Kp; ++kk) {
+          for (int64_t lane = 0; lane < kPackLanes; ++lane) {
+            const int64_t n = nb * kPackLanes + lane;
+            for (int64_t p = 0; p < P; ++p) {
+              const int64_t k = kk * P + p;
+              *d++ = (n < N && k < K) ? src[n * s0 + k * s1] : 0;
+            }
+          }
+        }
+      }
+    });
+  };
+  if (f32) fill(out.data_ptr<float>(), w.const_data_ptr<float>());
+  else fill(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(w.const_data_ptr()));
+  return out;
+}
+
+// The current packed copy of `w`, packing or re-packing it first if needed; undefined when `w`
+// is not registered.
+at::Tensor packed_for(const at::Tensor& w) {
+  const int64_t version = version_of(w);
+  {
+    std::shared_lock<std::shared_mutex> lock(g_pack_mu);
+    auto it = g_packs.find(w.const_data_ptr());
+    if (it == g_packs.end() || !describes(it->second, w)) return at::Tensor();
+    if (it->second.packed.defined() && it->second.version == version) return it->second.packed;
+  }
+  std::unique_lock<std::shared_mutex> lock(g_pack_mu);
+  auto it = g_packs.find(w.const_data_ptr());
+  if (it == g_packs.end() || !describes(it->second, w)) return at::Tensor();
+  PackEntry& e = it->second;
+  if (!e.packed.defined() || e.version != version) {
+    if (e.packed.defined()) SPECDEC_RECORD_PATH("skinny_linear_repack", Isa::PORTABLE);
+    else SPECDEC_RECORD_PATH("skinny_linear_pack", Isa::PORTABLE);
+    e.packed = pack_weight(w, e.packed);
+    e.version = version;
+  }
+  return e.packed;
+}
+
+void sweep_expired_locked() {
+  for (auto it = g_packs.begin(); it != g_packs.end();) {
+    if (it->second.storage.expired()) it = g_packs.erase(it);
+    else ++it;
+  }
+}
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
@@ -70,6 +179,33 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
     else y.zero_();
     return y.view(out_shape);
   }
+  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  // A registered weight (any strides) runs on its packed copy.
+#ifdef SPECDEC_BUILT_AVX512
+  if (active_isa() >= Isa::AVX512) {
+    const at::Tensor wp = packed_for(weight);
+    if (wp.defined()) {
+      const bool f32 = x.scalar_type() == at::kFloat;
+      const int64_t Kp = wp.size(1), P = f32 ? 1 : 2;
+      // bf16 pairs: an odd K gets a zero column so the last pair reads no foreign memory.
+      const at::Tensor xp = Kp * P == K ? x2 : at::constant_pad_nd(x2, {0, Kp * P - K});
+      PackedLinearBlock pb{f32 ? LinearDtype::FLOAT32 : LinearDtype::BFLOAT16, M, Kp, N,
+                           xp.const_data_ptr(), Kp * P, wp.const_data_ptr(),
+                           bias_c.defined() ? bias_c.const_data_ptr() : nullptr, y.data_ptr(), N, 0, 0};
+      const int64_t groups = (wp.size(0) + kPackGroupBlocks - 1) / kPackGroupBlocks;
+      const int64_t per_group = kPackGroupBlocks * kPackLanes * K * M;
+      const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, per_group));
+      at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+        PackedLinearBlock part = pb;
+        part.g_begin = begin;
+        part.g_end = end;
+        packed_linear_avx512(part);
+      });
+      SPECDEC_RECORD_PATH("skinny_linear_packed", Isa::AVX512);
+      return y.view(out_shape);
+    }
+  }
+#endif
   // The fast path needs dense weight rows; any other layout is copied once (and counted, so a
   // caller that hits it every step shows up in kernel_path_counts()).
   at::Tensor w = weight;
@@ -77,10 +213,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
     w = weight.contiguous();
     SPECDEC_RECORD_PATH("skinny_linear_weight_copy", Isa::PORTABLE);
   }
-  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   LinearBlock blk{x.scalar_type() == at::kFloat ? LinearDtype::FLOAT32 : LinearDtype::BFLOAT16,
                   M, K, x2.const_data_ptr(), K, w.const_data_ptr(), w.stride(0),
-                  b.defined() ? b.const_data_ptr() : nullptr, y.data_ptr(), N, 0, 0};
+                  bias_c.defined() ? bias_c.const_data_ptr() : nullptr, y.data_ptr(), N, 0, 0};
   Isa isa = Isa::PORTABLE;
 #ifdef SPECDEC_BUILT_AVX512
   if (active_isa() >= Isa::AVX512) isa = Isa::AVX512;
@@ -106,6 +241,44 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
 }
 
 }  // namespace
+
+void bind_linear_pack(pybind11::module& m) {
+  m.def("linear_pack_register", [](const at::Tensor& w) {
+    check_packable(w, "weight");
+    std::unique_lock<std::shared_mutex> lock(g_pack_mu);
+    sweep_expired_locked();
+    auto it = g_packs.find(w.const_data_ptr());
+    if (it != g_packs.end() && describes(it->second, w)) return;  // already registered
+    if (it != g_packs.end()) g_packs.erase(it);  // another tensor at a reused address
+    g_packs.emplace(w.const_data_ptr(), PackEntry(w));
+  }, pybind11::arg("weight"),
+     "Let skinny_linear pack `weight` (2-D fp32/bf16) on its first call and read the packed copy "
+     "from then on (idempotent).");
+  m.def("linear_pack_release", [](const at::Tensor& w) {
+    std::unique_lock<std::shared_mutex> lock(g_pack_mu);
+    auto it = g_packs.find(w.const_data_ptr());
+    if (it == g_packs.end() || !describes(it->second, w)) return false;
+    g_packs.erase(it);
+    return true;
+  }, pybind11::arg("weight"), "Forget `weight` and free its packed copy; False if not registered.");
+  m.def("linear_pack_clear", [] {
+    std::unique_lock<std::shared_mutex> lock(g_pack_mu);
+    g_packs.clear();
+  }, "Forget every registered weight and free the packed copies.");
+  m.def("linear_pack_stats", [] {
+    std::unique_lock<std::shared_mutex> lock(g_pack_mu);
+    sweep_expired_locked();
+    int64_t packed = 0, bytes = 0;
+    for (const auto& kv : g_packs) {
+      if (kv.second.packed.defined()) {
+        ++packed;
+        bytes += kv.second.packed.nbytes();
+      }
+    }
+    return std::map<std::string, int64_t>{
+        {"registered", static_cast<int64_t>(g_packs.size())}, {"packed", packed}, {"bytes", bytes}};
+  }, "Registered weights, how many have a packed copy, and the copies' bytes (live weights only).");
+}
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");

@@ -4,6 +4,7 @@
 // which multiplies 32 bf16 pairs exactly and accumulates in fp32.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "linear_isa.h"
@@ -118,7 +119,135 @@ void all_rows(const LinearBlock& b, int64_t n) {
   }
 }
 
+
+// ---- Packed weights (PackedLinearBlock in linear_isa.h) ----
+
+// Broadcast of x at packed step kk: fp32 one element; bf16 the pair (2kk, 2kk+1) as 32 bits.
+struct F32Packed {
+  static constexpr int64_t kChunk = 32;  // k steps per partial sum
+  static __m512 bcast(const void* x, int64_t kk) {
+    return _mm512_set1_ps(static_cast<const float*>(x)[kk]);
+  }
+  static __m512 load(const void* w) { return _mm512_loadu_ps(w); }
+  static __m512 madd(__m512 acc, __m512 w, __m512 xb) { return _mm512_fmadd_ps(w, xb, acc); }
+  static constexpr int64_t kStepBytes = kPackLanes * 4;
+};
+
+struct Bf16Packed {
+  static constexpr int64_t kChunk = 16;  // pair steps (32 k) per partial sum
+  static __m512 bcast(const void* x, int64_t kk) {
+    int32_t pair;
+    std::memcpy(&pair, static_cast<const uint16_t*>(x) + 2 * kk, 4);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+  }
+  static __m512 load(const void* w) { return _mm512_castsi512_ps(_mm512_loadu_si512(w)); }
+  static __m512 madd(__m512 acc, __m512 w, __m512 xb) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(w), (__m512bh)_mm512_castps_si512(xb));
+  }
+  static constexpr int64_t kStepBytes = kPackLanes * 4;  // 16 outputs x 2 bf16
+};
+
+// Round 16 fp32 lanes to bf16 (nearest even; NaN stays a quiet NaN), as round_to_bf16 does.
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline __m512 load_bias(const PackedLinearBlock& b, int64_t n, __mmask16 mask) {
+  if (b.dtype == LinearDtype::FLOAT32) {
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(b.bias) + n);
+  }
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(b.bias) + n);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Blocks [nb0, nb0 + C) times rows [m0, m0 + MB): C * MB accumulators stay in registers; each
+// chunk of k ends by adding them into `total` (L1), which keeps the fp32 error of a K-long sum
+// at the level of a blocked sum.
+template <class Ops, int C, int MB>
+void packed_tile(const PackedLinearBlock& b, int64_t nb0, int64_t m0) {
+  const int64_t esize = b.dtype == LinearDtype::FLOAT32 ? 4 : 2;
+  const char* xr[MB];
+  for (int j = 0; j < MB; ++j) xr[j] = static_cast<const char*>(b.x) + (m0 + j) * b.x_stride * esize;
+  const char* wb = static_cast<const char*>(b.wp) + nb0 * b.Kp * Ops::kStepBytes;
+  const int64_t block_bytes = b.Kp * Ops::kStepBytes;
+  __m512 total[C][MB];
+  for (int c = 0; c < C; ++c)
+    for (int j = 0; j < MB; ++j) total[c][j] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < b.Kp; k0 += Ops::kChunk) {
+    const int64_t k1 = std::min(b.Kp, k0 + Ops::kChunk);
+    __m512 acc[C][MB];
+    for (int c = 0; c < C; ++c)
+      for (int j = 0; j < MB; ++j) acc[c][j] = _mm512_setzero_ps();
+    for (int64_t kk = k0; kk < k1; ++kk) {
+      const char* w = wb + kk * Ops::kStepBytes;
+      __m512 wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = Ops::load(w + c * block_bytes);
+      for (int j = 0; j < MB; ++j) {
+        const __m512 xb = Ops::bcast(xr[j], kk);
+        for (int c = 0; c < C; ++c) acc[c][j] = Ops::madd(acc[c][j], wv[c], xb);
+      }
+    }
+    for (int c = 0; c < C; ++c)
+      for (int j = 0; j < MB; ++j) total[c][j] = _mm512_add_ps(total[c][j], acc[c][j]);
+  }
+  for (int c = 0; c < C; ++c) {
+    const int64_t n = (nb0 + c) * kPackLanes;
+    const int64_t left = b.N - n;
+    const __mmask16 mask = left >= kPackLanes ? __mmask16(0xffff) : __mmask16((1u << left) - 1u);
+    const __m512 bias = b.bias ? load_bias(b, n, mask) : _mm512_setzero_ps();
+    for (int j = 0; j < MB; ++j) {
+      const __m512 v = _mm512_add_ps(total[c][j], bias);
+      if (b.dtype == LinearDtype::FLOAT32) {
+        _mm512_mask_storeu_ps(static_cast<float*>(b.y) + (m0 + j) * b.y_stride + n, mask, v);
+      } else {
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(b.y) + (m0 + j) * b.y_stride + n, mask,
+                                 to_bf16(v));
+      }
+    }
+  }
+}
+
+template <class Ops, int C>
+void packed_rows(const PackedLinearBlock& b, int64_t nb0) {
+  int64_t m = 0;
+  for (; m + 8 <= b.M; m += 8) packed_tile<Ops, C, 8>(b, nb0, m);
+  switch (b.M - m) {
+    case 7: packed_tile<Ops, C, 7>(b, nb0, m); break;
+    case 6: packed_tile<Ops, C, 6>(b, nb0, m); break;
+    case 5: packed_tile<Ops, C, 5>(b, nb0, m); break;
+    case 4: packed_tile<Ops, C, 4>(b, nb0, m); break;
+    case 3: packed_tile<Ops, C, 3>(b, nb0, m); break;
+    case 2: packed_tile<Ops, C, 2>(b, nb0, m); break;
+    case 1: packed_tile<Ops, C, 1>(b, nb0, m); break;
+    default: break;
+  }
+}
+
+template <class Ops>
+void packed_groups(const PackedLinearBlock& b) {
+  const int64_t blocks = (b.N + kPackLanes - 1) / kPackLanes;
+  for (int64_t g = b.g_begin; g < b.g_end; ++g) {
+    const int64_t nb0 = g * kPackGroupBlocks;
+    switch (std::min(kPackGroupBlocks, blocks - nb0)) {
+      case 3: packed_rows<Ops, 3>(b, nb0); break;
+      case 2: packed_rows<Ops, 2>(b, nb0); break;
+      case 1: packed_rows<Ops, 1>(b, nb0); break;
+      default: break;
+    }
+  }
+}
+
 }  // namespace
+
+void packed_linear_avx512(const PackedLinearBlock& b) {
+  if (b.dtype == LinearDtype::FLOAT32) packed_groups<F32Packed>(b);
+  else packed_groups<Bf16Packed>(b);
+}
 
 void skinny_linear_avx512(const LinearBlock& b) {
   for (int64_t n = b.n_begin; n < b.n_end; ++n) all_rows(b, n);

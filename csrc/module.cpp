@@ -10,6 +10,7 @@
 
 namespace specdec {
 void bind_ngram(pybind11::module& m);  // ngram.cpp
+void bind_linear_pack(pybind11::module& m);  // linear.cpp
 }
 
 TORCH_LIBRARY(specdec, m) {
@@ -55,4 +56,5 @@ PYBIND11_MODULE(_C, m) {
   }, "Run the AVX-512 peak multiply-add probe on every thread; returns its multiply-adds "
      "(0 without AVX-512). Time the call for the machine's peak rate.");
   bind_ngram(m);
+  bind_linear_pack(m);
 }

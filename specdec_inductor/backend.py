@@ -24,6 +24,29 @@ PASS_DEFAULTS: Dict[str, bool] = {
     "skinny_linear": True,
 }
 
+# Backend switches besides the passes, also set by "specdec.<name>" options:
+# - pack_weights: register the graph's 2-D fp32/bf16 parameters with skinny_linear's packed-
+#   weight registry (csrc/linear.cpp): a weight that reaches skinny_linear is copied once into
+#   a blocked layout, and later calls stream that copy with no horizontal sums. Costs the
+#   packed weights' size again in memory (`linear_pack_stats()`); weights that never reach
+#   skinny_linear (embeddings) are registered but not copied. benchmarks/bench_linear.py
+#   measures both kernels; the README quotes the engine-level effect.
+SWITCH_DEFAULTS: Dict[str, bool] = {
+    "pack_weights": True,
+}
+
+
+def _register_packable(example_inputs: List) -> int:
+    """Registers the 2-D fp32/bf16 parameters among `example_inputs`; returns how many."""
+    from specdec_inductor.ops.linear import register_packed_weight
+    registered = 0
+    for t in example_inputs:
+        if (isinstance(t, torch.nn.Parameter) and t.dim() == 2 and t.device.type == "cpu"
+                and t.dtype in (torch.float32, torch.bfloat16)):
+            register_packed_weight(t)
+            registered += 1
+    return registered
+
 
 # Graphs this backend has compiled (tests check it really ran, rather than another backend).
 compiled_graphs = 0
@@ -36,13 +59,20 @@ def specdec_backend(gm: torch.fx.GraphModule, example_inputs: List, **kwargs):
     from specdec_inductor.lowerings.compile import compile_graph  # private Inductor names
     patches = dict(INDUCTOR_CONFIG)
     passes = dict(PASS_DEFAULTS)
+    switches = dict(SWITCH_DEFAULTS)
     for key, value in (kwargs.get("options") or {}).items():
         if key.startswith("specdec."):
             name = key[len("specdec."):]
-            if name not in PASS_DEFAULTS:
-                raise ValueError(f"unknown option {key!r}; specdec passes: {sorted(PASS_DEFAULTS)}")
-            passes[name] = bool(value)
+            if name in PASS_DEFAULTS:
+                passes[name] = bool(value)
+            elif name in SWITCH_DEFAULTS:
+                switches[name] = bool(value)
+            else:
+                raise ValueError(f"unknown option {key!r}; specdec options: "
+                                 f"{sorted(PASS_DEFAULTS) + sorted(SWITCH_DEFAULTS)}")
         else:
             patches[key] = value
+    if switches["pack_weights"] and passes["skinny_linear"]:
+        _register_packable(example_inputs)
     return compile_graph(gm, example_inputs, patches, [p for p, on in passes.items() if on])
 

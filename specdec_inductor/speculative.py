@@ -143,7 +143,7 @@ class SpeculativeGenerator:
 
     def __init__(self, engine, proposer: Proposer, tree_sizes: Optional[Sequence[int]] = None,
                  min_accepted: Optional[float] = None, backoff_steps: int = 4,
-                 verify_cost_per_node: float = 0.15):
+                 verify_cost_per_node: float = 0.03):
         self.engine = engine
         self.proposer = proposer
         # Acceptance gate: when the running mean of accepted drafts per verify step falls
@@ -151,9 +151,12 @@ class SpeculativeGenerator:
         # costs more than a decode), backoff_steps at first and twice as many after each
         # further failed probe (at most 64); a probe that accepts enough resets the backoff.
         # Default threshold: the break-even point of verify(N) against plain decode. A verify
-        # of N tokens costs about 1 + verify_cost_per_node * (N - 1) decode steps (on a CPU
-        # the extra rows make the GEMVs compute-bound: benchmarks/bench_linear.py measures
-        # M=8 at ~2x M=1 on 2 cores, i.e. ~0.15 per node), and emits 1 + accepted tokens.
+        # of N tokens costs about 1 + verify_cost_per_node * (N - 1) decode steps and emits
+        # 1 + accepted tokens. With the backend's packed weights a verify(8) of SmolLM2 costs
+        # ~1.1-1.15 decode steps on 2 cores (~0.02 per node; the unpacked row kernel made it
+        # ~2.2, i.e. 0.15 per node). On the chat prompt of benchmarks/bench_spec.py, NGRAM
+        # N=8 ran at 0.98x AR with threshold 1.05, 1.05x with 0.5 and 1.15x with 0.21
+        # (= 0.03 * 7; code stayed at 1.91-1.93x).
         n = proposer.num_draft_tokens
         if min_accepted is None:
             min_accepted = verify_cost_per_node * (n - 1)

@@ -5,7 +5,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import specdec_inductor  # noqa: E402
 from specdec_inductor.engine import attention_backend as ab  # noqa: E402
+from specdec_inductor.ops import packed_weight_stats  # noqa: E402
 from specdec_inductor.engine.engine import Engine  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -47,6 +49,23 @@ def test_one_graph_per_bucket_and_kind_and_no_recompiles(compiled_engine):
     assert [len(o) for o in out_a + out_b] == [129] * 4
     engine.pool.check_consistent()
     assert engine.pool.num_free_slots == engine.pool.num_slots
+
+
+@pytest.mark.skipif("avx512" not in specdec_inductor.runnable_isas(),
+                    reason="the packed skinny_linear kernel is AVX-512")
+def test_steps_read_packed_weights(compiled_engine):
+    # The backend registered the model's matrices: every GEMV of a prefill chunk (8 rows) and
+    # decode step reads a packed copy; none falls back to the row kernel.
+    compiled_engine.generate([[1, 2, 3]], max_new_tokens=2)  # packs outside the counted run
+    specdec_inductor.reset_kernel_path_counts()
+    compiled_engine.generate([[4, 5, 6, 7]], max_new_tokens=4)
+    counts = specdec_inductor.kernel_path_counts()
+    layers = TINY["num_hidden_layers"]
+    # 7 projections per layer + lm_head, per step (1 prefill chunk + 3 decode steps)
+    assert counts.get("skinny_linear_packed:avx512") == 4 * (7 * layers + 1), counts
+    assert not any(k.startswith("skinny_linear:") for k in counts), counts
+    stats = packed_weight_stats()
+    assert stats["packed"] >= 7 * layers + 1 and stats["bytes"] > 0
 
 
 def test_compiled_equals_eager_and_env_eager(compiled_engine, monkeypatch):

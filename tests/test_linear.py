@@ -12,7 +12,8 @@ import specdec_inductor
 from specdec_inductor.backend import specdec_backend
 from specdec_inductor.lowerings.compile import run_and_get_code
 from specdec_inductor.lowerings import skinny_linear as skinny_pass
-from specdec_inductor.ops import skinny_linear
+from specdec_inductor.ops import (clear_packed_weights, packed_weight_stats,
+                                  register_packed_weight, release_packed_weight, skinny_linear)
 from specdec_inductor.ops.reference import skinny_linear_ref
 
 PATHS = specdec_inductor.runnable_isas()
@@ -131,6 +132,152 @@ def test_opcheck(sample):
     opcheck(torch.ops.specdec.skinny_linear.default, sample)
 
 
+# -- packed weights (register_packed_weight; the AVX-512 path reads the blocked copy) ----------
+
+needs_avx512 = pytest.mark.skipif("avx512" not in PATHS, reason="the packed kernel is AVX-512")
+
+
+def _packed_counts():
+    return {k: v for k, v in specdec_inductor.kernel_path_counts().items() if "skinny" in k}
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 576, 100), (4, 576, 576), (1, 1536, 576), (8, 1, 9),
+                                   (2, 15, 8), (3, 17, 7), (16, 1000, 40), (8, 33, 49),
+                                   (5, 64, 48), (9, 63, 97), (33, 64, 145)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_matches_reference(dtype, m, k, n, bias):
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=gen).to(dtype)  # [M, K]
+    w = torch.randn(n, k, generator=gen).to(dtype)  # [N, K]
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None  # [N]
+    register_packed_weight(w)
+    specdec_inductor.reset_kernel_path_counts()
+    with specdec_inductor.forced_isa("avx512"):
+        first, second = skinny_linear(x, w, b), skinny_linear(x, w, b)
+    # Packed once (on the first call), read twice; the row kernel never ran.
+    assert _packed_counts() == {"skinny_linear_pack:portable": 1,
+                                "skinny_linear_packed:avx512": 2}
+    assert torch.equal(first, second) and first.dtype == dtype and first.shape == (m, n)
+    _check_close(first, x, w, b)
+    torch.testing.assert_close(first.float(), skinny_linear_ref(x, w, b).float(),
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+    assert release_packed_weight(w) and not release_packed_weight(w)
+    specdec_inductor.reset_kernel_path_counts()
+    with specdec_inductor.forced_isa("avx512"):
+        row = skinny_linear(x, w, b)  # the row kernel again: same values up to summation order
+    assert _packed_counts() == {"skinny_linear:avx512": 1}
+    torch.testing.assert_close(row.float(), first.float(),
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_strided_weights(dtype):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 40, generator=gen).to(dtype)
+    col_major = torch.randn(40, 24, generator=gen).to(dtype).t()  # [N=24, K=40], stride(1) = 24
+    sliced = torch.randn(30, 50, generator=gen).to(dtype)[::2, 5:45]  # [15, 40], row stride 100
+    for w in (col_major, sliced):
+        register_packed_weight(w)
+        specdec_inductor.reset_kernel_path_counts()
+        with specdec_inductor.forced_isa("avx512"):
+            out = skinny_linear(x, w)
+        # Packed straight from the strided weight: no per-call dense copy.
+        assert _packed_counts() == {"skinny_linear_pack:portable": 1,
+                                    "skinny_linear_packed:avx512": 1}
+        _check_close(out, x, w, None)
+        # A view with the same data pointer but another shape is not the registered weight.
+        specdec_inductor.reset_kernel_path_counts()
+        with specdec_inductor.forced_isa("avx512"):
+            skinny_linear(x, w[:7])
+        assert "skinny_linear_packed:avx512" not in _packed_counts()
+        release_packed_weight(w)
+
+
+@needs_avx512
+def test_packed_weight_follows_in_place_updates():
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 32, generator=gen), torch.nn.Parameter(torch.randn(20, 32, generator=gen))
+    register_packed_weight(w)
+    with specdec_inductor.forced_isa("avx512"), torch.no_grad():
+        skinny_linear(x, w)
+        w.mul_(-0.5)  # bumps the version counter: the next call re-packs
+        specdec_inductor.reset_kernel_path_counts()
+        _check_close(skinny_linear(x, w), x, w, None)
+        assert _packed_counts() == {"skinny_linear_repack:portable": 1,
+                                    "skinny_linear_packed:avx512": 1}
+        # A write through .data bypasses the version counter (documented): the stale copy is
+        # used until the weight is released and registered again.
+        before = skinny_linear(x, w)
+        w.data.copy_(torch.randn(20, 32, generator=gen))
+        assert torch.equal(skinny_linear(x, w), before)
+        release_packed_weight(w)
+        register_packed_weight(w)
+        _check_close(skinny_linear(x, w), x, w, None)
+    release_packed_weight(w)
+
+
+@needs_avx512
+def test_packed_copy_is_freed_with_its_weight():
+    import gc
+    clear_packed_weights()
+    w = torch.randn(64, 48)
+    register_packed_weight(w)
+    register_packed_weight(w)  # idempotent
+    assert packed_weight_stats() == {"registered": 1, "packed": 0, "bytes": 0}
+    with specdec_inductor.forced_isa("avx512"):
+        skinny_linear(torch.randn(2, 48), w)
+    assert packed_weight_stats() == {"registered": 1, "packed": 1, "bytes": 64 * 48 * 4}
+    del w
+    gc.collect()
+    assert packed_weight_stats() == {"registered": 0, "packed": 0, "bytes": 0}
+    # A new tensor that happens to reuse the freed address is not mistaken for the old one.
+    w2 = torch.randn(64, 48)
+    specdec_inductor.reset_kernel_path_counts()
+    with specdec_inductor.forced_isa("avx512"):
+        skinny_linear(torch.randn(2, 48), w2)
+    assert _packed_counts() == {"skinny_linear:avx512": 1}
+
+
+def test_packed_weight_is_ignored_on_the_portable_path():
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    register_packed_weight(w)
+    specdec_inductor.reset_kernel_path_counts()
+    with specdec_inductor.forced_isa("portable"):
+        out = skinny_linear(x, w)
+    assert _packed_counts() == {"skinny_linear:portable": 1}
+    _check_close(out, x, w, None)
+    release_packed_weight(w)
+
+
+@needs_avx512
+def test_packed_threads_do_not_change_the_result():
+    x, w = torch.randn(8, 256), torch.randn(4096, 256)
+    register_packed_weight(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = skinny_linear(x, w)
+        torch.set_num_threads(max(2, threads))
+        many = skinny_linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+        release_packed_weight(w)
+    assert torch.equal(one, many)
+
+
+@pytest.mark.parametrize("weight,match", [
+    (torch.randn(8), "argument 'weight' must have 2"),
+    (torch.randn(2, 8).half(), "argument 'weight' must be float32 or bfloat16"),
+    (torch.ones(2, 8, dtype=torch.int64), "argument 'weight' must be float32 or bfloat16"),
+])
+def test_register_packed_weight_bad_inputs(weight, match):
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+        register_packed_weight(weight)
+
+
 # -- the graph pass ----------------------------------------------------------------------------
 
 
@@ -215,6 +362,26 @@ def test_pass_leaves_large_batches_and_other_layouts():
     _, codes = _compile_and_code(RightMultiply().eval(), torch.randn(2, 64))
     assert torch._dynamo.utils.counters["specdec"]["skinny_linear"] == 0
     assert "specdec.skinny_linear" not in codes[0]
+
+
+@needs_avx512
+def test_backend_packs_the_parameters_it_compiles():
+    torch.manual_seed(0)
+    model = _Mlp().eval()
+    x = torch.randn(4, 64)
+    specdec_inductor.reset_kernel_path_counts()
+    out, _ = _compile_and_code(model, x)
+    # up.weight and down.weight are registered and packed on their first call; biases are 1-D.
+    assert _packed_counts() == {"skinny_linear_pack:portable": 2, "skinny_linear_packed:avx512": 2}
+    for p in (model.up.weight, model.down.weight):
+        assert release_packed_weight(p)
+    assert not release_packed_weight(model.up.bias)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    specdec_inductor.reset_kernel_path_counts()
+    out, _ = _compile_and_code(model, x, {"specdec.pack_weights": False})
+    assert _packed_counts() == {"skinny_linear:avx512": 2}
+    assert not release_packed_weight(model.up.weight)
 
 
 def test_unknown_option_is_an_error():

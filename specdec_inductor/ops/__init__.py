@@ -26,4 +26,6 @@ from specdec_inductor.ops.sampling import (  # noqa: F401
     top_k_top_p_renorm,
     tree_speculative_sampling,
 )
-from specdec_inductor.ops.linear import skinny_linear  # noqa: F401
+from specdec_inductor.ops.linear import (  # noqa: F401
+    clear_packed_weights, packed_weight_stats, register_packed_weight, release_packed_weight,
+    skinny_linear)

@@ -1,11 +1,22 @@
 """skinny_linear: `F.linear` for the few rows of a decode or verify step, streaming each weight
 row once at memory bandwidth (csrc/linear.cpp). The `specdec` backend's graph pass
-(lowerings/skinny_linear.py) puts it in place of `mm`/`addmm` with a transposed weight."""
-from typing import Optional
+(lowerings/skinny_linear.py) puts it in place of `mm`/`addmm` with a transposed weight.
+
+Packed weights: a weight registered with `register_packed_weight` (the backend registers the
+2-D parameters of every graph it compiles; option "specdec.pack_weights") is copied once, on
+its first skinny_linear call, into a blocked layout that the AVX-512 path reads with no
+horizontal sums: at 8 rows (a verify step) it runs about as fast as one row, where the plain
+row kernel takes ~2x (benchmarks/bench_linear.py). The copy costs the weight's size again in
+memory. An in-place update through the weight (its version counter) re-packs on the next
+call; a write that bypasses the counter (`.data`, inference tensors) needs
+`release_packed_weight` first. Results are those of the plain kernel up to summation order.
+"""
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor
 
+import specdec_inductor._C  # noqa: F401
 import specdec_inductor._library  # noqa: F401  (loads the schemas before register_fake)
 
 
@@ -23,3 +34,26 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> T
 @torch.library.register_fake("specdec::skinny_linear")
 def _(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def register_packed_weight(weight: Tensor) -> None:
+    """Let skinny_linear pack `weight` ([N, K] float32/bfloat16 CPU, any strides) on its first
+    call and use the packed copy from then on. Idempotent; the entry goes when `weight` is
+    freed."""
+    specdec_inductor._C.linear_pack_register(weight)
+
+
+def release_packed_weight(weight: Tensor) -> bool:
+    """Forget `weight` and free its packed copy; False if it was not registered."""
+    return specdec_inductor._C.linear_pack_release(weight)
+
+
+def clear_packed_weights() -> None:
+    """Forget every registered weight and free every packed copy."""
+    specdec_inductor._C.linear_pack_clear()
+
+
+def packed_weight_stats() -> Dict[str, int]:
+    """{"registered": live registered weights, "packed": how many have a copy, "bytes": their
+    size}."""
+    return dict(specdec_inductor._C.linear_pack_stats())
