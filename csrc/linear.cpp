@@ -52,6 +52,9 @@ void skinny_linear_portable(const LinearBlock& b) {
 namespace {
 
 constexpr int64_t kRowBlock = 8;
+// Most rows the row kernels take; the packed kernel takes any M (the graph pass sends it up to
+// lowerings/skinny_linear.PACKED_MAX_ROWS).
+constexpr int64_t kRowKernelMaxRows = 16;
 
 // ---- Packed-weight registry ----
 
@@ -206,6 +209,13 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
     }
   }
 #endif
+  // Past kRowKernelMaxRows the row kernels lose to a GEMM library (benchmarks/bench_linear.py):
+  // an unpacked weight goes to aten's linear, counted as "skinny_linear_gemm".
+  if (M > kRowKernelMaxRows) {
+    y.copy_(at::linear(x2, weight, bias_c.defined() ? std::optional<at::Tensor>(bias_c) : std::nullopt));
+    SPECDEC_RECORD_PATH("skinny_linear_gemm", Isa::PORTABLE);
+    return y.view(out_shape);
+  }
   // The fast path needs dense weight rows; any other layout is copied once (and counted, so a
   // caller that hits it every step shows up in kernel_path_counts()).
   at::Tensor w = weight;

@@ -18,7 +18,8 @@ INDUCTOR_CONFIG: Dict[str, object] = {
 }
 
 # Our graph passes (lowerings/), each switched by the option "specdec.<name>" (bool):
-# - skinny_linear: mm/addmm of <= 16 rows -> specdec.skinny_linear (weight-streaming GEMV);
+# - skinny_linear: mm/addmm of few rows (16, or 64 with pack_weights) -> specdec.skinny_linear
+#   (weight-streaming GEMV);
 #   SmolLM2-135M batch-1 decode, benchmarks/bench_e2e.py: see the README's numbers.
 PASS_DEFAULTS: Dict[str, bool] = {
     "skinny_linear": True,
@@ -29,8 +30,9 @@ PASS_DEFAULTS: Dict[str, bool] = {
 #   weight registry (csrc/linear.cpp): a weight that reaches skinny_linear is copied once into
 #   a blocked layout, and later calls stream that copy with no horizontal sums. Costs the
 #   packed weights' size again in memory (`linear_pack_stats()`); weights that never reach
-#   skinny_linear (embeddings) are registered but not copied. benchmarks/bench_linear.py
-#   measures both kernels; the README quotes the engine-level effect.
+#   skinny_linear (embeddings) are registered but not copied. With it the pass rewrites GEMMs
+#   of up to PACKED_MAX_ROWS rows (prefill chunks, batched verify) instead of MAX_ROWS.
+#   benchmarks/bench_linear.py measures both kernels; the README quotes the engine effect.
 SWITCH_DEFAULTS: Dict[str, bool] = {
     "pack_weights": True,
 }
@@ -72,7 +74,11 @@ def specdec_backend(gm: torch.fx.GraphModule, example_inputs: List, **kwargs):
                                  f"{sorted(PASS_DEFAULTS) + sorted(SWITCH_DEFAULTS)}")
         else:
             patches[key] = value
+    pass_kwargs = {}
     if switches["pack_weights"] and passes["skinny_linear"]:
         _register_packable(example_inputs)
-    return compile_graph(gm, example_inputs, patches, [p for p, on in passes.items() if on])
+        from specdec_inductor.lowerings.skinny_linear import PACKED_MAX_ROWS
+        pass_kwargs["skinny_linear"] = {"max_rows": PACKED_MAX_ROWS}
+    return compile_graph(gm, example_inputs, patches, [p for p, on in passes.items() if on],
+                         pass_kwargs)
 

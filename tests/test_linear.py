@@ -44,7 +44,9 @@ def test_matches_reference(path, dtype, m, k, n, bias):
     specdec_inductor.reset_kernel_path_counts()
     with specdec_inductor.forced_isa(path):
         out = skinny_linear(x, w, b)
-    assert specdec_inductor.kernel_path_counts() == {f"skinny_linear:{path}": 1}
+    # Past 16 rows an unpacked weight goes to aten's GEMM (the row kernels lose there).
+    expected = "skinny_linear_gemm:portable" if m > 16 else f"skinny_linear:{path}"
+    assert specdec_inductor.kernel_path_counts() == {expected: 1}
     assert out.dtype == dtype and out.shape == (m, n)
     _check_close(out, x, w, b)
     torch.testing.assert_close(out.float(), skinny_linear_ref(x, w, b).float(),
@@ -166,8 +168,8 @@ def test_packed_matches_reference(dtype, m, k, n, bias):
     assert release_packed_weight(w) and not release_packed_weight(w)
     specdec_inductor.reset_kernel_path_counts()
     with specdec_inductor.forced_isa("avx512"):
-        row = skinny_linear(x, w, b)  # the row kernel again: same values up to summation order
-    assert _packed_counts() == {"skinny_linear:avx512": 1}
+        row = skinny_linear(x, w, b)  # unpacked again: same values up to summation order
+    assert _packed_counts() == {"skinny_linear_gemm:portable" if m > 16 else "skinny_linear:avx512": 1}
     torch.testing.assert_close(row.float(), first.float(),
                                rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
 
@@ -344,11 +346,24 @@ def test_pass_bf16_and_switch_off():
 def test_pass_leaves_large_batches_and_other_layouts():
     torch.manual_seed(0)
     model = _Mlp().eval()
-    x = torch.randn(skinny_pass.MAX_ROWS + 1, 64)  # too many rows: GEMM territory
+    # Too many rows: GEMM territory (the limit is higher with packed weights, the default).
+    for rows, options in ((skinny_pass.PACKED_MAX_ROWS + 1, None),
+                          (skinny_pass.MAX_ROWS + 1, {"specdec.pack_weights": False})):
+        torch._dynamo.utils.counters.clear()
+        out, codes = _compile_and_code(model, torch.randn(rows, 64), options)
+        assert torch._dynamo.utils.counters["specdec"]["skinny_linear"] == 0
+        assert "specdec.skinny_linear" not in codes[0]
+    # Between the two limits the packed kernel takes the rows.
+    x = torch.randn(skinny_pass.PACKED_MAX_ROWS, 64)
     torch._dynamo.utils.counters.clear()
+    specdec_inductor.reset_kernel_path_counts()
     out, codes = _compile_and_code(model, x)
-    assert torch._dynamo.utils.counters["specdec"]["skinny_linear"] == 0
-    assert "specdec.skinny_linear" not in codes[0]
+    assert torch._dynamo.utils.counters["specdec"]["skinny_linear"] == 2
+    if "avx512" in PATHS:
+        assert _packed_counts() == {"skinny_linear_pack:portable": 2,
+                                    "skinny_linear_packed:avx512": 2}
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
 
     class RightMultiply(torch.nn.Module):  # x @ W with W [K, N]: no transposed weight
         def __init__(self):

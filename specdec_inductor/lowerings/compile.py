@@ -1,7 +1,7 @@
 """Inductor entry point of the `specdec` torch.compile backend: `compile_fx` with our config
 patches and graph passes (kept here so that private `torch._inductor` imports stay inside
 `lowerings/`)."""
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch._inductor.compile_fx import compile_fx
@@ -29,9 +29,10 @@ class PassSequence(CustomGraphPass):
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: List, config_patches: Dict,
-                  passes: List[str]):
+                  passes: List[str], pass_kwargs: Optional[Dict[str, dict]] = None):
     """Compile one Dynamo graph with Inductor under `config_patches`, with the named passes
-    run as the post-grad custom pass (after Inductor's own post-grad passes)."""
+    (constructed with pass_kwargs[name], if given) run as the post-grad custom pass (after
+    Inductor's own post-grad passes)."""
     patches = dict(config_patches)
     if passes:
         if patches.get("post_grad_custom_post_pass") is not None:
@@ -40,7 +41,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List, config_patches
         unknown = [p for p in passes if p not in PASSES]
         if unknown:
             raise ValueError(f"unknown specdec pass(es) {unknown}; known: {sorted(PASSES)}")
-        patches["post_grad_custom_post_pass"] = PassSequence([PASSES[p]() for p in passes])
+        patches["post_grad_custom_post_pass"] = PassSequence([PASSES[p](**(pass_kwargs or {}).get(p, {}))
+                                                         for p in passes])
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
