@@ -7,6 +7,7 @@ Sampled AR runs through the same loop with no drafts (proposers/autoregressive.p
 
     python benchmarks/bench_spec.py                    # NGRAM N=8, STANDALONE, 128 new tokens
     python benchmarks/bench_spec.py --eager --max-new-tokens 32 --temperatures 0.7
+    python benchmarks/bench_spec.py --methods ngram --dtype bf16
     python benchmarks/bench_spec.py --model DIR --methods ngram,mtp   # DIR with NextN layers
     python benchmarks/bench_spec.py --methods eagle3 --eagle3-head DIR   # random head if absent
     python benchmarks/bench_spec.py --methods standalone --topk 2 --depth 4 --num-draft-tokens 8
@@ -51,6 +52,9 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="target (and draft) weights; greedy equality is against our AR "
+                             "in the same dtype")
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ngram-breadth", default="2,1",
@@ -88,7 +92,8 @@ def main():
         prompts = {f"heldout-prose-{i}": t for i, t in enumerate(prose[:half])}
         prompts.update({f"heldout-code-{i}": t for i, t in enumerate(code[:args.heldout - half])})
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    model, tokenizer = load_model(args.model)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model, tokenizer = load_model(args.model, dtype)
     eagle = {"eagle", "mtp"} & set(args.methods.split(","))  # draft from target hidden states
     engine = Engine(model, max_batch=1, max_len=1024, compile=not args.eager, prefill_chunk=64,
                     capture_hidden=[-1] if eagle else None)
@@ -108,7 +113,7 @@ def main():
                     num_draft_tokens=args.num_draft_tokens, min_window=lo, max_window=hi,
                     breadth=breadth))
         elif name == "standalone":
-            draft = keep_first_layers(load_model(args.model)[0], args.draft_layers)
+            draft = keep_first_layers(load_model(args.model, dtype)[0], args.draft_layers)
             draft_engine = Engine(draft, max_batch=draft_batch, max_len=draft_len,
                                   compile=not args.eager)
             k = args.num_draft_tokens if tree else min(args.num_draft_tokens, 5)
@@ -163,7 +168,7 @@ def main():
         for spec in methods.values():
             spec.min_accepted = args.min_accepted
     ar_loop = SpeculativeGenerator(engine, AutoregressiveProposer())
-    print(f"# {args.model or 'SmolLM2-135M'} fp32, batch 1, {args.max_new_tokens} new tokens "
+    print(f"# {args.model or 'SmolLM2-135M'} {args.dtype}, batch 1, {args.max_new_tokens} new tokens "
           "(no eos stop), "
           f"{'eager' if args.eager else 'compiled'}; {torch.get_num_threads()} threads, ISA "
           f"{specdec_inductor.active_isa()}, torch {torch.__version__}; medians of {args.repeats}")
