@@ -2,7 +2,8 @@
 # Device check for the attention kernels on an AMX machine (e.g. a 16-core Xeon, Python 3.12,
 # torch preinstalled, no network): builds the extension in place, then runs the attention tests
 # and the quick attention benchmark with SPECDEC_ISA=amx and SPECDEC_ISA=avx512. Every step has
-# its own time limit (200 + 2x60 + 2x60 s) so the whole script fits in 8 minutes; logs go to
+# its own time limit (200 + 2x60 + 2x60 s) so the attention part fits in 8 minutes (two linear
+# steps of 45 s follow); logs go to
 # $OUT (or ./out). SPECDEC_SKIP_BUILD=1 reuses an extension already built in place.
 # The AMX attention kernel (bf16; fp32 runs AVX-512 under SPECDEC_ISA=amx) was written without AMX
 # hardware: this script is its first real test. The tests run every path the machine supports and
@@ -60,4 +61,8 @@ for isa in amx avx512; do
   step "bench_attention_$isa" 60 env SPECDEC_ISA="$isa" "$PYTHON" benchmarks/bench_attention.py \
     --quick --isa "$isa" --no-flex
 done
+# Extra, after the attention proof (2 x 45 s more): the packed-weight skinny_linear kernel on
+# this CPU and torch version, its tests and one-step GEMV timings (fp32 and bf16, M = 1, 8, 16).
+step test_linear 45 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_linear.py -k "packed or matches"
+step bench_linear 45 "$PYTHON" benchmarks/bench_linear.py --rows 1,8,16 --repeats 3
 exit "$status"
