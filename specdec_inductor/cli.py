@@ -151,6 +151,11 @@ def make_proposer(args, engine=None):
     if args.method == "none":
         from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
         return AutoregressiveProposer()
+    if args.dtype == "bf16":
+        # Verify steps (many rows) and decode steps (one row) round bf16 differently, so a
+        # near-tie can flip a greedy token (README, bench_spec --dtype bf16); fp32 is exact.
+        _log("[specdec] note: in bf16, greedy speculative tokens equal plain bf16 decoding only "
+             "away from near-ties; use --dtype fp32 for token-exact output")
     if args.method == "ngram":
         from specdec_inductor.proposers.ngram import NgramProposer, parse_window
         try:

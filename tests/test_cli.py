@@ -112,3 +112,12 @@ def test_ngram_window_flag_reaches_the_proposer_and_bad_values_exit():
     bad = cli.make_parser().parse_args(["generate", "--method", "ngram", "--ngram-window", "4,2"])
     with pytest.raises(SystemExit, match="argument 'ngram_window'"):
         cli.make_proposer(bad)
+
+
+def test_bf16_speculation_says_greedy_is_not_token_exact(capsys):
+    bf16 = cli.make_parser().parse_args(["generate", "--method", "ngram", "--dtype", "bf16"])
+    cli.make_proposer(bf16)
+    assert "--dtype fp32 for token-exact output" in capsys.readouterr().err
+    fp32 = cli.make_parser().parse_args(["generate", "--method", "ngram"])
+    cli.make_proposer(fp32)
+    assert "token-exact" not in capsys.readouterr().err
