@@ -80,9 +80,15 @@ def test_column_major_weight_is_copied_and_counted():
     _check_close(out, x, w, None)
 
 
-def test_threads_do_not_change_the_result():
-    x, w = torch.randn(3, 256), torch.randn(4096, 256)  # [M, K], [N, K]: splits across threads
+@pytest.mark.parametrize("packed", [False, True])
+def test_threads_do_not_change_the_result(packed):
+    if packed and "avx512" not in PATHS:
+        pytest.skip("the packed kernel is AVX-512")
+    x, w = torch.randn(8, 256), torch.randn(4096, 256)  # [M, K], [N, K]: splits across threads
+    if packed:
+        register_packed_weight(w)
     threads = torch.get_num_threads()
+    specdec_inductor.reset_kernel_path_counts()
     try:
         torch.set_num_threads(1)
         one = skinny_linear(x, w)
@@ -90,7 +96,10 @@ def test_threads_do_not_change_the_result():
         many = skinny_linear(x, w)
     finally:
         torch.set_num_threads(threads)
+        release_packed_weight(w)
     assert torch.equal(one, many)
+    assert specdec_inductor.kernel_path_counts().get("skinny_linear_packed:avx512", 0) == (
+        2 if packed else 0)
 
 
 def test_empty_shapes():
@@ -252,22 +261,6 @@ def test_packed_weight_is_ignored_on_the_portable_path():
     assert _packed_counts() == {"skinny_linear:portable": 1}
     _check_close(out, x, w, None)
     release_packed_weight(w)
-
-
-@needs_avx512
-def test_packed_threads_do_not_change_the_result():
-    x, w = torch.randn(8, 256), torch.randn(4096, 256)
-    register_packed_weight(w)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = skinny_linear(x, w)
-        torch.set_num_threads(max(2, threads))
-        many = skinny_linear(x, w)
-    finally:
-        torch.set_num_threads(threads)
-        release_packed_weight(w)
-    assert torch.equal(one, many)
 
 
 @pytest.mark.parametrize("weight,match", [
