@@ -401,6 +401,9 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-len", type=int, default=512)
         p.add_argument("--max-batch", type=int, default=1)
         p.add_argument("--eager", action="store_true", help="no torch.compile (as SPECDEC_EAGER=1)")
+        p.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
+                       help="do not keep packed copies of the weights for the GEMVs (saves the "
+                            "weights' size in memory; verify steps get ~2x slower)")
         p.add_argument("--attention", choices=["ops", "torch", "reference"], default=None)
         p.add_argument("--raw", dest="chat", action="store_false",
                        help="feed prompts as plain text (default: the model's chat template)")
@@ -450,7 +453,13 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = make_parser().parse_args(argv)
-    return args.func(args)
+    from specdec_inductor import backend
+    saved = backend.SWITCH_DEFAULTS["pack_weights"]
+    backend.SWITCH_DEFAULTS["pack_weights"] = args.pack_weights  # every engine of this run
+    try:
+        return args.func(args)
+    finally:
+        backend.SWITCH_DEFAULTS["pack_weights"] = saved
 
 
 if __name__ == "__main__":

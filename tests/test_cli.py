@@ -121,3 +121,13 @@ def test_bf16_speculation_says_greedy_is_not_token_exact(capsys):
     fp32 = cli.make_parser().parse_args(["generate", "--method", "ngram"])
     cli.make_proposer(fp32)
     assert "token-exact" not in capsys.readouterr().err
+
+
+def test_no_pack_weights_flag_switches_packing_for_the_run(monkeypatch):
+    from specdec_inductor import backend
+    seen = []
+    monkeypatch.setattr(cli, "cmd_generate",
+                        lambda args: seen.append(backend.SWITCH_DEFAULTS["pack_weights"]) or 0)
+    assert cli.main(["generate", "--no-pack-weights"]) == 0
+    assert cli.main(["generate"]) == 0
+    assert seen == [False, True] and backend.SWITCH_DEFAULTS["pack_weights"] is True
