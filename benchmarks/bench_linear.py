@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import specdec_inductor
-from specdec_inductor import _C
-from specdec_inductor.ops import skinny_linear
+from specdec_inductor.ops import register_packed_weight, release_packed_weight, skinny_linear
 
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 SHAPES = LAYER * 30 + [(49152, 576)]  # (N, K) per weight
@@ -65,14 +64,14 @@ def main():
             t_aten = time_step(F.linear, weights, xs, args.repeats)
             t_row = time_step(skinny_linear, weights, xs, args.repeats)
             for w in weights:
-                _C.linear_pack_register(w)
+                register_packed_weight(w)
             specdec_inductor.reset_kernel_path_counts()
             t_packed = time_step(skinny_linear, weights, xs, args.repeats)
             ran = specdec_inductor.kernel_path_counts()
             if not ran.get("skinny_linear_packed:avx512"):
                 raise SystemExit(f"the packed path did not run (no AVX-512 here?): {ran}")
             for w in weights:
-                _C.linear_pack_release(w)
+                release_packed_weight(w)
             print(f"| {str(dtype).replace('torch.', '')} | {m} | {1e3 * t_aten:.1f} | "
                   f"{1e3 * t_row:.1f} | {1e3 * t_packed:.1f} | {t_aten / t_row:.2f}x | "
                   f"{t_aten / t_packed:.2f}x | {t_row / t_packed:.2f}x | "

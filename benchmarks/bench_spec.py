@@ -20,7 +20,7 @@ import time
 import torch
 
 import specdec_inductor
-from specdec_inductor.cli import encode
+from specdec_inductor.cli import DTYPES, encode
 from specdec_inductor.engine.engine import Engine, GenerationStats
 from specdec_inductor.engine.hf import keep_first_layers, load_model
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
@@ -52,7 +52,7 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                         help="target (and draft) weights; greedy equality is against our AR "
                              "in the same dtype")
     parser.add_argument("--temperatures", default="0,0.7", help="comma list; 0 = greedy")
@@ -92,7 +92,7 @@ def main():
         prompts = {f"heldout-prose-{i}": t for i, t in enumerate(prose[:half])}
         prompts.update({f"heldout-code-{i}": t for i, t in enumerate(code[:args.heldout - half])})
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     model, tokenizer = load_model(args.model, dtype)
     eagle = {"eagle", "mtp"} & set(args.methods.split(","))  # draft from target hidden states
     engine = Engine(model, max_batch=1, max_len=1024, compile=not args.eager, prefill_chunk=64,

@@ -76,8 +76,7 @@ std::unordered_map<const void*, PackEntry> g_packs;  // key: the weight's data p
 int64_t version_of(const at::Tensor& w) { return w.is_inference() ? -1 : w._version(); }
 
 bool describes(const PackEntry& e, const at::Tensor& w) {
-  if (e.storage.expired()) return false;
-  c10::intrusive_ptr<c10::StorageImpl> live = e.storage.lock();
+  const c10::intrusive_ptr<c10::StorageImpl> live = e.storage.lock();  // null once freed
   return live && live.get() == w.storage().unsafeGetStorageImpl() && e.dtype == w.scalar_type() &&
          e.offset == w.storage_offset() && w.sizes().equals(e.sizes) && w.strides().equals(e.strides);
 }
@@ -212,9 +211,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
   // Past kRowKernelMaxRows the row kernels lose to a GEMM library (benchmarks/bench_linear.py):
   // an unpacked weight goes to aten's linear, counted as "skinny_linear_gemm".
   if (M > kRowKernelMaxRows) {
-    y.copy_(at::linear(x2, weight, bias_c.defined() ? std::optional<at::Tensor>(bias_c) : std::nullopt));
     SPECDEC_RECORD_PATH("skinny_linear_gemm", Isa::PORTABLE);
-    return y.view(out_shape);
+    return at::linear(x2, weight, bias_c.defined() ? std::optional<at::Tensor>(bias_c) : std::nullopt)
+        .view(out_shape);
   }
   // The fast path needs dense weight rows; any other layout is copied once (and counted, so a
   // caller that hits it every step shows up in kernel_path_counts()).

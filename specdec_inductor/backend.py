@@ -38,16 +38,13 @@ SWITCH_DEFAULTS: Dict[str, bool] = {
 }
 
 
-def _register_packable(example_inputs: List) -> int:
-    """Registers the 2-D fp32/bf16 parameters among `example_inputs`; returns how many."""
+def _register_packable(example_inputs: List) -> None:
+    """Registers the 2-D fp32/bf16 CPU parameters among `example_inputs` for packing."""
     from specdec_inductor.ops.linear import register_packed_weight
-    registered = 0
     for t in example_inputs:
         if (isinstance(t, torch.nn.Parameter) and t.dim() == 2 and t.device.type == "cpu"
                 and t.dtype in (torch.float32, torch.bfloat16)):
             register_packed_weight(t)
-            registered += 1
-    return registered
 
 
 # Graphs this backend has compiled (tests check it really ran, rather than another backend).

@@ -16,8 +16,8 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-import specdec_inductor._C  # noqa: F401
 import specdec_inductor._library  # noqa: F401  (loads the schemas before register_fake)
+from specdec_inductor import _C  # the packed-weight registry (csrc/linear.cpp)
 
 
 def skinny_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -40,20 +40,20 @@ def register_packed_weight(weight: Tensor) -> None:
     """Let skinny_linear pack `weight` ([N, K] float32/bfloat16 CPU, any strides) on its first
     call and use the packed copy from then on. Idempotent; the entry goes when `weight` is
     freed."""
-    specdec_inductor._C.linear_pack_register(weight)
+    _C.linear_pack_register(weight)
 
 
 def release_packed_weight(weight: Tensor) -> bool:
     """Forget `weight` and free its packed copy; False if it was not registered."""
-    return specdec_inductor._C.linear_pack_release(weight)
+    return _C.linear_pack_release(weight)
 
 
 def clear_packed_weights() -> None:
     """Forget every registered weight and free every packed copy."""
-    specdec_inductor._C.linear_pack_clear()
+    _C.linear_pack_clear()
 
 
 def packed_weight_stats() -> Dict[str, int]:
     """{"registered": live registered weights, "packed": how many have a copy, "bytes": their
     size}."""
-    return dict(specdec_inductor._C.linear_pack_stats())
+    return dict(_C.linear_pack_stats())
