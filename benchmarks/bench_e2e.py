@@ -48,10 +48,10 @@ def param_bytes(model) -> int:
     return total
 
 
-def bench_ours(dtype, ids, new_tokens, repeats, options=None):
+def bench_ours(dtype, ids, new_tokens, repeats, options=None, layers_once=True):
     model, _ = load_model(None, dtype)
     engine = Engine(model, max_batch=1, max_len=len(ids) + new_tokens + 8,
-                    compile_options=options)
+                    compile_options=options, compile_layers_once=layers_once)
     t0 = time.perf_counter()
     engine.generate([ids], max_new_tokens=3)  # compiles the prefill and decode graphs
     compile_s = time.perf_counter() - t0
@@ -160,6 +160,9 @@ def main(argv=None):
                         help="also time HF generate with a static cache + torch.compile")
     parser.add_argument("--inductor-option", action="append", default=[],
                         help="also time ours with an Inductor bool option, e.g. freezing=1")
+    parser.add_argument("--per-layer-graphs", action="store_true",
+                        help="also time ours with Engine(compile_layers_once=False): every "
+                             "decoder layer lowered and compiled on its own")
     parser.add_argument("--skip", default="", help="comma list of columns to skip")
     parser.add_argument("--json", default=None, help="write results to this file")
     parser.add_argument("--threads", type=int, default=None,
@@ -196,6 +199,10 @@ def main(argv=None):
         for dt, dname in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
             plan.append((f"ours {dname} +{key}={value}", lambda d=dt, o=options: bench_ours(
                 d, ids, args.new_tokens, args.repeats, o)))
+    if args.per_layer_graphs:
+        for dt, dname in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            plan.append((f"ours {dname} per-layer graphs", lambda d=dt: bench_ours(
+                d, ids, args.new_tokens, args.repeats, layers_once=False)))
     if args.hf_compile:
         plan.append(("hf static+compile fp32", lambda: bench_hf(
             torch.float32, ids, args.new_tokens, args.repeats, "static+compile")))

@@ -4,7 +4,8 @@ printed by the CLI and benchmarks) and never changes behind the caller's back.
 
 Backends:
 - OPS: `torch.ops.specdec.store_kv / extend_attention / decode_attention` (C++ kernels,
-  traceable by torch.compile). The default whenever those ops are registered.
+  traceable by torch.compile; compiled steps store with aten index_copy_, see store_kv). The
+  default whenever those ops are registered.
 - TORCH: the same semantics in vectorized plain PyTorch over a static-width slot table
   (gather every row's `max_len` slots, mask, SDPA). Traceable; reads `max_len` keys per query
   whatever the real length is. Used when the OPS kernels are not built into this package.
@@ -64,10 +65,16 @@ def _padding_as_sink(slots: Tensor, k_pool: Tensor) -> Tensor:
 
 def store_kv(backend: AttentionBackend, k_pool: Tensor, v_pool: Tensor, k: Tensor, v: Tensor,
              slots: Tensor) -> None:
-    """k_pool[slots[b, t]] = k[b, t] (and v); k, v [B, T, H_kv, D]; slot -1 = padding."""
-    if backend is AttentionBackend.OPS:
+    """k_pool[slots[b, t]] = k[b, t] (and v); k, v [B, T, H_kv, D]; slot -1 = padding.
+
+    Under torch.compile the OPS backend writes with aten `index_copy_` (padding into the sink
+    row), not `specdec::store_kv`: the engine compiles each decoder layer once as a nested
+    compile region (hf.compile_layers_once), and torch functionalizes a region's body in C++,
+    which rejects a custom op that mutates its inputs. Inductor fuses the copy into the RoPE
+    kernel of the step, so nothing is lost; eager OPS steps call the op."""
+    if backend is AttentionBackend.OPS and not torch.compiler.is_compiling():
         torch.ops.specdec.store_kv(k_pool, v_pool, k, v, slots)
-    elif backend is AttentionBackend.TORCH:
+    elif backend is not AttentionBackend.REFERENCE:
         index = _padding_as_sink(slots, k_pool)  # [B*T]
         k_pool.index_copy_(0, index, k.reshape(-1, *k.shape[2:]).to(k_pool.dtype))
         v_pool.index_copy_(0, index, v.reshape(-1, *v.shape[2:]).to(v_pool.dtype))

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from specdec_inductor.engine import attention_backend as ab
 from specdec_inductor.engine.hf import StepBatch, StepKind, model_shape, use_specdec_attention
+from specdec_inductor.engine.hf import compile_layers_once as hf_compile_layers_once
 from specdec_inductor.engine.kv_pool import KVPool
 
 EAGER_ENV = "SPECDEC_EAGER"
@@ -121,6 +122,10 @@ class Engine:
         attention: "ops", "torch" or "reference" (default: see attention_backend.resolve_backend).
         compile_backend: torch.compile backend name ("specdec" = Inductor + our passes).
         compile_options: Inductor config patches on top of the specdec backend's own.
+        compile_layers_once: when compiled, mark the decoder layers as one nested compile
+            region (hf.compile_layers_once): a step's graph then lowers and compiles one layer
+            instead of every layer (SmolLM2 cold compile ~50 s instead of ~90 s, same
+            tokens; benchmarks/bench_e2e.py). The marking stays on the model.
         prefill_chunk: new tokens per prefill step (the EXTEND graph's T).
         capture_hidden: indices into the model's `hidden_states` output whose rows every step
             also returns, concatenated on the last dim in the order given ([B, T, k*H]);
@@ -141,7 +146,8 @@ class Engine:
                  num_slots: Optional[int] = None, compile: Optional[bool] = None,
                  attention: Optional[str] = None, compile_backend: str = "specdec",
                  compile_options: Optional[dict] = None, prefill_chunk: int = 64,
-                 capture_hidden: Optional[Sequence[int]] = None):
+                 capture_hidden: Optional[Sequence[int]] = None,
+                 compile_layers_once: bool = True):
         self.model = model
         self.capture_hidden = list(capture_hidden) if capture_hidden is not None else None
         # Per capture_hidden entry: the decoder layer whose input it is, None for the final
@@ -155,6 +161,8 @@ class Engine:
             raise ValueError(f"attention backend {self.attention_backend.value!r} is eager-only; "
                              "pass compile=False (or SPECDEC_EAGER=1)")
         use_specdec_attention(model)
+        self.layer_regions = (hf_compile_layers_once(model)
+                              if self.compiled and compile_layers_once else 0)
         shape = model_shape(model)
         self.vocab_size = shape.vocab_size
         self.dtype = next(model.parameters()).dtype

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import types
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -101,6 +102,36 @@ def use_specdec_attention(model) -> None:
     `model.config._attn_implementation = "sdpa"`)."""
     register()
     model.config._attn_implementation = ATTN_IMPLEMENTATION
+
+
+# One nested-compile-region wrapper per decoder layer class: every layer of a model must call
+# the same function object for Dynamo to reuse one traced region across them.
+_REGION_FORWARDS: Dict[type, object] = {}
+
+
+def compile_layers_once(model) -> int:
+    """Mark every decoder layer's `forward` (an instance attribute; model classes stay as they
+    are) as a `torch.compiler.nested_compile_region`, so that torch.compile traces the layers
+    of a step into one shared subgraph that Inductor lowers and compiles once instead of once
+    per layer. Layers whose traced graphs differ (say, sliding-window layers among full ones)
+    simply get a region each. Outside torch.compile the wrapper only calls the forward.
+    Idempotent; returns how many layers are marked (0 for a model without `get_decoder()
+    .layers` or a torch without nested_compile_region)."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if region is None or layers is None:
+        return 0
+    marked = 0
+    for layer in layers:
+        if not getattr(layer, "_specdec_region", False):
+            cls = type(layer)
+            if cls not in _REGION_FORWARDS:
+                _REGION_FORWARDS[cls] = region(cls.forward)
+            layer.forward = types.MethodType(_REGION_FORWARDS[cls], layer)
+            layer._specdec_region = True
+        marked += 1
+    return marked
 
 
 @dataclass
