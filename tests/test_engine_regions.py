@@ -1,7 +1,8 @@
 """Compiled engine with its decoder layers as one nested compile region
 (Engine(compile_layers_once=True), the default): each step's code compiles the layer once and
 calls it per layer, stores K/V with a fused aten index_copy_ (the custom store_kv op cannot sit
-inside a region), and gives the tokens of the per-layer graph and of eager mode."""
+inside a region), and gives the tokens of the per-layer graph and of eager mode. Also the
+engine's Inductor options (no size asserts) and the parameter-layout check that replaces them."""
 import re
 
 import pytest
@@ -53,15 +54,17 @@ def test_layers_compile_once_and_match_per_layer_graph_and_eager():
         assert "specdec.store_kv" not in code, kind
         assert re.search(r"cpp_fused\w*index_copy", code), kind  # the store, fused
         assert "specdec.skinny_linear" in code, kind  # the passes run inside the region
+        assert "assert_size_stride(" not in code, kind  # ENGINE_INDUCTOR_OPTIONS
 
     flat = Engine(tiny_llama(), max_batch=2, max_len=64, compile=True, prefill_chunk=8,
-                  compile_layers_once=False)
+                  compile_layers_once=False, compile_options={"size_asserts": True})
     assert flat.layer_regions == 0
     flat_tokens, flat_codes = step_codes(flat)
     for kind, code in flat_codes.items():
         assert "subgraph" not in code, kind
         calls = re.findall(r"= torch\.ops\.specdec\.(?:decode|extend)_attention\.default\(", code)
         assert len(calls) == LAYERS, kind  # every layer lowered on its own
+        assert "assert_size_stride(" in code, kind  # the caller's options win
     assert flat_tokens == tokens
 
     specdec_inductor.reset_kernel_path_counts()
@@ -100,3 +103,19 @@ def test_compile_layers_once_is_idempotent_and_keeps_the_class():
         plain = tiny_llama()(ids, use_cache=False).logits
     torch.testing.assert_close(marked, plain, atol=0, rtol=0)
     assert compile_layers_once(torch.nn.Linear(2, 2)) == 0  # no decoder layers: nothing marked
+
+
+def test_changed_parameter_layout_is_refused():
+    # The compiled steps read parameters unchecked (model guards skipped, no size asserts):
+    # a parameter of another shape must be refused before any step runs, not read.
+    model = tiny_llama()
+    engine = Engine(model, max_batch=2, max_len=64, compile=True, prefill_chunk=8)
+    first = engine.generate(PROMPTS, 3)
+    with torch.no_grad():  # new values in place are fine
+        model.lm_head.weight.mul_(1.0)
+    assert engine.generate(PROMPTS, 3) == first
+    model.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(torch.zeros(65, 32))
+    with pytest.raises(RuntimeError, match=r"model.layers.1.mlp.up_proj.weight.*new Engine"):
+        engine.generate(PROMPTS, 3)
+    engine.pool.check_consistent()
+    assert engine.pool.num_free_slots == engine.pool.num_slots

@@ -66,6 +66,21 @@ def _engine_owned(name: str) -> bool:
     return False
 
 
+# Inductor options of the engine's step graphs, under any compile_options the caller passes:
+# - size_asserts off: the wrapper would assert the sizes and strides of every input and extern
+#   kernel output on every call (~1100 asserts per SmolLM2 decode step, each layer region
+#   asserting its inputs again). Same-process A/B on SmolLM2 decode (/tmp script, 6-8
+#   interleaved runs of 128 tokens): 1.16x bf16, 1.08x fp32, same tokens. Dynamo's guards
+#   still check the step inputs; the model's parameters, whose guards the engine skips
+#   (_skip_model_guards), are checked against the compiled layout once per prefill instead.
+ENGINE_INDUCTOR_OPTIONS = {"size_asserts": False}
+
+
+def _param_layout(model) -> List[Tuple[str, torch.Size, Tuple[int, ...], torch.dtype]]:
+    """(name, shape, strides, dtype) of every parameter: what the compiled steps assume."""
+    return [(name, p.shape, p.stride(), p.dtype) for name, p in model.named_parameters()]
+
+
 def _capture_layer_input(index: int):
     """Forward pre-hook of decoder layer `index`: when the step's StepBatch asks for this layer
     (its `captured` dict has the key), store the layer's input hidden [B, T, H] there. A no-op
@@ -121,7 +136,8 @@ class Engine:
         compile: torch.compile the step functions (default: not SPECDEC_EAGER).
         attention: "ops", "torch" or "reference" (default: see attention_backend.resolve_backend).
         compile_backend: torch.compile backend name ("specdec" = Inductor + our passes).
-        compile_options: Inductor config patches on top of the specdec backend's own.
+        compile_options: Inductor config patches on top of the specdec backend's own and
+            ENGINE_INDUCTOR_OPTIONS (which they override).
         compile_layers_once: when compiled, mark the decoder layers as one nested compile
             region (hf.compile_layers_once): a step's graph then lowers and compiles one layer
             instead of every layer (SmolLM2 cold compile ~50 s instead of ~90 s, same
@@ -182,7 +198,9 @@ class Engine:
             backend = compile_backend
             if backend == "specdec":
                 from specdec_inductor.backend import specdec_backend
-                backend = functools.partial(specdec_backend, options=compile_options or {})
+                backend = functools.partial(specdec_backend, options={
+                    **ENGINE_INDUCTOR_OPTIONS, **(compile_options or {})})
+            self._layout = _param_layout(model)
             guard_options = ({"guard_filter_fn": _skip_model_guards}
                              if os.environ.get("SPECDEC_MODEL_GUARDS", "0") in ("", "0") else {})
             self._extend_fn = torch.compile(_own_code(self._extend_step), fullgraph=True,
@@ -334,7 +352,20 @@ class Engine:
             raise ValueError("prefill_with_hidden needs an Engine made with capture_hidden")
         return self._prefill(prompts, req_rows, aux)
 
+    def _check_layout(self) -> None:
+        """The compiled steps read the parameters without checking their shapes (model guards
+        skipped, size_asserts off): refuse a model whose parameters changed layout since."""
+        if not self.compiled:
+            return
+        now = _param_layout(self.model)
+        if now != self._layout:
+            changed = sorted({entry[0] for entry in set(now) ^ set(self._layout)})
+            raise RuntimeError(f"the model's parameters changed shape, strides or dtype since this "
+                               f"Engine compiled its steps ({', '.join(changed[:3])}): make a new "
+                               "Engine")
+
     def _prefill(self, prompts, req_rows, aux):
+        self._check_layout()
         bs = req_rows.shape[0]
         lens = [len(p) for p in prompts] + [1] * (bs - len(prompts))
         chunk = self.prefill_chunk
