@@ -339,7 +339,9 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
     }
   });
 
-  // Merge key-range splits: rescale each split's partial sums to the common row max.
+  // Merge key-range splits: rescale each split's partial sums to the common row max. (No
+  // split, no second parallel region: decode at short context pays one per layer otherwise.)
+  if (split_floats == 0) return out;  // [B, T, H, D]
   at::parallel_for(0, n_items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> acc, sum;
     for (int64_t i = i0; i < i1; ++i) {
