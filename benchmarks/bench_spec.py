@@ -182,7 +182,10 @@ def main():
             spec.compile_verify()
             spec.generate([ids], args.num_draft_tokens + 2)
         for temp in temperatures:
-            ar_t = []
+            # AR and every method take turns within each repeat, so a drift of this shared
+            # machine's speed hits them alike instead of whichever ran last.
+            ar_t, sp_t = [], {label: [] for label in methods}
+            runs = {}
             for r in range(args.repeats):
                 sampling = SamplingParams(temp, seed=args.seed + r)
                 t0 = time.perf_counter()
@@ -191,17 +194,17 @@ def main():
                 else:
                     ar = ar_loop.generate([ids], args.max_new_tokens, None, SpeculativeStats(), sampling)
                 ar_t.append(time.perf_counter() - t0)
-            ar_s = statistics.median(ar_t)
-            print(f"| {kind} | {temp:g} | AR (ours) | {args.max_new_tokens / ar_s:.1f} | 1.00x | 1.00 | - | - |")
-            for label, spec in methods.items():
-                sp_t = []
-                for r in range(args.repeats):
+                for label, spec in methods.items():
                     stats = SpeculativeStats()
                     t0 = time.perf_counter()
-                    sp = spec.generate([ids], args.max_new_tokens, None, stats,
-                                       SamplingParams(temp, seed=args.seed + r))
-                    sp_t.append(time.perf_counter() - t0)
-                sp_s = statistics.median(sp_t)
+                    sp = spec.generate([ids], args.max_new_tokens, None, stats, sampling)
+                    sp_t[label].append(time.perf_counter() - t0)
+                    runs[label] = (sp, stats)
+            ar_s = statistics.median(ar_t)
+            print(f"| {kind} | {temp:g} | AR (ours) | {args.max_new_tokens / ar_s:.1f} | 1.00x | 1.00 | - | - |")
+            for label in methods:
+                sp, stats = runs[label]
+                sp_s = statistics.median(sp_t[label])
                 accept = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
                 same = ("yes" if sp == ar else "NO") if temp == 0 else "- (sampled)"
                 print(f"| {kind} | {temp:g} | {label} | {args.max_new_tokens / sp_s:.1f} | "
