@@ -69,8 +69,9 @@ def _engine_owned(name: str) -> bool:
 # Inductor options of the engine's step graphs, under any compile_options the caller passes:
 # - size_asserts off: the wrapper would assert the sizes and strides of every input and extern
 #   kernel output on every call (~1100 asserts per SmolLM2 decode step, each layer region
-#   asserting its inputs again). Same-process A/B on SmolLM2 decode (/tmp script, 6-8
-#   interleaved runs of 128 tokens): 1.16x bf16, 1.08x fp32, same tokens. Dynamo's guards
+#   asserting its inputs again). Same-process A/B on SmolLM2 decode (a throwaway script, 6-8
+#   interleaved runs of 128 tokens): 1.16x bf16, 1.08x fp32, same tokens;
+#   `benchmarks/bench_e2e.py --inductor-option size_asserts=1` times them back on. Dynamo's guards
 #   still check the step inputs; the model's parameters, whose guards the engine skips
 #   (_skip_model_guards), are checked against the compiled layout once per prefill instead.
 ENGINE_INDUCTOR_OPTIONS = {"size_asserts": False}
@@ -140,8 +141,9 @@ class Engine:
             ENGINE_INDUCTOR_OPTIONS (which they override).
         compile_layers_once: when compiled, mark the decoder layers as one nested compile
             region (hf.compile_layers_once): a step's graph then lowers and compiles one layer
-            instead of every layer (SmolLM2 cold compile ~50 s instead of ~90 s, same
-            tokens; benchmarks/bench_e2e.py). The marking stays on the model.
+            instead of every layer (SmolLM2 cold compile 46 s instead of 74 s, fp32 tokens
+            the same; benchmarks/bench_e2e.py --per-layer-graphs). The marking stays on the
+            model.
         prefill_chunk: new tokens per prefill step (the EXTEND graph's T).
         capture_hidden: indices into the model's `hidden_states` output whose rows every step
             also returns, concatenated on the last dim in the order given ([B, T, k*H]);
