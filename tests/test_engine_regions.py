@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 import specdec_inductor  # noqa: E402
 from specdec_inductor.engine import attention_backend as ab  # noqa: E402
 from specdec_inductor.engine.engine import Engine  # noqa: E402
-from specdec_inductor.engine.hf import compile_layers_once  # noqa: E402
+from specdec_inductor.engine.hf import (MIN_TORCH_FOR_REGIONS, compile_layers_once,  # noqa: E402
+                                        layer_regions_supported)
 from specdec_inductor.lowerings.compile import run_and_get_code  # noqa: E402
 
 LAYERS = 3
@@ -22,6 +23,8 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_laye
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [90, 3]]
 
 pytestmark = pytest.mark.skipif(not ab.ops_available(), reason="the C++ attention ops are not built")
+needs_regions = pytest.mark.skipif(not layer_regions_supported(),
+                                   reason=f"layer regions need torch >= {MIN_TORCH_FOR_REGIONS}")
 
 
 def tiny_llama(seed=0):
@@ -43,6 +46,7 @@ def step_codes(engine):
     return tokens, by_kind
 
 
+@needs_regions
 def test_layers_compile_once_and_match_per_layer_graph_and_eager():
     engine = Engine(tiny_llama(), max_batch=2, max_len=64, compile=True, prefill_chunk=8)
     assert engine.layer_regions == LAYERS
@@ -88,6 +92,7 @@ def test_compiled_pool_contents_equal_eager():
         torch.testing.assert_close(a[:-1], b[:-1], atol=1e-5, rtol=1e-5)  # the sink row aside
 
 
+@needs_regions
 def test_compile_layers_once_is_idempotent_and_keeps_the_class():
     model = tiny_llama()
     cls_forward = type(model.model.layers[0]).forward

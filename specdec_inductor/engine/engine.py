@@ -139,8 +139,9 @@ class Engine:
         compile_backend: torch.compile backend name ("specdec" = Inductor + our passes).
         compile_options: Inductor config patches on top of the specdec backend's own and
             ENGINE_INDUCTOR_OPTIONS (which they override).
-        compile_layers_once: when compiled, mark the decoder layers as one nested compile
-            region (hf.compile_layers_once): a step's graph then lowers and compiles one layer
+        compile_layers_once: when compiled (on torch >= hf.MIN_TORCH_FOR_REGIONS), mark the
+            decoder layers as one nested compile region (hf.compile_layers_once; the number
+            marked is `layer_regions`): a step's graph then lowers and compiles one layer
             instead of every layer (SmolLM2 cold compile 46 s instead of 74 s, fp32 tokens
             the same; benchmarks/bench_e2e.py --per-layer-graphs). The marking stays on the
             model.

@@ -107,6 +107,15 @@ def use_specdec_attention(model) -> None:
 # One nested-compile-region wrapper per decoder layer class: every layer of a model must call
 # the same function object for Dynamo to reuse one traced region across them.
 _REGION_FORWARDS: Dict[type, object] = {}
+# Regions whose body mutates an input (the KV pool) are proven here on torch 2.13 only; older
+# torch (2.11 on the AMX machine) keeps one graph with every layer lowered on its own.
+MIN_TORCH_FOR_REGIONS = "2.13"
+
+
+def layer_regions_supported() -> bool:
+    """Whether this torch gets decoder-layer regions (see compile_layers_once)."""
+    return (hasattr(torch.compiler, "nested_compile_region")
+            and torch.torch_version.TorchVersion(torch.__version__) >= MIN_TORCH_FOR_REGIONS)
 
 
 def compile_layers_once(model) -> int:
@@ -116,12 +125,12 @@ def compile_layers_once(model) -> int:
     per layer. Layers whose traced graphs differ (say, sliding-window layers among full ones)
     simply get a region each. Outside torch.compile the wrapper only calls the forward.
     Idempotent; returns how many layers are marked (0 for a model without `get_decoder()
-    .layers` or a torch without nested_compile_region)."""
-    region = getattr(torch.compiler, "nested_compile_region", None)
+    .layers`, or where not layer_regions_supported())."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
-    if region is None or layers is None:
+    if layers is None or not layer_regions_supported():
         return 0
+    region = torch.compiler.nested_compile_region
     marked = 0
     for layer in layers:
         if not getattr(layer, "_specdec_region", False):
