@@ -70,7 +70,7 @@ def _engine_owned(name: str) -> bool:
 # - size_asserts off: the wrapper would assert the sizes and strides of every input and extern
 #   kernel output on every call (~1100 asserts per SmolLM2 decode step, each layer region
 #   asserting its inputs again). Same-process A/B on SmolLM2 decode (a throwaway script, 6-8
-#   interleaved runs of 128 tokens): 1.16x bf16, 1.08x fp32, same tokens;
+#   interleaved runs of 128 tokens): 1.16x bf16, 1.05-1.08x fp32 (two A/Bs), same tokens;
 #   `benchmarks/bench_e2e.py --inductor-option size_asserts=1` times them back on. Dynamo's guards
 #   still check the step inputs; the model's parameters, whose guards the engine skips
 #   (_skip_model_guards), are checked against the compiled layout once per prefill instead.
