@@ -30,7 +30,7 @@ from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
 from specdec_inductor.proposers.ngram import RECOMMENDED_WINDOW, NgramProposer, parse_window
 from specdec_inductor.proposers.standalone import StandaloneProposer
 from specdec_inductor.sampler import SamplingParams
-from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats, star_tree
 from specdec_inductor.testing import write_random_eagle3_checkpoint, write_random_eagle_checkpoint
 
 PROMPTS = {
@@ -40,6 +40,36 @@ PROMPTS = {
              "Rewrite the function above with the variable name `values` instead of `items`."),
     "chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
+
+
+def print_verify_costs(engine, generators, sizes, prefix=256, rounds=30):
+    """Median time of a verify of each tree size (a star tree over a `prefix`-token context)
+    against a plain decode step, the sizes taking turns within every round."""
+    for spec in generators:
+        spec.compile_verify()
+    engine.generate([[1, 2, 3]], 2)
+    (req,) = engine.pool.admit([prefix], max(sizes))
+    times = {z: [] for z in sizes}
+    try:
+        rows, seq = torch.tensor([req.row]), torch.tensor([prefix])
+        for _ in range(rounds):
+            for z in sizes:
+                t0 = time.perf_counter()
+                if z == 1:
+                    engine.decode(torch.tensor([5]), rows, seq)
+                else:
+                    mask, depth = star_tree(z)
+                    engine.verify(torch.full((1, z), 5), (seq + depth).view(1, z), rows, seq, mask)
+                times[z].append(time.perf_counter() - t0)
+    finally:
+        engine.pool.release(req)
+    decode = statistics.median(times[1]) if 1 in times else float("nan")
+    print(f"# verify cost by tree size, {prefix}-token context, medians of {rounds} interleaved rounds")
+    print("| tree size | ms | vs plain decode |")
+    print("|---|---|---|")
+    for z in sizes:
+        t = statistics.median(times[z])
+        print(f"| {z} | {1e3 * t:.2f} | {t / decode:.2f}x |")
 
 
 def main():
@@ -76,12 +106,17 @@ def main():
                         help="standalone draft: SmolLM2 cut to its first K layers (no smaller "
                              "model with its vocabulary is available offline)")
     parser.add_argument("--min-accepted", type=float, default=None,
-                        help="acceptance gate threshold (default: the loop's own, 0.15*(N-1)); "
-                             "0 drafts every step, showing a head's raw acceptance and speed")
+                        help="acceptance gate threshold (default: the loop's own, 0.03*(N-1); "
+                             "NGRAM sizes its verifies adaptively instead); 0 drafts every step, "
+                             "showing a head's raw acceptance and speed")
     parser.add_argument("--heldout", type=int, default=0,
                         help="bench K prompts of the draft-head training's held-out set "
                              "(train/corpus.py: half prose, half code) instead of the code/chat "
                              "pair; the chat prompt shares a topic with the training corpus")
+    parser.add_argument("--verify-costs", action="store_true",
+                        help="first print what a verify of each tree size the methods use costs "
+                             "against a plain decode step (interleaved, medians; the adaptive "
+                             "verify size of speculative.py rests on these ratios)")
     args = parser.parse_args()
     prompts = PROMPTS
     if args.heldout:
@@ -168,6 +203,9 @@ def main():
         for spec in methods.values():
             spec.min_accepted = args.min_accepted
     ar_loop = SpeculativeGenerator(engine, AutoregressiveProposer())
+    if args.verify_costs:
+        sizes = sorted({1} | {z for spec in methods.values() for z in spec.tree_sizes})
+        print_verify_costs(engine, methods.values(), sizes)
     print(f"# {args.model or 'SmolLM2-135M'} {args.dtype}, batch 1, {args.max_new_tokens} new tokens "
           "(no eos stop), "
           f"{'eager' if args.eager else 'compiled'}; {torch.get_num_threads()} threads, ISA "

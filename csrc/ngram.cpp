@@ -168,8 +168,9 @@ class NgramIndex {
 
   // Returns (tokens [B, N] int64: root = last context token, then the drafts, padded with the
   // root token; tree_mask [B*N*N] bool QLEN_ONLY ancestor mask; num_drafts [B] int32 real
-  // drafts before padding). breadth[l] bounds the children kept per node at draft level l+1.
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> propose(const std::vector<int64_t>& rids,
+  // drafts before padding; match_len [B] int32 length of the context suffix the drafts
+  // continue, 0 without a match). breadth[l] bounds the children kept per node at draft level l+1.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> propose(const std::vector<int64_t>& rids,
                                                          int64_t num_draft_tokens,
                                                          const std::vector<int64_t>& breadth) {
     const int64_t N = num_draft_tokens, bs = static_cast<int64_t>(rids.size());
@@ -183,9 +184,11 @@ class NgramIndex {
     at::Tensor tokens = at::empty({bs, N}, at::kLong);          // [B, N]
     at::Tensor mask = at::zeros({bs * N * N}, at::kBool);       // [B*N*N]
     at::Tensor num_drafts = at::empty({bs}, at::kInt);          // [B]
+    at::Tensor match_len = at::zeros({bs}, at::kInt);           // [B]
     int64_t* tok = tokens.data_ptr<int64_t>();
     bool* m = mask.data_ptr<bool>();
     int32_t* nd = num_drafts.data_ptr<int32_t>();
+    int32_t* ml = match_len.data_ptr<int32_t>();
     std::vector<int32_t> parent(N), trie_node(N), order;
     for (int64_t b = 0; b < bs; ++b) {
       RequestTrie& trie = *tries[b];
@@ -200,7 +203,10 @@ class NgramIndex {
       int32_t match = -1;
       for (int64_t w = std::min<int64_t>(max_window_, hist.size()); w >= min_window_ && match < 0; --w) {
         const int32_t found = trie.find(hist.data() + hist.size() - w, w);
-        if (found >= 0 && !trie.node(found).children.empty()) match = found;
+        if (found >= 0 && !trie.node(found).children.empty()) {
+          match = found;
+          ml[b] = static_cast<int32_t>(w);
+        }
       }
       if (match >= 0) {
         // Breadth-first: level by level, each node's children by count, then recency.
@@ -240,7 +246,7 @@ class NgramIndex {
       }
     }
     SPECDEC_RECORD_PATH("ngram_propose", Isa::PORTABLE);
-    return {tokens, mask, num_drafts};
+    return {tokens, mask, num_drafts, match_len};
   }
 
  private:

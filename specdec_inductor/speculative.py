@@ -17,7 +17,7 @@ decoding in fp32; a mismatch is reported with the logit margin, never hidden by 
 """
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Protocol, Sequence, Union
+from typing import Dict, List, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -77,6 +77,10 @@ class Proposer(Protocol):
     def finish(self, request_ids: List[int]) -> None:
         """Requests that left the batch."""
 
+    # A proposer whose drafts cost next to nothing next to a target step (NGRAM: a host-side
+    # trie lookup) sets the class attribute `cheap_drafts = True`; the loop then sizes each
+    # verify by the last step's acceptance instead of gating drafts off (SpeculativeGenerator).
+
     # A proposer that drafts from the target's hidden states (EAGLE-style) sets the class
     # attribute `needs_target_hidden = True`; the loop then passes, as a third argument,
     # start(..., hidden) with each prompt's captured target hidden [P, k*H], and
@@ -101,6 +105,7 @@ class SpeculativeStats:
     decode_s: float = 0.0
     graphs: int = 0
     recompiles: int = 0
+    steps_by_size: Dict[int, int] = field(default_factory=dict)  # tree size -> steps (1: decode)
 
     @property
     def tokens_per_s(self) -> float:
@@ -119,8 +124,9 @@ class SpeculativeStats:
         busy = self.draft_s + self.verify_s + self.commit_s
         share = (lambda s: 100.0 * s / busy) if busy > 0 else (lambda s: float("nan"))
         accept = " ".join(f"{a:.2f}" for a in self.acceptance_by_position)
+        sizes = " ".join(f"{k}:{v}" for k, v in sorted(self.steps_by_size.items()))
         return (f"{self.new_tokens} tokens, {self.tokens_per_s:.1f} tok/s; {self.verify_steps} steps "
-                f"({self.decode_steps} plain decode), mean accepted length {self.mean_accepted_length:.2f}; acceptance by position "
+                f"({self.decode_steps} plain decode; by tree size {sizes}), mean accepted length {self.mean_accepted_length:.2f}; acceptance by position "
                 f"[{accept}]; time: draft {share(self.draft_s):.0f}% verify {share(self.verify_s):.0f}% "
                 f"commit {share(self.commit_s):.0f}%; graphs {self.graphs}, recompiles {self.recompiles}")
 
@@ -135,33 +141,44 @@ class SpeculativeGenerator:
     """Greedy speculative decoding of an `Engine` with any `Proposer`.
 
     tree_sizes: the verify sizes N this generator may use (each compiles its own verify graph;
-    1 means a plain decode step). Each step uses the smallest size that holds the largest real
-    draft of the batch, so a step where no request has a draft costs a decode step, not a
-    verify over padding. Truncating a draft keeps a valid tree because proposers number nodes
+    1 means a plain decode step; default (1, N), or (1, 2, N) with the adaptive size). Each step
+    uses the smallest size that holds the largest real draft of the batch, each draft cut to
+    its request's adaptive size, so a step where no request has a draft costs a decode step,
+    not a verify over padding. Truncating a draft keeps a valid tree because proposers number nodes
     parents-first with padding last (DraftTree.num_drafts says how many are real).
     """
 
     def __init__(self, engine, proposer: Proposer, tree_sizes: Optional[Sequence[int]] = None,
                  min_accepted: Optional[float] = None, backoff_steps: int = 4,
-                 verify_cost_per_node: float = 0.03):
+                 verify_cost_per_node: float = 0.03, adaptive: Optional[bool] = None,
+                 grow_at: float = 0.5):
         self.engine = engine
         self.proposer = proposer
-        # Acceptance gate: when the running mean of accepted drafts per verify step falls
-        # below min_accepted, the next steps are plain decodes (a verify that accepts nothing
-        # costs more than a decode), backoff_steps at first and twice as many after each
-        # further failed probe (at most 64); a probe that accepts enough resets the backoff.
-        # Default threshold: the break-even point of verify(N) against plain decode. A verify
-        # of N tokens costs about 1 + verify_cost_per_node * (N - 1) decode steps and emits
-        # 1 + accepted tokens. With the backend's packed weights a verify(8) of SmolLM2 costs
-        # ~1.1-1.15 decode steps on 2 cores (~0.02 per node; the unpacked row kernel made it
-        # ~2.2, i.e. 0.15 per node). On the chat prompt of benchmarks/bench_spec.py, NGRAM
-        # N=8 ran at 0.98x AR with threshold 1.05, 1.05x with 0.5 and 1.15x with 0.21
-        # (= 0.03 * 7; code stayed at 1.91-1.93x).
         n = proposer.num_draft_tokens
+        # Two ways to keep a poor draft from costing more than it brings:
+        # - Adaptive verify size (default for proposers with `cheap_drafts`, i.e. NGRAM): each
+        #   request keeps a running mean of the drafts it accepted (halved each step, updated
+        #   only by drafts offered with more than one node); while it is below grow_at, the
+        #   request's drafts are cut to the smallest compiled verify size > 1, else they keep
+        #   all N nodes. On SmolLM2 with 2 cores a verify of 2 tokens costs what a plain
+        #   decode step costs (0.98x; 4 tokens 1.06x, 8 tokens 1.16x; measured by
+        #   `benchmarks/bench_spec.py --verify-costs`), so a cut draft is a free try: it can
+        #   only add tokens. The default sizes (1, 2, N) add one verify graph to compile.
+        # - Acceptance gate (other proposers, whose drafting runs a draft model and is not
+        #   free): when the running mean of accepted drafts per verify step falls below
+        #   min_accepted, the next steps are plain decodes without drafting, backoff_steps at
+        #   first and twice as many after each further failed probe (at most 64); a probe that
+        #   accepts enough resets the backoff. Default threshold: the break-even point of
+        #   verify(N) against plain decode, verify_cost_per_node * (N - 1), where a verify of N
+        #   tokens costs about 1 + verify_cost_per_node * (N - 1) decode steps.
+        self.adaptive = bool(getattr(proposer, "cheap_drafts", False)) if adaptive is None else adaptive
         if min_accepted is None:
             min_accepted = verify_cost_per_node * (n - 1)
         self.min_accepted, self.backoff_steps = min_accepted, backoff_steps
-        sizes = sorted(set(tree_sizes if tree_sizes is not None else (1, n)) | {n})
+        self.grow_at = grow_at
+        if tree_sizes is None:
+            tree_sizes = (1, 2, n) if self.adaptive else (1, n)
+        sizes = sorted(set(tree_sizes) | {n})
         if sizes[0] < 1 or sizes[-1] > n:
             raise ValueError(f"tree_sizes must lie in [1, num_draft_tokens={n}], got {sizes}")
         self.tree_sizes = sizes
@@ -192,12 +209,20 @@ class SpeculativeGenerator:
         finally:
             engine.pool.release(scratch)
 
-    def _size_for(self, draft: DraftTree, done: List[bool]) -> int:
-        if draft.num_drafts is None:
-            return self.proposer.num_draft_tokens
-        live = [int(k) for k, d in zip(draft.num_drafts.tolist(), done) if not d]
-        need = 1 + max(live, default=0)
+    def _size_for(self, draft: DraftTree, done: List[bool], caps: List[int]) -> int:
+        """The verify size of a step: the smallest compiled size that holds every live
+        request's draft, each cut to its cap (the adaptive size; N otherwise)."""
+        n = self.proposer.num_draft_tokens
+        drafts = draft.num_drafts.tolist() if draft.num_drafts is not None else [n - 1] * len(done)
+        need = max((min(1 + int(k), c) for k, c, d in zip(drafts, caps, done) if not d), default=1)
         return next(s for s in self.tree_sizes if s >= need)
+
+    def _cap_for(self, accepted_ema: float) -> int:
+        """Adaptive verify size of a request whose running mean of accepted drafts is
+        accepted_ema: all N nodes while drafts keep being accepted, else the smallest verify."""
+        if accepted_ema >= self.grow_at:
+            return self.tree_sizes[-1]
+        return next((s for s in self.tree_sizes if s > 1), self.tree_sizes[-1])
 
     @staticmethod
     def _truncate(draft: DraftTree, size: int, seq_lens: Tensor) -> DraftTree:
@@ -282,6 +307,8 @@ class SpeculativeGenerator:
             started = True
             t_loop = time.perf_counter()
             accepted_mean, cooldown, failures = None, 0, 0
+            caps = [n] * bs  # adaptive verify size per request (stays N without adaptive)
+            ema = [float(n)] * bs  # running mean of each request's accepted drafts
             while not all(done):
                 for b in range(bs):  # finished requests leave the batch: nothing is written
                     if done[b]:
@@ -291,7 +318,9 @@ class SpeculativeGenerator:
                     size, cooldown = 1, cooldown - 1
                 else:
                     draft = proposer.propose(ids, seq_lens[:bs])
-                    size = self._size_for(draft, done)
+                    offered = (draft.num_drafts.tolist() if draft.num_drafts is not None
+                               else [n - 1] * bs)  # before the cut to the adaptive size
+                    size = self._size_for(draft, done, caps)
                 if size > 1:
                     draft = self._truncate(draft, size, seq_lens[:bs])
                     tokens, mask, positions, linkage = self._pad(draft, bucket, seq_lens)
@@ -317,14 +346,21 @@ class SpeculativeGenerator:
                         predicts, accept_index, accept_num = sampler.verify(
                             tokens[:bs], linkage, logits[:bs], min(steps, size),
                             self.tree_sampling)
-                    live = torch.tensor([not d for d in done])
-                    step_mean = float(accept_num[live].float().mean())
-                    accepted_mean = step_mean if accepted_mean is None else 0.5 * (accepted_mean + step_mean)
-                    if accepted_mean < self.min_accepted:
-                        cooldown = min(64, self.backoff_steps << failures)
-                        failures += 1
+                    if self.adaptive:
+                        # Only drafts the proposer offered in full (more than one node) say
+                        # whether full drafts pay; a proposer's own one-node probe does not.
+                        ema = [0.5 * (e + a) if k > 1 else e
+                               for e, a, k in zip(ema, accept_num.tolist(), offered)]
+                        caps = [self._cap_for(e) for e in ema]
                     else:
-                        failures = 0
+                        live = torch.tensor([not d for d in done])
+                        step_mean = float(accept_num[live].float().mean())
+                        accepted_mean = step_mean if accepted_mean is None else 0.5 * (accepted_mean + step_mean)
+                        if accepted_mean < self.min_accepted:
+                            cooldown = min(64, self.backoff_steps << failures)
+                            failures += 1
+                        else:
+                            failures = 0
                 t2 = time.perf_counter()
                 emitted, paths = self._commit(req_rows, seq_lens, accept_index, predicts, done,
                                               out, max_new_tokens, eos_token_id, stats, size)
@@ -337,6 +373,7 @@ class SpeculativeGenerator:
                 stats.verify_s += t2 - t1
                 stats.commit_s += t3 - t2
                 stats.verify_steps += 1
+                stats.steps_by_size[size] = stats.steps_by_size.get(size, 0) + 1
             stats.decode_s += time.perf_counter() - t_loop
         finally:
             if started:
@@ -355,8 +392,9 @@ class SpeculativeGenerator:
         drafts (their KV is cached now; the bonus becomes the next root). n: tree size.
         Returns (emitted tokens, accepted path as node indices root first) per request."""
         bs = len(out)
-        tree_start = seq_lens[:bs].clone()  # [bs] row position of each root
-        perm = torch.arange(bs * n).view(bs, n)  # [bs, N] flat rows, identity for idle requests
+        if n > 1:  # a tree of the root alone is already in place: nothing to compact
+            tree_start = seq_lens[:bs].clone()  # [bs] row position of each root
+            perm = torch.arange(bs * n).view(bs, n)  # [bs, N] flat rows, identity when idle
         emitted: List[List[int]] = [[] for _ in range(bs)]
         local_paths: List[List[int]] = [[] for _ in range(bs)]
         paths = accept_index.tolist()
@@ -384,11 +422,10 @@ class SpeculativeGenerator:
                     done[b] = True
                     break
             seq_lens[b] += accepted + 1
-        live = torch.tensor([not d for d in done] + [False] * (req_rows.shape[0] - bs))
         # Permute the slots of positions [seq_len, seq_len + N) (before the advance) of every
         # request that took a step; requests that just finished need no compaction.
-        stepped = [b for b in range(bs) if emitted[b] and bool(live[b])]
-        if stepped and n > 1:  # a tree of the root alone is already in place
+        stepped = [b for b in range(bs) if emitted[b] and not done[b]] if n > 1 else []
+        if stepped:
             idx = torch.tensor(stepped)
             rows = req_rows[idx]
             start = tree_start[idx]

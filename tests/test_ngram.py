@@ -36,13 +36,13 @@ def test_longest_suffix_wins_over_shorter_match():
     p = NgramProposer(num_draft_tokens=2, max_window=3, breadth=(1,))
     p.add_request(1, [5, 6, 5, 6, 5, 6, 4, 5, 9, 1, 4, 5])
     assert p.propose([1], torch.tensor([12])).tokens.tolist() == [[5, 9]]
-    q = NgramProposer(num_draft_tokens=2, max_window=1, breadth=(1,))
+    q = NgramProposer(num_draft_tokens=2, max_window=1, breadth=(1,), confident_window=1)
     q.add_request(1, [5, 6, 5, 6, 5, 6, 4, 5, 9, 1, 4, 5])
     assert q.propose([1], torch.tensor([12])).tokens.tolist() == [[5, 6]]
 
 
 def test_tree_is_breadth_first_by_frequency_then_recency():
-    p = NgramProposer(num_draft_tokens=6, max_window=1, breadth=(3, 1))
+    p = NgramProposer(num_draft_tokens=6, max_window=1, breadth=(3, 1), confident_window=1)
     # After 7: 8 twice, 9 once (most recent), 3 once (older).
     p.add_request(2, [7, 3, 0, 7, 8, 1, 7, 8, 2, 7, 9, 4, 7])
     d = p.propose([2], torch.tensor([13]))
@@ -54,7 +54,7 @@ def test_tree_is_breadth_first_by_frequency_then_recency():
 
 
 def test_no_match_pads_with_root_children_and_batches_mix():
-    p = NgramProposer(num_draft_tokens=5)
+    p = NgramProposer(num_draft_tokens=5, confident_window=1)
     p.add_request(3, [1, 2, 3])  # nothing repeats
     p.add_request(4, [1, 2, 1])
     d = p.propose([3, 4], torch.tensor([3, 3], dtype=torch.int32))
@@ -65,6 +65,25 @@ def test_no_match_pads_with_root_children_and_batches_mix():
     assert d.positions.tolist() == [3, 4, 4, 4, 4, 3, 4, 5, 4, 4]
     again = ops.reconstruct_tree_from_mask(d.tree_mask, torch.tensor([3, 3]), 5)
     assert torch.equal(again[0], d.positions)
+
+
+def test_short_matches_offer_one_draft_and_the_index_reports_match_length():
+    """A draft continuing a suffix shorter than confident_window offers its first node only
+    (the loop then verifies 2 tokens, a plain decode step's cost); the tree itself is the same."""
+    context = [7, 8, 1, 7, 8, 2, 5, 7]  # "7" recurs (1-token match); "5 7" never did
+    short = NgramProposer(num_draft_tokens=4, breadth=(2, 1))
+    trusting = NgramProposer(num_draft_tokens=4, breadth=(2, 1), confident_window=1)
+    for p in (short, trusting):
+        p.add_request(0, context)
+    a, b = short.propose([0], torch.tensor([8])), trusting.propose([0], torch.tensor([8]))
+    assert int(a.num_drafts[0]) == 1 and int(b.num_drafts[0]) == 3
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.tree_mask, b.tree_mask)
+    short.append(0, [8])  # now "7 8" (2 tokens) matches: the full draft comes back
+    assert int(short.propose([0], torch.tensor([9])).num_drafts[0]) == 3
+    tokens, mask, num_drafts, match_len = short._index.propose([0], 4, [2, 1])
+    assert match_len.tolist() == [2] and match_len.dtype == torch.int32
+    short.add_request(1, [1, 2, 3])
+    assert short._index.propose([1], 4, [1])[3].tolist() == [0]  # no match
 
 
 def test_append_extends_context_and_remove_frees():
@@ -114,6 +133,8 @@ def test_ngram_bad_inputs():
         NgramProposer(num_draft_tokens=4, min_window=3, max_window=2)
     with pytest.raises(ValueError, match="max_nodes_per_request"):
         NgramProposer(num_draft_tokens=4, max_nodes_per_request=10)
+    with pytest.raises(ValueError, match="confident_window"):
+        NgramProposer(num_draft_tokens=4, confident_window=0)
     p = NgramProposer(num_draft_tokens=4)
     with pytest.raises(IndexError, match="request_id"):
         p.propose([9], torch.tensor([0]))

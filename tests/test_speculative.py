@@ -182,3 +182,68 @@ def test_compile_verify_compiles_every_verify_size_before_the_first_draft():
     assert stats.verify_steps > stats.decode_steps  # some steps verified drafts, none compiled
     assert got == engine.generate(repetitive_prompts(1), 30)
     engine.pool.check_consistent()
+
+
+class _ScriptedChainProposer:
+    """Cheap drafts of one request's known greedy continuation: right, except during the
+    proposals numbered in `wrong`, whose chains hold tokens the target does not pick."""
+
+    num_draft_tokens = 6
+    num_spec_steps = 6
+    cheap_drafts = True
+
+    def __init__(self, truth, wrong):
+        self.truth, self.wrong, self.calls = truth, set(wrong), 0
+
+    def start(self, request_ids, contexts):
+        self.emitted = 1  # the prefill's token
+
+    def propose(self, request_ids, seq_lens):
+        from specdec_inductor import ops
+        from specdec_inductor.speculative import DraftTree
+        n, e = self.num_draft_tokens, self.emitted
+        chain = self.truth[e:e + n - 1]
+        chain = chain + [0] * (n - 1 - len(chain))
+        if self.calls in self.wrong:
+            chain = [(t + 1) % 96 for t in chain]
+        self.calls += 1
+        tokens = torch.tensor([[self.truth[e - 1]] + chain])  # [1, N]
+        mask = torch.ones(n, n, dtype=torch.bool).tril().flatten()  # a chain
+        positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
+        return DraftTree(tokens, mask, positions, ridx, nxt, sib, torch.tensor([n - 1]))
+
+    def commit(self, request_ids, emitted):
+        self.emitted += len(emitted[0])
+
+    def finish(self, request_ids):
+        pass
+
+
+def test_adaptive_size_shrinks_verifies_after_misses_and_grows_back():
+    """A proposer with cheap drafts gets no acceptance gate: after missing drafts its verifies
+    drop to the smallest size (2 tokens, a decode step's cost) instead of plain decodes, and
+    the first accepted draft there brings back full trees. Tokens stay the greedy ones."""
+    model = tiny_model("llama", seed=4)
+    engine = Engine(model, max_batch=1, max_len=128, compile=False, prefill_chunk=16)
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    plain = engine.generate(prompt, 48)
+    proposer = _ScriptedChainProposer(plain[0], wrong=range(2, 10))
+    spec = SpeculativeGenerator(engine, proposer)
+    assert spec.adaptive and spec.tree_sizes == [1, 2, 6]
+    sizes = []
+    verify = engine.verify
+    engine.verify = lambda tokens, *a, **k: (sizes.append(tokens.shape[1]), verify(tokens, *a, **k))[1]
+    stats = SpeculativeStats()
+    assert spec.generate(prompt, 48, stats=stats) == plain
+    assert stats.decode_steps == 0, stats.summary()  # every step had a draft: no gate
+    # Two full hits; the running mean of accepted drafts then halves through four misses at
+    # full size before the drafts are cut to size 2 (four more misses); the first accepted
+    # cut draft (proposal 10) grows them back.
+    assert sizes[:6] == [6] * 6 and sizes[6:11] == [2] * 5 and sizes[11] == 6, sizes
+    assert stats.steps_by_size == {2: sizes.count(2), 6: sizes.count(6)}
+    engine.pool.check_consistent()
+    assert engine.pool.num_free_slots == engine.pool.num_slots
+    # adaptive=False restores the gate: the misses turn into plain decode steps.
+    proposer.calls, gated = 0, SpeculativeStats()
+    assert SpeculativeGenerator(engine, proposer, adaptive=False).generate(prompt, 48, stats=gated) == plain
+    assert gated.decode_steps > 0 and 2 not in gated.steps_by_size, gated.summary()
