@@ -216,9 +216,12 @@ def main():
     for kind, text in prompts.items():
         ids = encode(tokenizer, text, chat=True)
         engine.generate([ids], 2)  # warm-up / compile
-        for spec in methods.values():
+        for label, spec in methods.items():
             spec.compile_verify()
             spec.generate([ids], args.num_draft_tokens + 2)
+            if spec.adaptive:
+                print(f"# {kind}: {label}: adaptive verify size, probe verify({spec.tree_sizes[1]}) "
+                      f"measured at {spec.probe_cost:.2f} decode steps")
         for temp in temperatures:
             # AR and every method take turns within each repeat, so a drift of this shared
             # machine's speed hits them alike instead of whichever ran last.

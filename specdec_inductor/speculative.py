@@ -15,6 +15,7 @@ Numeric policy: verify runs N tokens through GEMMs while plain decode runs one t
 so near-tied logits can flip the argmax. The baseline in tests is this engine's own greedy
 decoding in fp32; a mismatch is reported with the logit margin, never hidden by a looser test.
 """
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Protocol, Sequence, Union
@@ -148,10 +149,12 @@ class SpeculativeGenerator:
     parents-first with padding last (DraftTree.num_drafts says how many are real).
     """
 
+    calibration_rounds = 16  # compile_verify: decode and probe-verify timings each
+
     def __init__(self, engine, proposer: Proposer, tree_sizes: Optional[Sequence[int]] = None,
                  min_accepted: Optional[float] = None, backoff_steps: int = 4,
                  verify_cost_per_node: float = 0.03, adaptive: Optional[bool] = None,
-                 grow_at: float = 0.5):
+                 grow_at: float = 0.5, probe_cost: Optional[float] = None):
         self.engine = engine
         self.proposer = proposer
         n = proposer.num_draft_tokens
@@ -164,6 +167,11 @@ class SpeculativeGenerator:
         #   decode step costs (0.98x; 4 tokens 1.06x, 8 tokens 1.16x; measured by
         #   `benchmarks/bench_spec.py --verify-costs`), so a cut draft is a free try: it can
         #   only add tokens. The default sizes (1, 2, N) add one verify graph to compile.
+        #   Where the probe costs more (bf16 here: 1.10x), compile_verify measures that cost
+        #   (probe_cost, in decode steps) and a probe runs only while its first drafts are
+        #   accepted at a rate above probe_cost - 1; otherwise the step is a plain decode and
+        #   the dropped first drafts are scored against the decoded tokens, so the rate keeps
+        #   being measured at no cost.
         # - Acceptance gate (other proposers, whose drafting runs a draft model and is not
         #   free): when the running mean of accepted drafts per verify step falls below
         #   min_accepted, the next steps are plain decodes without drafting, backoff_steps at
@@ -176,6 +184,10 @@ class SpeculativeGenerator:
             min_accepted = verify_cost_per_node * (n - 1)
         self.min_accepted, self.backoff_steps = min_accepted, backoff_steps
         self.grow_at = grow_at
+        # Cost of a probe-size verify in decode steps: measured by compile_verify (compiled
+        # engines) unless given; 1.0 (free) until then.
+        self.probe_cost = 1.0 if probe_cost is None else probe_cost
+        self._calibrate = probe_cost is None
         if tree_sizes is None:
             tree_sizes = (1, 2, n) if self.adaptive else (1, n)
         sizes = sorted(set(tree_sizes) | {n})
@@ -201,11 +213,29 @@ class SpeculativeGenerator:
         try:
             rows = torch.tensor([scratch.row] + [engine.pool.padding_row] * (bucket - 1))  # [B]
             seq_lens = torch.zeros(bucket, dtype=torch.int64)  # [B] no prefix
-            for n in sizes:
+            def verify(n):
                 mask, depth = star_tree(n)
                 engine.verify(torch.zeros(bucket, n, dtype=torch.int64),
                               depth.view(1, n).expand(bucket, n).contiguous(), rows, seq_lens,
                               mask.repeat(bucket))
+
+            for n in sizes:
+                verify(n)
+            if self.adaptive and self._calibrate and self.tree_sizes[0] == 1:
+                # The adaptive size's probe cost: interleaved medians of the probe-size verify
+                # and a decode step (a decode graph compiles here if none has yet).
+                probe, tokens = self._probe_size(), torch.zeros(bucket, dtype=torch.int64)
+                engine.decode(tokens, rows, seq_lens)
+                times = {1: [], probe: []}
+                for _ in range(self.calibration_rounds):
+                    for k in times:
+                        t0 = time.perf_counter()
+                        if k == 1:
+                            engine.decode(tokens, rows, seq_lens)
+                        else:
+                            verify(k)
+                        times[k].append(time.perf_counter() - t0)
+                self.probe_cost = statistics.median(times[probe]) / statistics.median(times[1])
         finally:
             engine.pool.release(scratch)
 
@@ -216,6 +246,21 @@ class SpeculativeGenerator:
         drafts = draft.num_drafts.tolist() if draft.num_drafts is not None else [n - 1] * len(done)
         need = max((min(1 + int(k), c) for k, c, d in zip(drafts, caps, done) if not d), default=1)
         return next(s for s in self.tree_sizes if s >= need)
+
+    def _probe_size(self) -> int:
+        """The smallest verify size > 1 (where the adaptive size cuts drafts to)."""
+        return next((s for s in self.tree_sizes if s > 1), self.tree_sizes[-1])
+
+    def _drop_probe(self, hit_rate: List[float], drafted: List[bool]) -> bool:
+        """A probe-size verify pays when the rate at which its first draft is accepted beats
+        its extra cost over a decode step (probe_cost - 1) for some request with a draft."""
+        need = self.probe_cost - 1.0
+        return all(r < need for r, k in zip(hit_rate, drafted) if k)
+
+    @staticmethod
+    def _update_hit_rate(rate: List[float], hits: List[float], drafted: List[bool]) -> List[float]:
+        """Running rate (about the last ten probes) of first drafts the target agreed with."""
+        return [0.9 * r + 0.1 * h if k else r for r, h, k in zip(rate, hits, drafted)]
 
     def _cap_for(self, accepted_ema: float) -> int:
         """Adaptive verify size of a request whose running mean of accepted drafts is
@@ -309,6 +354,9 @@ class SpeculativeGenerator:
             accepted_mean, cooldown, failures = None, 0, 0
             caps = [n] * bs  # adaptive verify size per request (stays N without adaptive)
             ema = [float(n)] * bs  # running mean of each request's accepted drafts
+            probe = self._probe_size()
+            hit_rate = [0.5] * bs  # running rate of accepted first drafts at the probe size
+            shadow = None  # first drafts of a dropped probe, checked against the decode
             while not all(done):
                 for b in range(bs):  # finished requests leave the batch: nothing is written
                     if done[b]:
@@ -321,6 +369,11 @@ class SpeculativeGenerator:
                     offered = (draft.num_drafts.tolist() if draft.num_drafts is not None
                                else [n - 1] * bs)  # before the cut to the adaptive size
                     size = self._size_for(draft, done, caps)
+                    drafted = [k > 0 and not d for k, d in zip(offered, done)]
+                    if self.adaptive and size == probe and self._drop_probe(hit_rate, drafted):
+                        # The probe costs more than its first drafts are worth: decode, and
+                        # score the dropped first drafts against the decoded tokens for free.
+                        shadow, size = draft.tokens[:, 1].tolist(), 1
                 if size > 1:
                     draft = self._truncate(draft, size, seq_lens[:bs])
                     tokens, mask, positions, linkage = self._pad(draft, bucket, seq_lens)
@@ -335,6 +388,10 @@ class SpeculativeGenerator:
                                 else predicts[:bs])  # [bs]
                     accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [bs, 1]
                     stats.decode_steps += 1
+                    if shadow is not None:
+                        hits = [float(s == p) for s, p in zip(shadow, predicts.tolist())]
+                        hit_rate = self._update_hit_rate(hit_rate, hits, drafted)
+                        shadow = None
                 else:
                     res = engine.verify(tokens, positions, req_rows, seq_lens, mask)  # [B, N, V]
                     logits, hidden = res if captures else (res, None)
@@ -352,6 +409,9 @@ class SpeculativeGenerator:
                         ema = [0.5 * (e + a) if k > 1 else e
                                for e, a, k in zip(ema, accept_num.tolist(), offered)]
                         caps = [self._cap_for(e) for e in ema]
+                        if size == probe:
+                            hits = [float(a > 0) for a in accept_num.tolist()]
+                            hit_rate = self._update_hit_rate(hit_rate, hits, drafted)
                     else:
                         live = torch.tensor([not d for d in done])
                         step_mean = float(accept_num[live].float().mean())

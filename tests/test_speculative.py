@@ -172,7 +172,10 @@ def test_compile_verify_compiles_every_verify_size_before_the_first_draft():
     engine.generate([[5, 6, 7]], 3)  # prefill + decode graphs
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     spec.compile_verify()
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2  # N = 3 and 6
+    # N = 3 and 6, and the loop's decode graph, which the probe-cost measurement compiles (its
+    # inference-mode request rows make Dynamo guard it apart from Engine.generate's).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
+    assert spec.probe_cost > 0 and spec.probe_cost != 1.0  # measured: verify(3) vs decode
     assert engine.pool.num_free_slots == engine.pool.num_slots  # the scratch request is freed
     # A warm-up that never drafts (no suffix recurs) leaves nothing to compile later.
     assert spec.generate([[1, 2, 3, 4]], 2) is not None
@@ -243,6 +246,17 @@ def test_adaptive_size_shrinks_verifies_after_misses_and_grows_back():
     assert stats.steps_by_size == {2: sizes.count(2), 6: sizes.count(6)}
     engine.pool.check_consistent()
     assert engine.pool.num_free_slots == engine.pool.num_slots
+    # A probe that costs more than a decode step (probe_cost; compile_verify measures it) runs
+    # only while first drafts are accepted often enough: the misses turn the cut verifies into
+    # plain decodes, and the dropped drafts, scored against the decoded tokens, turn the
+    # probes back on once they are right again.
+    proposer.calls, priced = 0, SpeculativeStats()
+    sizes.clear()
+    costly = SpeculativeGenerator(engine, proposer, probe_cost=1.45)
+    assert costly.generate(prompt, 48, stats=priced) == plain
+    assert priced.decode_steps > 0 and priced.steps_by_size.get(2, 0) < stats.steps_by_size[2]
+    assert sizes[-1] == 6, (sizes, priced.summary())  # full drafts came back
+    engine.pool.check_consistent()
     # adaptive=False restores the gate: the misses turn into plain decode steps.
     proposer.calls, gated = 0, SpeculativeStats()
     assert SpeculativeGenerator(engine, proposer, adaptive=False).generate(prompt, 48, stats=gated) == plain
