@@ -79,8 +79,8 @@ class Proposer(Protocol):
         """Requests that left the batch."""
 
     # A proposer whose drafts cost next to nothing next to a target step (NGRAM: a host-side
-    # trie lookup) sets the class attribute `cheap_drafts = True`; the loop then sizes each
-    # verify by the last step's acceptance instead of gating drafts off (SpeculativeGenerator).
+    # trie lookup) sets the class attribute `cheap_drafts = True`; the loop then cuts poorly
+    # accepted drafts to a small verify instead of gating drafting off (SpeculativeGenerator).
 
     # A proposer that drafts from the target's hidden states (EAGLE-style) sets the class
     # attribute `needs_target_hidden = True`; the loop then passes, as a third argument,
@@ -163,10 +163,10 @@ class SpeculativeGenerator:
         #   request keeps a running mean of the drafts it accepted (halved each step, updated
         #   only by drafts offered with more than one node); while it is below grow_at, the
         #   request's drafts are cut to the smallest compiled verify size > 1, else they keep
-        #   all N nodes. On SmolLM2 with 2 cores a verify of 2 tokens costs what a plain
-        #   decode step costs (0.98x; 4 tokens 1.06x, 8 tokens 1.16x; measured by
-        #   `benchmarks/bench_spec.py --verify-costs`), so a cut draft is a free try: it can
-        #   only add tokens. The default sizes (1, 2, N) add one verify graph to compile.
+        #   all N nodes. On SmolLM2 in fp32 with 2 cores a verify of 2 tokens costs about what
+        #   a plain decode step costs (0.98-1.03x; 8 tokens 1.16-1.38x; measured by
+        #   `benchmarks/bench_spec.py --verify-costs`), so a cut draft is a nearly free try.
+        #   The default sizes (1, 2, N) add one verify graph to compile.
         #   Where the probe costs more (bf16 here: 1.10x), compile_verify measures that cost
         #   (probe_cost, in decode steps) and a probe runs only while its first drafts are
         #   accepted at a rate above probe_cost - 1; otherwise the step is a plain decode and
@@ -265,9 +265,7 @@ class SpeculativeGenerator:
     def _cap_for(self, accepted_ema: float) -> int:
         """Adaptive verify size of a request whose running mean of accepted drafts is
         accepted_ema: all N nodes while drafts keep being accepted, else the smallest verify."""
-        if accepted_ema >= self.grow_at:
-            return self.tree_sizes[-1]
-        return next((s for s in self.tree_sizes if s > 1), self.tree_sizes[-1])
+        return self.tree_sizes[-1] if accepted_ema >= self.grow_at else self._probe_size()
 
     @staticmethod
     def _truncate(draft: DraftTree, size: int, seq_lens: Tensor) -> DraftTree:
