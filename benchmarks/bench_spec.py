@@ -30,7 +30,7 @@ from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
 from specdec_inductor.proposers.ngram import RECOMMENDED_WINDOW, NgramProposer, parse_window
 from specdec_inductor.proposers.standalone import StandaloneProposer
 from specdec_inductor.sampler import SamplingParams
-from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats, star_tree
+from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats, step_times
 from specdec_inductor.testing import write_random_eagle3_checkpoint, write_random_eagle_checkpoint
 
 PROMPTS = {
@@ -42,34 +42,15 @@ PROMPTS = {
 }
 
 
-def print_verify_costs(engine, generators, sizes, prefix=256, rounds=30):
-    """Median time of a verify of each tree size (a star tree over a `prefix`-token context)
+def print_verify_costs(engine, sizes, context=256, rounds=30):
+    """Median time of a verify of each tree size (a star tree over a `context`-token prefix)
     against a plain decode step, the sizes taking turns within every round."""
-    for spec in generators:
-        spec.compile_verify()
-    engine.generate([[1, 2, 3]], 2)
-    (req,) = engine.pool.admit([prefix], max(sizes))
-    times = {z: [] for z in sizes}
-    try:
-        rows, seq = torch.tensor([req.row]), torch.tensor([prefix])
-        for _ in range(rounds):
-            for z in sizes:
-                t0 = time.perf_counter()
-                if z == 1:
-                    engine.decode(torch.tensor([5]), rows, seq)
-                else:
-                    mask, depth = star_tree(z)
-                    engine.verify(torch.full((1, z), 5), (seq + depth).view(1, z), rows, seq, mask)
-                times[z].append(time.perf_counter() - t0)
-    finally:
-        engine.pool.release(req)
-    decode = statistics.median(times[1]) if 1 in times else float("nan")
-    print(f"# verify cost by tree size, {prefix}-token context, medians of {rounds} interleaved rounds")
+    times = step_times(engine, sizes, context=context, rounds=rounds)
+    print(f"# verify cost by tree size, {context}-token context, medians of {rounds} interleaved rounds")
     print("| tree size | ms | vs plain decode |")
     print("|---|---|---|")
     for z in sizes:
-        t = statistics.median(times[z])
-        print(f"| {z} | {1e3 * t:.2f} | {t / decode:.2f}x |")
+        print(f"| {z} | {1e3 * times[z]:.2f} | {times[z] / times[1]:.2f}x |")
 
 
 def main():
@@ -205,7 +186,7 @@ def main():
     ar_loop = SpeculativeGenerator(engine, AutoregressiveProposer())
     if args.verify_costs:
         sizes = sorted({1} | {z for spec in methods.values() for z in spec.tree_sizes})
-        print_verify_costs(engine, methods.values(), sizes)
+        print_verify_costs(engine, sizes)
     print(f"# {args.model or 'SmolLM2-135M'} {args.dtype}, batch 1, {args.max_new_tokens} new tokens "
           "(no eos stop), "
           f"{'eager' if args.eager else 'compiled'}; {torch.get_num_threads()} threads, ISA "

@@ -39,6 +39,43 @@ class DraftTree:
     num_drafts: Optional[Tensor] = None  # [B] real (unpadded) drafts, for metrics
 
 
+@torch.inference_mode()
+def step_times(engine, sizes: Sequence[int], context: int = 0, rounds: int = 16,
+               batch_size: int = 1) -> Dict[int, float]:
+    """Median seconds of one step of each tree size (1: a plain decode step, else a verify of
+    a star tree) over a `context`-token prefix, after one untimed call each (which compiles
+    what has not been). The sizes take turns within every round, so a drift of the machine's
+    speed hits them alike. Runs on a scratch request, admitted and released here (its slots
+    are written, then freed); the other rows of batch_size's bucket are padding. Inference-mode
+    inputs, as the speculative loop passes them (Dynamo guards them apart)."""
+    bucket = engine.bucket_for(batch_size)
+    (scratch,) = engine.pool.admit([max(context, 1)], max(sizes))
+    times: Dict[int, List[float]] = {z: [] for z in sizes}
+    try:
+        rows = torch.tensor([scratch.row] + [engine.pool.padding_row] * (bucket - 1))  # [B]
+        seq_lens = torch.tensor([context] + [0] * (bucket - 1))  # [B]
+
+        def step(z):
+            if z == 1:
+                engine.decode(torch.zeros(bucket, dtype=torch.int64), rows, seq_lens)
+            else:
+                mask, depth = star_tree(z)
+                engine.verify(torch.zeros(bucket, z, dtype=torch.int64),
+                              seq_lens.view(bucket, 1) + depth.view(1, z), rows, seq_lens,
+                              mask.repeat(bucket))
+
+        for z in sizes:
+            step(z)
+        for _ in range(rounds):
+            for z in sizes:
+                t0 = time.perf_counter()
+                step(z)
+                times[z].append(time.perf_counter() - t0)
+    finally:
+        engine.pool.release(scratch)
+    return {z: statistics.median(t) for z, t in times.items() if t}
+
+
 def star_tree(n: int):
     """A tree of n nodes that are all children of the root: (QLEN_ONLY mask [n*n] bool,
     depth [n] int64). Padding requests and compile warm-ups verify it."""
@@ -203,48 +240,24 @@ class SpeculativeGenerator:
         """Compile the target's verify graph of every tree size > 1 for batch_size's bucket now.
         A warm-up `generate` may never verify (NGRAM before any context suffix recurs), and the
         graph would then compile inside the first timed step. Runs one verify per size on a
-        scratch request (admitted and released here; its slots are written, then freed)."""
+        scratch request (step_times); with the adaptive size it also measures probe_cost."""
         engine = self.engine
         sizes = [s for s in self.tree_sizes if s > 1]
         if not sizes or not engine.compiled:
             return
-        bucket = engine.bucket_for(batch_size)
-        (scratch,) = engine.pool.admit([1], max(sizes))
-        try:
-            rows = torch.tensor([scratch.row] + [engine.pool.padding_row] * (bucket - 1))  # [B]
-            seq_lens = torch.zeros(bucket, dtype=torch.int64)  # [B] no prefix
-            def verify(n):
-                mask, depth = star_tree(n)
-                engine.verify(torch.zeros(bucket, n, dtype=torch.int64),
-                              depth.view(1, n).expand(bucket, n).contiguous(), rows, seq_lens,
-                              mask.repeat(bucket))
+        step_times(engine, sizes, rounds=0, batch_size=batch_size)
+        if self.adaptive and self._calibrate and self.tree_sizes[0] == 1:
+            # The adaptive size's probe cost (a decode graph compiles here if none has yet).
+            probe = self._probe_size()
+            times = step_times(engine, [1, probe], rounds=self.calibration_rounds,
+                               batch_size=batch_size)
+            self.probe_cost = times[probe] / times[1]
 
-            for n in sizes:
-                verify(n)
-            if self.adaptive and self._calibrate and self.tree_sizes[0] == 1:
-                # The adaptive size's probe cost: interleaved medians of the probe-size verify
-                # and a decode step (a decode graph compiles here if none has yet).
-                probe, tokens = self._probe_size(), torch.zeros(bucket, dtype=torch.int64)
-                engine.decode(tokens, rows, seq_lens)
-                times = {1: [], probe: []}
-                for _ in range(self.calibration_rounds):
-                    for k in times:
-                        t0 = time.perf_counter()
-                        if k == 1:
-                            engine.decode(tokens, rows, seq_lens)
-                        else:
-                            verify(k)
-                        times[k].append(time.perf_counter() - t0)
-                self.probe_cost = statistics.median(times[probe]) / statistics.median(times[1])
-        finally:
-            engine.pool.release(scratch)
-
-    def _size_for(self, draft: DraftTree, done: List[bool], caps: List[int]) -> int:
+    def _size_for(self, offered: List[int], done: List[bool], caps: List[int]) -> int:
         """The verify size of a step: the smallest compiled size that holds every live
-        request's draft, each cut to its cap (the adaptive size; N otherwise)."""
-        n = self.proposer.num_draft_tokens
-        drafts = draft.num_drafts.tolist() if draft.num_drafts is not None else [n - 1] * len(done)
-        need = max((min(1 + int(k), c) for k, c, d in zip(drafts, caps, done) if not d), default=1)
+        request's draft (offered: its real drafts), each cut to its cap (the adaptive size;
+        N otherwise)."""
+        need = max((min(1 + k, c) for k, c, d in zip(offered, caps, done) if not d), default=1)
         return next(s for s in self.tree_sizes if s >= need)
 
     def _probe_size(self) -> int:
@@ -366,7 +379,7 @@ class SpeculativeGenerator:
                     draft = proposer.propose(ids, seq_lens[:bs])
                     offered = (draft.num_drafts.tolist() if draft.num_drafts is not None
                                else [n - 1] * bs)  # before the cut to the adaptive size
-                    size = self._size_for(draft, done, caps)
+                    size = self._size_for(offered, done, caps)
                     drafted = [k > 0 and not d for k, d in zip(offered, done)]
                     if self.adaptive and size == probe and self._drop_probe(hit_rate, drafted):
                         # The probe costs more than its first drafts are worth: decode, and
