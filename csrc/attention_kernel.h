@@ -290,6 +290,11 @@ void attention_chunk_simd(const AttnChunk& c) {
   const char* kbase = static_cast<const char*>(c.k);
   const char* vbase = static_cast<const char*>(c.v);
   const float* vrow[kKeyBlock];
+  {  // the first block's rows (later blocks are requested one block ahead, below)
+    const int64_t n0 = std::min<int64_t>(kKeyBlock, c.key_end - c.key_begin);
+    prefetch_rows(c, kbase, c.k_stride_slot, c.key_begin, n0, D * elem);
+    prefetch_rows(c, vbase, c.v_stride_slot, c.key_begin, n0, D * elem);
+  }
   for (int64_t kb0 = c.key_begin; kb0 < c.key_end; kb0 += kKeyBlock) {
     const int64_t nk = std::min<int64_t>(kKeyBlock, c.key_end - kb0);
     // K^T tile [W, 64] from the block's rows (missing rows read as zeros, masked below).
@@ -299,13 +304,18 @@ void attention_chunk_simd(const AttnChunk& c) {
                              kbase + c.slots[(kb0 + j) * c.slot_stride] * c.k_stride_slot * elem)
                        : s.zero.data();
     }
-    // Slots are scattered over the pool, so the hardware prefetcher cannot follow: request this
-    // block's V rows (read after the softmax) and the next block's K rows now, into L2 (the
-    // 32 KB L1 would evict them again before use).
-    prefetch_rows(c, vbase, c.v_stride_slot, kb0, nk, D * elem);
-    prefetch_rows(c, kbase, c.k_stride_slot, kb0 + kKeyBlock,
-                  std::min<int64_t>(kKeyBlock, c.key_end - kb0 - kKeyBlock), D * elem);
+    // Slots are scattered over the pool, so the hardware prefetcher cannot follow: the next
+    // block's K and V rows are requested into L2 (the 32 KB L1 would evict them again before
+    // use), 16 rows per transpose step, so the misses stay in flight while this block computes
+    // instead of filling the miss queue in one burst.
+    const int64_t next = kb0 + kKeyBlock;
+    const int64_t next_n = std::min<int64_t>(kKeyBlock, c.key_end - next);
     for (int64_t jt = 0; jt < kKeyBlock; jt += 16) {
+      const int64_t pn = std::min<int64_t>(16, next_n - jt);
+      if (pn > 0) {
+        prefetch_rows(c, kbase, c.k_stride_slot, next + jt, pn, D * elem);
+        prefetch_rows(c, vbase, c.v_stride_slot, next + jt, pn, D * elem);
+      }
       for (int64_t w0 = 0; w0 < W; w0 += 16) {
         __m512 r[16];
         for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(krow[jt + i] + w0));
