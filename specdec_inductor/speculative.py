@@ -46,8 +46,7 @@ def step_times(engine, sizes: Sequence[int], context: int = 0, rounds: int = 16,
     a star tree) over a `context`-token prefix, after one untimed call each (which compiles
     what has not been). The sizes take turns within every round, so a drift of the machine's
     speed hits them alike. Runs on a scratch request, admitted and released here (its slots
-    are written, then freed); the other rows of batch_size's bucket are padding. Inference-mode
-    inputs, as the speculative loop passes them (Dynamo guards them apart)."""
+    are written, then freed); the other rows of batch_size's bucket are padding."""
     bucket = engine.bucket_for(batch_size)
     (scratch,) = engine.pool.admit([max(context, 1)], max(sizes))
     times: Dict[int, List[float]] = {z: [] for z in sizes}

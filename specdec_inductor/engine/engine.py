@@ -111,6 +111,14 @@ def batch_buckets(max_batch: int) -> List[int]:
     return sizes + [max_batch]
 
 
+def _inference(t: Optional[Tensor]) -> Optional[Tensor]:
+    """t as an inference tensor (a copy when it is not one). Dynamo guards an input's dispatch
+    keys, so a graph traced on inference tensors recompiles for normal ones: the public steps
+    hand their graphs inference tensors only, and every caller -- generate, the speculative
+    loop, a test's own tensors -- shares one graph per shape."""
+    return t if t is None or t.is_inference() else t.clone()
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -318,8 +326,8 @@ class Engine:
                extend_lens: Tensor, tree_mask: Optional[Tensor] = None,
                aux: Optional[Tensor] = None):
         """One EXTEND step (a prefill chunk or a verify(N) pass); logits [B, T, V]."""
-        return self._extend_fn(input_ids, positions, req_rows, prefix_lens, extend_lens,
-                               tree_mask, aux)
+        return self._extend_fn(*map(_inference, (input_ids, positions, req_rows, prefix_lens,
+                                                 extend_lens, tree_mask, aux)))
 
     @torch.inference_mode()
     def verify(self, tokens: Tensor, positions: Tensor, req_rows: Tensor, seq_lens: Tensor,
@@ -329,14 +337,15 @@ class Engine:
         lands at positions [seq_len, seq_len + N) of each row and the prefix is exactly
         seq_len (kernels.md section 6). Returns logits [B, N, V]. Its own graph per (bucket, N)."""
         extend_lens = torch.full_like(seq_lens, tokens.shape[1])  # [B]
-        return self._extend_fn(tokens, positions, req_rows, seq_lens, extend_lens, tree_mask, aux)
+        return self._extend_fn(*map(_inference, (tokens, positions, req_rows, seq_lens,
+                                                 extend_lens, tree_mask, aux)))
 
     @torch.inference_mode()
     def decode(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor,
                aux: Optional[Tensor] = None):
         """One DECODE step; (next tokens [B], logits [B, V]) (+ hidden [B, k*H] with
         capture_hidden); aux [B, A] is the model's auxiliary input, if it takes one."""
-        return self._decode_fn(tokens, req_rows, seq_lens, aux)
+        return self._decode_fn(*map(_inference, (tokens, req_rows, seq_lens, aux)))
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], req_rows: Tensor,
@@ -416,15 +425,16 @@ class Engine:
         stats = stats if stats is not None else GenerationStats()
         try:
             rows = [r.row for r in requests] + [self.pool.padding_row] * (bucket - bs_real)
-            req_rows = torch.tensor(rows, dtype=torch.int64)  # [B]
+            with torch.inference_mode():  # the step inputs are inference tensors (_inference)
+                req_rows = torch.tensor(rows, dtype=torch.int64)  # [B]
+                seq_lens = torch.tensor([len(p) for p in prompts] + [1] * (bucket - bs_real),
+                                        dtype=torch.int64)  # [B]
             t0 = time.perf_counter()
             logits = self.prefill(prompts, req_rows)
-            with torch.inference_mode():  # like every later step's tokens: no graph re-guard
+            with torch.inference_mode():
                 tokens = logits.argmax(-1)  # [B]
             stats.prefill_s += time.perf_counter() - t0
             stats.prompt_tokens += sum(len(p) for p in prompts)
-            seq_lens = torch.tensor([len(p) for p in prompts] + [1] * (bucket - bs_real),
-                                    dtype=torch.int64)  # [B]
             done = torch.zeros(bs_real, dtype=torch.bool)
             yield tokens[:bs_real]
             stats.new_tokens += bs_real
@@ -436,7 +446,8 @@ class Engine:
                         break
                 t_step = time.perf_counter()
                 tokens = self.decode(tokens, req_rows, seq_lens)[0]
-                seq_lens += 1
+                with torch.inference_mode():
+                    seq_lens += 1
                 stats.step_times.append(time.perf_counter() - t_step)
                 stats.decode_steps += 1
                 stats.new_tokens += bs_real
