@@ -26,7 +26,8 @@ from specdec_inductor.engine.hf import keep_first_layers, load_model
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
 from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
 from specdec_inductor.proposers.mtp import MtpCheckpointError, MtpProposer
-from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
+from specdec_inductor.proposers.eagle3 import (Eagle3Proposer, default_head_dtype,
+                                               load_eagle3_head)
 from specdec_inductor.proposers.ngram import RECOMMENDED_WINDOW, NgramProposer, parse_window
 from specdec_inductor.proposers.standalone import StandaloneProposer
 from specdec_inductor.sampler import SamplingParams
@@ -83,6 +84,9 @@ def main():
     parser.add_argument("--eagle3-head", default=None,
                         help="EAGLE-3 checkpoint directory (default: a random head, which proves "
                              "correctness only)")
+    parser.add_argument("--draft-dtype", choices=["auto"] + sorted(DTYPES), default="auto",
+                        help="EAGLE-3 head weights (auto: bf16 where the CPU has bf16 kernels, "
+                             "else the target's dtype)")
     parser.add_argument("--draft-layers", type=int, default=8,
                         help="standalone draft: SmolLM2 cut to its first K layers (no smaller "
                              "model with its vocabulary is available offline)")
@@ -166,7 +170,9 @@ def main():
             if path is None:
                 path = tempfile.mkdtemp(prefix="specdec_eagle3_")
                 write_random_eagle3_checkpoint(path, model.config, scale=0.02)
-            head = load_eagle3_head(path, model)
+            head = load_eagle3_head(path, model, (default_head_dtype(model.dtype)
+                                                  if args.draft_dtype == "auto"
+                                                  else DTYPES[args.draft_dtype]))
             draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
                                   compile=not args.eager, prefill_chunk=16, capture_hidden=[-1])
             proposer = Eagle3Proposer(draft_engine, args.num_draft_tokens, topk=args.topk,
@@ -175,7 +181,8 @@ def main():
             # (the AR baseline and the other methods keep `engine`).
             engine3 = Engine(model, max_batch=1, max_len=1024, compile=not args.eager,
                              prefill_chunk=64, capture_hidden=proposer.target_hidden_layers)
-            label = "EAGLE-3" + ("" if args.eagle3_head else " (random head)")
+            label = ("EAGLE-3" + ("" if args.eagle3_head else " (random head)") +
+                     f" {str(head.lm_head.weight.dtype)[6:]} head")
             methods[f"{label} N={args.num_draft_tokens}{shape}"] = SpeculativeGenerator(engine3,
                                                                                     proposer)
         else:

@@ -56,6 +56,16 @@ def draft_head_dir(args) -> str:
                      "makes one); heads ship only for the default model")
 
 
+def head_dtype(args, model) -> torch.dtype:
+    """--draft-dtype of an EAGLE-3 head; auto: bf16 where our bf16 kernels run, else the
+    target's dtype (eagle3.default_head_dtype)."""
+    from specdec_inductor.proposers.eagle3 import default_head_dtype
+    choice = getattr(args, "draft_dtype", "auto")
+    if choice == "auto":
+        return default_head_dtype(next(model.parameters()).dtype)
+    return DTYPES[choice]
+
+
 def target_capture(args, model):
     """The target hidden_states the method's proposer drafts from (Engine capture_hidden)."""
     method = getattr(args, "method", None)
@@ -65,7 +75,7 @@ def target_capture(args, model):
         from specdec_inductor.proposers.eagle3 import load_eagle3_head
         args.draft_model = draft_head_dir(args)
         # Loaded once here (its layers decide the target Engine) and reused by make_proposer.
-        args.eagle3_head = load_eagle3_head(args.draft_model, model)
+        args.eagle3_head = load_eagle3_head(args.draft_model, model, head_dtype(args, model))
         return args.eagle3_head.target_hidden_layers
     return None
 
@@ -210,9 +220,11 @@ def make_proposer(args, engine=None):
     if args.method == "eagle3":
         from specdec_inductor.engine.engine import Engine
         from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
-        head = getattr(args, "eagle3_head", None) or load_eagle3_head(args.draft_model, engine.model)
+        head = getattr(args, "eagle3_head", None) or load_eagle3_head(
+            args.draft_model, engine.model, head_dtype(args, engine.model))
         _log(f"[specdec] EAGLE-3 head: {args.draft_model} (target layers "
-             f"{head.target_hidden_layers}, draft vocabulary {head.lm_head.out_features})")
+             f"{head.target_hidden_layers}, draft vocabulary {head.lm_head.out_features}, "
+             f"{str(head.lm_head.weight.dtype)[6:]})")
         max_batch, max_len = _draft_engine_size(args, engine)
         draft_engine = Engine(head, max_batch=max_batch, max_len=max_len,
                               compile=engine.compiled, attention=args.attention,
@@ -417,6 +429,10 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--draft-layers", type=int, default=None,
                        help="standalone: keep only the draft's first K layers (default 8 when "
                             "the draft is the target itself)")
+        p.add_argument("--draft-dtype", choices=["auto"] + sorted(DTYPES), default="auto",
+                       help="eagle3: the head's weights (auto: bf16 where the CPU has bf16 "
+                            "kernels, else the target's dtype); drafts only propose, so output "
+                            "tokens do not depend on it")
         p.add_argument("--mtp-layer", type=int, default=0,
                        help="mtp: which of the model's NextN layers drafts (default 0)")
         p.add_argument("--num-draft-tokens", type=int, default=8,

@@ -439,3 +439,70 @@ def test_cli_eagle3_needs_a_checkpoint(monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "shipped_head", lambda method: str(tmp_path / "none"))
     with pytest.raises(SystemExit, match="--method eagle3 needs --draft-model"):
         cli.main(["generate", "--eager", "--method", "eagle3", "--max-new-tokens", "2"])
+
+
+# -- a bf16 head on an fp32 target, trees over the draft vocabulary ----------------------------
+
+def test_bf16_head_on_an_fp32_target_is_exact_and_leaves_the_shared_embedding_alone(tmp_path):
+    target = tiny_target(5)
+    write_head(tmp_path, target, seed=13)
+    emb = target.get_input_embeddings()
+    before = emb.weight.detach().clone()
+    head = load_eagle3_head(str(tmp_path), target, torch.bfloat16)
+    assert head.embed_tokens is emb and torch.equal(emb.weight, before)  # still fp32, untouched
+    own = {n: p.dtype for n, p in head.named_parameters() if not n.startswith("embed_tokens")}
+    assert own and set(own.values()) == {torch.bfloat16}
+    draft = _draft_engine(head, 3)
+    assert draft.dtype == torch.bfloat16 and draft.pool.k[0].dtype == torch.bfloat16
+    for topk, depth in ((1, 3), (2, 3)):
+        proposer = Eagle3Proposer(draft, 4, topk=topk, depth=depth)
+        engine = Engine(target, max_batch=1, max_len=128, compile=False, prefill_chunk=16,
+                        capture_hidden=proposer.target_hidden_layers)
+        spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
+        for p in prompts(2):
+            stats = SpeculativeStats()
+            assert spec.generate([p], 16, stats=stats) == engine.generate([p], 16)
+            assert stats.verify_steps > stats.decode_steps  # the bf16 head really drafted
+        _free(engine, draft)
+    with pytest.raises(ValueError, match="argument 'dtype'"):
+        load_eagle3_head(str(tmp_path), target, torch.float16)
+
+
+def test_trees_rank_the_draft_vocabulary_like_the_full_one(tmp_path):
+    from specdec_inductor.proposers.tree_draft import TreeDrafter
+    target = tiny_target(2)
+    write_head(tmp_path, target, seed=14)
+    head = load_eagle3_head(str(tmp_path), target)
+    draft = _draft_engine(head, 3)
+    proposer = Eagle3Proposer(draft, 6, topk=2, depth=3)
+    assert torch.equal(proposer._tree.vocab_subset, head.draft_to_target)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (1, 8), generator=gen)  # [1, T]
+    feats = torch.randn(1, 8, 3 * HIDDEN, generator=gen)  # [1, T, 3H]
+    req = draft.pool.admit([8], 1)[0]
+    zero, eight = torch.zeros(1, dtype=torch.int64), torch.full((1,), 8)
+    logits, _ = draft.extend(ids, torch.arange(8).view(1, 8), torch.tensor([req.row]), zero,
+                             eight, None, feats)
+    draft.pool.release(req)
+    full = TreeDrafter(draft, 6, 2, 3)._children(logits[0])  # [T, 2] over all VOCAB ids
+    sub = proposer._tree._children(logits[0])
+    torch.testing.assert_close(sub[0], full[0], atol=1e-6, rtol=0)  # same log-probs
+    assert torch.equal(sub[1], full[1])  # same target ids
+    for bad in (head.draft_to_target.float(), head.draft_to_target[:1], head.draft_to_target.view(-1, 1)):
+        with pytest.raises(ValueError, match="argument 'vocab_subset'"):
+            TreeDrafter(draft, 6, 2, 3, bad)
+
+
+def test_default_head_dtype_follows_the_active_isa():
+    import specdec_inductor as si
+    from specdec_inductor.proposers.eagle3 import default_head_dtype
+    was = si.active_isa()
+    try:
+        si.set_active_isa("portable")  # no bf16 kernels: the target's dtype
+        assert default_head_dtype(torch.float32) == torch.float32
+        assert default_head_dtype(torch.bfloat16) == torch.bfloat16
+        if si.detected_isa() in ("avx512", "amx"):
+            si.set_active_isa(si.detected_isa())
+            assert default_head_dtype(torch.float32) == torch.bfloat16
+    finally:
+        si.set_active_isa(was)

@@ -179,7 +179,10 @@ class EagleProposer:
         self.topk, self.depth = topk, depth
         self.num_spec_steps = depth + 1
         self.k = num_draft_tokens - 1
-        self._tree = TreeDrafter(draft_engine, num_draft_tokens, topk, depth) if topk > 1 else None
+        # An EAGLE-3 head drafts from its own vocabulary only: trees rank those columns.
+        subset = getattr(getattr(draft_engine, "model", None), "draft_to_target", None)
+        self._tree = (TreeDrafter(draft_engine, num_draft_tokens, topk, depth, subset)
+                      if topk > 1 else None)
         self._requests: Dict[int, _EagleRequest] = {}
 
     def _rows(self, states) -> Tensor:

@@ -21,7 +21,7 @@ Forward at position p, with x = the token at p + 1 and f = the feature for p:
 """
 import json
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
@@ -118,8 +118,9 @@ class Eagle3DraftModel(nn.Module):
     def forward(self, input_ids: Tensor, position_ids: Tensor, aux_hidden: Tensor,
                 specdec_batch=None, use_cache: bool = False, output_hidden_states: bool = False):
         from transformers.modeling_outputs import CausalLMOutputWithPast
-        emb = self.embed_tokens(input_ids)  # [B, T, H]
-        hidden = aux_hidden.to(emb.dtype)
+        dtype = self.lm_head.weight.dtype  # the head's (a shared embedding may differ)
+        emb = self.embed_tokens(input_ids).to(dtype)  # [B, T, H]
+        hidden = aux_hidden.to(dtype)
         width = hidden.shape[-1]
         if width == self.fc.in_features:
             hidden = self.fc(hidden)  # target features [B, T, 3*Ht] -> [B, T, H]
@@ -167,13 +168,27 @@ def _shape_error(path: str, key: str, got, want) -> Eagle3CheckpointError:
     return Eagle3CheckpointError(f"{path!r}: {key} has shape {tuple(got)}, expected {tuple(want)}")
 
 
-def load_eagle3_head(path: str, target) -> Eagle3DraftModel:
+def default_head_dtype(target_dtype: torch.dtype) -> torch.dtype:
+    """The head dtype the CLI and bench use unless told: bf16 where this CPU runs our bf16
+    kernels (active ISA avx512, which includes avx512_bf16, or amx), else the target's."""
+    from specdec_inductor import active_isa
+    return torch.bfloat16 if active_isa() in ("avx512", "amx") else target_dtype
+
+
+def load_eagle3_head(path: str, target, dtype: Optional[torch.dtype] = None) -> Eagle3DraftModel:
     """An EAGLE-3 head from a checkpoint directory (config.json + one state dict) for `target`
     (a HF causal LM). Its `target_hidden_layers` are the capture_hidden indices the target
     Engine must use. Raises Eagle3CheckpointError (an EagleCheckpointError) naming the path and
     the problem: an EAGLE-1/2 head, missing or unexpected keys, shapes that do not fit the
-    target, d2t / t2d that do not map into the target's vocabulary."""
+    target, d2t / t2d that do not map into the target's vocabulary.
+
+    dtype: the head's own weights' dtype (default: the target's). A draft only proposes, so
+    its precision changes which drafts are offered, never the tokens emitted; a bf16 head
+    reads half the bytes per draft step. A target embedding the head shares stays as it is
+    (the head casts the looked-up rows)."""
     from transformers import LlamaConfig
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"argument 'dtype' must be torch.float32 or torch.bfloat16, got {dtype}")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise Eagle3CheckpointError(f"argument 'path': no config.json in {path!r}")
@@ -265,8 +280,12 @@ def load_eagle3_head(path: str, target) -> Eagle3DraftModel:
     bad = [k for k in result.missing_keys if not k.startswith(("embed_tokens", "rotary_emb"))]
     if bad or result.unexpected_keys:
         raise Eagle3CheckpointError(f"{path!r}: weights not loaded: {bad or result.unexpected_keys}")
-    dtype = next(target.parameters()).dtype
-    return head.to(dtype).eval()
+    dtype = dtype or next(target.parameters()).dtype
+    shared = None if own_embedding else head._modules.pop("embed_tokens")
+    head.to(dtype)  # the head's own weights only: a shared target embedding is left alone
+    if shared is not None:
+        head.embed_tokens = shared  # registered last: the head's first parameter is its own
+    return head.eval()
 
 
 class Eagle3Proposer(EagleProposer):

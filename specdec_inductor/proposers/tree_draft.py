@@ -83,14 +83,34 @@ class TreeDrafter:
             and its pool B*(1+topk) rows (the requests plus their virtual rows).
         num_draft_tokens: N, nodes per tree including the root.
         topk: branching; depth: draft steps (the deepest node's depth).
+        vocab_subset: the target ids [Vd] the draft can propose at all (an EAGLE-3 draft
+            vocabulary: its logits elsewhere are the dtype's lowest value). Log-probs and top-k
+            then run over those Vd columns only, which gives the same scores and tokens at a
+            fraction of the full vocabulary's cost.
     """
 
-    def __init__(self, engine, num_draft_tokens: int, topk: int, depth: int):
+    def __init__(self, engine, num_draft_tokens: int, topk: int, depth: int,
+                 vocab_subset: Optional[Tensor] = None):
         check_tree_shape(num_draft_tokens, topk, depth)
         self.engine = engine
         self.num_draft_tokens, self.topk, self.depth = num_draft_tokens, topk, depth
+        if vocab_subset is not None and (vocab_subset.dim() != 1 or vocab_subset.is_floating_point()
+                                         or vocab_subset.numel() < topk):
+            raise ValueError(f"argument 'vocab_subset' must be a 1-D integer tensor of at least "
+                             f"topk={topk} target ids, got {vocab_subset.dtype} "
+                             f"{tuple(vocab_subset.shape)}")
+        self.vocab_subset = None if vocab_subset is None else vocab_subset.to(torch.int64)
         # Row positions past a request's committed prefix that drafting writes.
         self.draft_positions = topk * (depth - 1)
+
+    def _children(self, logits: Tensor):
+        """(scores, target ids) [R, topk] of each row of draft logits [R, V]: top_children of
+        the draft log-probs, over vocab_subset's columns when there is one."""
+        if self.vocab_subset is None:
+            return top_children(draft_log_probs(logits), self.topk)
+        scores, idx = top_children(draft_log_probs(logits.index_select(-1, self.vocab_subset)),
+                                   self.topk)
+        return scores, self.vocab_subset[idx]
 
     def reserve_rows(self, count: int) -> List[List[int]]:
         """topk virtual rows of the draft pool for each of `count` requests."""
@@ -128,7 +148,7 @@ class TreeDrafter:
         """
         k, depth, n = self.topk, self.depth, self.num_draft_tokens
         bs = roots.shape[0]
-        scores, tokens = top_children(draft_log_probs(logits), k)  # [B, k]
+        scores, tokens = self._children(logits)  # [B, k]
         score_list, token_list = [scores], [tokens]
         parents = [torch.full((bs, 1), -1, dtype=torch.int64),
                    torch.arange(k, dtype=torch.int64).expand(bs, k)]
@@ -197,8 +217,8 @@ class TreeDrafter:
                 aux_in = aux.new_zeros(bucket, aux.shape[-1])  # [Bd, A]
                 aux_in[:bs * k] = beam_aux.reshape(bs * k, -1)
                 out = eng.decode(tok_in, beam_rows, positions, aux_in)
-            logp = draft_log_probs(out[1][:bs * k]).view(bs, k, -1)  # [B, k, V]
-            child_scores, child_tokens = top_children(logp, k)  # [B, k, k]
+            child_scores, child_tokens = self._children(out[1][:bs * k])  # [B*k, k]
+            child_scores, child_tokens = child_scores.view(bs, k, k), child_tokens.view(bs, k, k)
             child_scores = (beam_scores.unsqueeze(-1) + child_scores).view(bs, k * k)
             child_tokens = child_tokens.reshape(bs, k * k)
             score_list.append(child_scores)
