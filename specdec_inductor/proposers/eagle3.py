@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
+from specdec_inductor import ops
 from specdec_inductor.proposers.eagle import (EagleCheckpointError, EagleProposer,
                                               _read_state_dict, set_head_rope)
 
@@ -315,8 +316,10 @@ class Eagle3Proposer(EagleProposer):
                     f"argument 'hidden': the target's captured features are {h.shape[-1]} wide, "
                     f"the EAGLE-3 head needs {width}: make the target Engine with "
                     f"capture_hidden={self.target_hidden_layers}")
+        # A handful of rows per commit: our GEMV (aten's bf16 GEMM took ~0.3 ms for 3 rows).
+        w, b = self._fc.weight, self._fc.bias
         with torch.no_grad():
-            return [self._fc(h.to(self._fc.weight.dtype)) for h in hidden]
+            return [ops.skinny_linear(h.to(w.dtype), w, b) for h in hidden]
 
     def start(self, request_ids, contexts, hidden):
         super().start(request_ids, contexts, self._project(hidden))
