@@ -20,14 +20,13 @@ import time
 import torch
 
 import specdec_inductor
-from specdec_inductor.cli import DTYPES, encode
+from specdec_inductor.cli import DTYPES, encode, head_dtype
 from specdec_inductor.engine.engine import Engine, GenerationStats
 from specdec_inductor.engine.hf import keep_first_layers, load_model
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
 from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
 from specdec_inductor.proposers.mtp import MtpCheckpointError, MtpProposer
-from specdec_inductor.proposers.eagle3 import (Eagle3Proposer, default_head_dtype,
-                                               load_eagle3_head)
+from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
 from specdec_inductor.proposers.ngram import RECOMMENDED_WINDOW, NgramProposer, parse_window
 from specdec_inductor.proposers.standalone import StandaloneProposer
 from specdec_inductor.sampler import SamplingParams
@@ -170,9 +169,7 @@ def main():
             if path is None:
                 path = tempfile.mkdtemp(prefix="specdec_eagle3_")
                 write_random_eagle3_checkpoint(path, model.config, scale=0.02)
-            head = load_eagle3_head(path, model, (default_head_dtype(model.dtype)
-                                                  if args.draft_dtype == "auto"
-                                                  else DTYPES[args.draft_dtype]))
+            head = load_eagle3_head(path, model, head_dtype(args, model))
             draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
                                   compile=not args.eager, prefill_chunk=16, capture_hidden=[-1])
             proposer = Eagle3Proposer(draft_engine, args.num_draft_tokens, topk=args.topk,
