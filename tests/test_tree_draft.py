@@ -406,8 +406,17 @@ def test_cli_flags_reach_the_proposer_and_bad_ones_fail_early():
     assert (args.topk, args.depth) == (3, 4)
     engine = type("E", (), {"max_batch": 2, "max_len": 100})()
     assert cli._draft_engine_size(args, engine) == (8, 112)
-    default = cli.make_parser().parse_args(["bench", "--method", "eagle"])
-    assert (default.topk, default.depth) == (1, None)
+    for method in ("eagle", "eagle3"):  # the measured default tree, when N holds it
+        default = cli.make_parser().parse_args(["bench", "--method", method])
+        assert cli.tree_shape(default) == (2, 4)
+        assert cli._draft_engine_size(default, engine) == (6, 108)
+        short = cli.make_parser().parse_args(["bench", "--method", method,
+                                              "--num-draft-tokens", "4"])
+        assert cli.tree_shape(short) == (1, None)  # depth 4 does not fit: a chain of 3
+        chain = cli.make_parser().parse_args(["bench", "--method", method, "--topk", "1"])
+        assert cli.tree_shape(chain) == (1, None)
+    default = cli.make_parser().parse_args(["bench", "--method", "standalone"])
+    assert cli.tree_shape(default) == (1, None)
     assert cli._draft_engine_size(default, engine) == (2, 100)
     for argv, match in [(["--method", "ngram", "--topk", "2"], "--topk/--depth"),
                         (["--method", "standalone", "--topk", "2", "--depth", "1"],
