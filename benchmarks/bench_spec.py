@@ -205,7 +205,7 @@ def main():
             spec.compile_verify()
             spec.generate([ids], args.num_draft_tokens + 2)
             if spec.adaptive:
-                print(f"# {kind}: {label}: adaptive verify size, probe verify({spec.tree_sizes[1]}) "
+                print(f"# {kind}: {label}: adaptive verify size, probe verify({spec._probe_size()}) "
                       f"measured at {spec.probe_cost:.2f} decode steps")
         for temp in temperatures:
             # AR and every method take turns within each repeat, so a drift of this shared

@@ -416,11 +416,12 @@ class SpeculativeGenerator:
                     if self.adaptive:
                         # Only drafts the proposer offered in full (more than one node) say
                         # whether full drafts pay; a proposer's own one-node probe does not.
+                        accepted = accept_num.tolist()
                         ema = [0.5 * (e + a) if k > 1 else e
-                               for e, a, k in zip(ema, accept_num.tolist(), offered)]
+                               for e, a, k in zip(ema, accepted, offered)]
                         caps = [self._cap_for(e) for e in ema]
                         if size == probe:
-                            hits = [float(a > 0) for a in accept_num.tolist()]
+                            hits = [float(a > 0) for a in accepted]
                             hit_rate = self._update_hit_rate(hit_rate, hits, drafted)
                     else:
                         live = torch.tensor([not d for d in done])
