@@ -23,9 +23,10 @@ def add_parser(sub, common) -> None:
     p.add_argument("--target", dest="model", default=None,
                    help="target model directory or .gguf (default: SmolLM2-135M GGUF)")
     p.add_argument("--out", default=None, help=f"output directory (default {DEFAULT_OUT}/<method>)")
-    p.add_argument("--num-prompts", type=int, default=512, help="training prompts (corpus.py)")
+    p.add_argument("--num-prompts", type=int, default=1500,
+                   help="training prompts (corpus.py; 1500 is all of them)")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy continuation per prompt")
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ttt-steps", type=int, default=4, help="EAGLE-3 unrolled draft steps")
@@ -39,7 +40,10 @@ def add_parser(sub, common) -> None:
                    help="continue from --out's trainer state and cached data")
     p.add_argument("--no-eval", dest="eval", action="store_false",
                    help="skip the held-out acceptance evaluation")
-    p.set_defaults(func=run, max_batch=8, max_len=512)
+    # --max-batch (a common option): prompts continued together while building the data. Decode
+    # rows are computed independently; a batch's prompts are prefilled together, in GEMMs whose
+    # fp32 rounding may depend on the batch.
+    p.set_defaults(func=run, max_batch=16, max_len=512)
 
 
 def _log(msg: str) -> None:
@@ -61,6 +65,8 @@ def run(args) -> int:
         texts = training_prompts(args.num_prompts, args.seed)
         if args.new_tokens < 1:
             raise ValueError(f"argument 'new_tokens' must be >= 1, got {args.new_tokens}")
+        if args.max_batch < 1:
+            raise ValueError(f"argument 'max_batch' must be >= 1, got {args.max_batch}")
     except ValueError as exc:
         raise SystemExit(f"specdec train-draft: {exc}")
     out = args.out or os.path.join(DEFAULT_OUT, args.method)

@@ -39,6 +39,15 @@ TOPICS = [
     "the Olympic Games", "batteries", "deserts", "the French Revolution", "robots",
     "meditation", "tea", "lighthouses", "the speed of light", "coral reefs",
     "social media", "the alphabet", "trains", "mushrooms", "climate change",
+    "ancient Egypt", "the Industrial Revolution", "quantum computing", "elephants",
+    "the Silk Road", "vitamins", "hot air balloons", "the Arctic", "wolves", "blockchain",
+    "pottery", "the Eiffel Tower", "ocean tides", "fossils", "the Pacific Ocean", "chocolate",
+    "space telescopes", "artificial intelligence", "the Mars rovers", "rainbows", "ants",
+    "the Cold War", "yoga", "skyscrapers", "suspension bridges", "the nervous system", "DNA",
+    "plate tectonics", "nuclear power", "volunteering", "public transport", "banks", "comets",
+    "the four seasons", "butterflies", "photography", "the piano", "soccer", "marathons",
+    "spices", "the Vikings", "medieval castles", "satellites", "magnets", "clouds", "sharks",
+    "hurricanes", "owls", "antibiotics", "the ozone layer",
 ]
 
 CODE_TASKS = [
@@ -56,6 +65,21 @@ CODE_TASKS = [
     "parses a date string", "implements a stack class", "computes compound interest",
     "splits a list into chunks of size n", "counts vowels in a string",
     "finds all pairs in a list that sum to a target",
+    "counts the occurrences of each character in a string", "checks whether a year is a leap year",
+    "finds the second largest number in a list", "converts snake_case to camelCase",
+    "computes the sum of the digits of a number", "generates all permutations of a string",
+    "finds the intersection of two lists", "implements bubble sort", "implements merge sort",
+    "checks whether a number is a perfect square", "counts the lines in a file",
+    "returns the prime factors of a number", "computes the power set of a set",
+    "implements a singly linked list class", "finds the first non-repeating character in a string",
+    "computes the dot product of two vectors", "removes all whitespace from a string",
+    "converts a list of pairs to a dictionary", "computes the running sum of a list",
+    "finds the missing number in a sequence from 1 to n", "validates a phone number",
+    "computes the area of a circle", "shuffles a list in place",
+    "writes a dictionary to a JSON file", "computes the edit distance between two strings",
+    "checks whether a list is sorted", "counts word frequencies in a file",
+    "generates a random password", "evaluates a simple arithmetic expression",
+    "finds the longest common prefix of a list of strings",
 ]
 
 HELDOUT_TOPICS = [

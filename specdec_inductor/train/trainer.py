@@ -55,10 +55,24 @@ def _pad(rows: List[Tensor], length: int) -> Tensor:
     return out
 
 
-def _batch_order(n: int, batch_size: int, seed: int, epoch: int) -> List[List[int]]:
+# Sequences per window of the batch order: a window is sorted by length before it is cut into
+# batches, so a batch pads to a length close to its sequences' own.
+LENGTH_WINDOW = 16
+
+
+def _batch_order(lengths: List[int], batch_size: int, seed: int, epoch: int) -> List[List[int]]:
+    """The epoch's batches of sequence indices: a seeded shuffle, cut into windows of
+    LENGTH_WINDOW batches, each window sorted by length (stable) and cut into batches, and the
+    batches shuffled again. Every sequence appears once per epoch."""
     gen = torch.Generator().manual_seed(seed * 1000 + epoch)
+    n = len(lengths)
     perm = torch.randperm(n, generator=gen).tolist()
-    return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
+    window = LENGTH_WINDOW * batch_size
+    batches = []
+    for w in range(0, n, window):
+        part = sorted(perm[w:w + window], key=lambda i: lengths[i])
+        batches += [part[i:i + batch_size] for i in range(0, len(part), batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
 
 
 def _soft_ce(logits: Tensor, ids: Tensor, probs: Tensor) -> Tensor:
@@ -180,10 +194,14 @@ def train_head(target, data: DraftData, out_dir: str, cfg: TrainConfig, *,
         os.replace(tmp, state_path)
 
     head.train()
+    lengths = [int(t.numel()) for t in data.tokens]
+    order = None  # (epoch, its batches)
     t0, tokens_seen, start_step = time.perf_counter(), 0, step
     while step < total:
         epoch, k = divmod(step, per_epoch)
-        idx = _batch_order(len(data), cfg.batch_size, cfg.seed, epoch)[k]
+        if order is None or order[0] != epoch:
+            order = (epoch, _batch_order(lengths, cfg.batch_size, cfg.seed, epoch))
+        idx = order[1][k]
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         if cfg.method == "eagle":
