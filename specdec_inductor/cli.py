@@ -391,9 +391,10 @@ def run_method_bench(args) -> dict:
                      "summary": stats.summary()})
         _log(f"[specdec] prompt {i}: AR {rows[-1]['ar_tok_s']:.1f} tok/s, {args.method} "
              f"{rows[-1]['spec_tok_s']:.1f} tok/s")
+    topk, depth = tree_shape(args)
     return {"machine": machine_line(), "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf",
             "dtype": args.dtype, "method": args.method, "num_draft_tokens": args.num_draft_tokens,
-            "topk": tree_shape(args)[0], "depth": tree_shape(args)[1],
+            "topk": topk, "depth": depth,
             "compiled": engine.compiled, "warmup_compile_s": warmup_s, "repeats": args.repeats,
             "rows": rows, "median_speedup": statistics.median(r["speedup"] for r in rows)}
 

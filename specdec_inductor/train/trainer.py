@@ -55,8 +55,8 @@ def _pad(rows: List[Tensor], length: int) -> Tensor:
     return out
 
 
-# Sequences per window of the batch order: a window is sorted by length before it is cut into
-# batches, so a batch pads to a length close to its sequences' own.
+# Batches per window of the batch order: a window's sequences are sorted by length before they
+# are cut into batches, so a batch pads to a length close to its sequences' own.
 LENGTH_WINDOW = 16
 
 
