@@ -1,6 +1,6 @@
 """Build of the `specdec_inductor._C` extension.
 
-ISA-specific translation units (`csrc/*_avx512.cpp`, `csrc/*_amx.cpp`) are compiled into
+ISA-specific translation units (`csrc/*_avx2.cpp`, `csrc/*_avx512.cpp`, `csrc/*_amx.cpp`) are compiled into
 static libraries with their own flags and linked into one extension; the runtime picks a path
 from CPU feature detection (csrc/cpu_features.cpp). Nothing is built with `-march=native`.
 ISA translation units include no ATen headers: they expose plain functions over raw pointers,
@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # The C++ standard is left to torch (it adds the one its headers need) for the main extension.
 COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-strict-aliasing"]
 ISA_FLAGS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
                "-mf16c"],
     "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",

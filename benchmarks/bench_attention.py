@@ -4,7 +4,7 @@ and, separately, SDPA alone on pre-gathered K/V), compiled flex_attention with t
 mask_mod, and the roofline: the larger of the memory time (K/V + q + out bytes / read bandwidth
 measured here by summing a large tensor) and the compute time (the attention's multiply-add flops
 / the peak multiply-add rate measured here by register-only FMAs on every thread, or torch.mm's
-rate without AVX-512; exp and max are not counted, so the roofline is a lower bound on any
+rate without AVX2 / AVX-512; exp and max are not counted, so the roofline is a lower bound on any
 kernel's time). Every method cycles
 through enough copies of the K/V data (>= 96 MiB in all) that each call reads it from DRAM, not
 from the last-level cache, unless --warm. Prints medians over repeats
@@ -59,8 +59,9 @@ def measure_gemm_flops(dtype, repeats):
 
 
 def measure_probe_flops(dtype, repeats):
-    """Peak flop/s from the AVX-512 probe of our extension -- independent register-only FMAs
-    (fp32) or vdpbf16ps (bf16) on every thread, no memory traffic -- or None without AVX-512."""
+    """Peak flop/s from the widest probe of our extension -- independent register-only FMAs
+    (fp32; AVX2 bf16 too) or vdpbf16ps (AVX-512 bf16) on every thread, no memory traffic -- or
+    None without AVX2 / AVX-512."""
     bf16 = dtype == torch.bfloat16
     if si._C.peak_multiply_adds(bf16, 1000) == 0:
         return None

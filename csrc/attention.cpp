@@ -6,7 +6,8 @@
 // rows. Kernel per call: AMX (attention_amx.cpp) when active_isa() == AMX, q is bf16 and
 // D % 32 == 0 (unproven: no AMX machine was available when it was written); else AVX-512
 // (attention_avx512.cpp) when active_isa() >= AVX512 and D allows it (fp32: D % 16 == 0, bf16:
-// D % 32 == 0) -- so fp32 on an AMX machine runs AVX-512; else the portable kernel below. The
+// D % 32 == 0) -- so fp32 on an AMX machine runs AVX-512; else AVX2 (attention_avx2.cpp) when
+// active_isa() >= AVX2 and D % 8 == 0; else the portable kernel below. The
 // path that ran is recorded per op. When there are fewer (request, head, row-block) items than
 // 2x the threads, key ranges are split (flash-decoding) and merged here.
 // store_kv is a row copy (portable path only; it converts k/v to the pool's dtype).
@@ -234,6 +235,12 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
   const Isa isa = active_isa();
   void (*kernel)(const AttnChunk&) = attention_chunk_portable;
   *ran = Isa::PORTABLE;
+#ifdef SPECDEC_BUILT_AVX2
+  if (isa >= Isa::AVX2 && D % 8 == 0) {
+    kernel = attention_chunk_avx2;
+    *ran = Isa::AVX2;
+  }
+#endif
 #ifdef SPECDEC_BUILT_AVX512
   if (isa >= Isa::AVX512 && attention_avx512_supports(dtype, D)) {
     kernel = attention_chunk_avx512;

@@ -43,6 +43,9 @@ struct AttnChunk {
 // Plain C++ (attention.cpp); any head_dim.
 void attention_chunk_portable(const AttnChunk& c);
 
+// AVX2 + FMA (attention_avx2.cpp): fp32 arithmetic (bf16 K/V widened), head_dim % 8 == 0.
+void attention_chunk_avx2(const AttnChunk& c);
+
 // AVX-512 (attention_avx512.cpp): fp32 FMA, bf16 products via avx512_bf16 dot products.
 // Requires head_dim % 16 == 0 (fp32) or head_dim % 32 == 0 (bf16): attention_avx512_supports
 // (defined in attention.cpp).

@@ -22,6 +22,7 @@ namespace specdec {
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::PORTABLE: return "portable";
+    case Isa::AVX2: return "avx2";
     case Isa::AVX512: return "avx512";
     case Isa::AMX: return "amx";
   }
@@ -30,10 +31,11 @@ const char* isa_name(Isa isa) {
 
 Isa isa_from_name(const std::string& name) {
   if (name == "portable") return Isa::PORTABLE;
+  if (name == "avx2") return Isa::AVX2;
   if (name == "avx512") return Isa::AVX512;
   if (name == "amx") return Isa::AMX;
   throw std::invalid_argument("SPECDEC_ISA / isa: unknown path '" + name +
-                              "' (expected portable, avx512 or amx)");
+                              "' (expected portable, avx2, avx512 or amx)");
 }
 
 namespace {
@@ -62,18 +64,20 @@ Isa detect() {
   unsigned a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return Isa::PORTABLE;
   const bool osxsave = c & (1u << 27);
-  const bool fma = c & (1u << 12);
-  if (!osxsave || !fma) return Isa::PORTABLE;
+  const bool fma = c & (1u << 12), f16c = c & (1u << 29), avx = c & (1u << 28);
+  if (!osxsave || !fma || !f16c || !avx) return Isa::PORTABLE;
   const uint64_t xcr0 = read_xcr0();
-  const bool os_avx512 = (xcr0 & 0xE6) == 0xE6;  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM
-  if (!os_avx512) return Isa::PORTABLE;
+  if ((xcr0 & 0x6) != 0x6) return Isa::PORTABLE;  // the OS saves SSE and AVX state
   __cpuid_count(7, 0, a, b, c, d);
+  if (!(b & (1u << 5))) return Isa::PORTABLE;  // avx2
+  const bool os_avx512 = (xcr0 & 0xE6) == 0xE6;  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM
+  if (!os_avx512) return Isa::AVX2;
   const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
   const bool amx_bf16 = d & (1u << 22), amx_tile = d & (1u << 24);
   unsigned a1, b1, c1, d1;
   __cpuid_count(7, 1, a1, b1, c1, d1);
   const bool avx512_bf16 = a1 & (1u << 5);
-  if (!(f && dq && bw && vl && avx512_bf16)) return Isa::PORTABLE;
+  if (!(f && dq && bw && vl && avx512_bf16)) return Isa::AVX2;
   const bool os_amx = (xcr0 & (3ull << 17)) == (3ull << 17);  // XTILECFG, XTILEDATA
   if (amx_tile && amx_bf16 && os_amx && request_amx_permission()) return Isa::AMX;
   return Isa::AVX512;
@@ -99,6 +103,12 @@ Isa detected_isa() {
 bool isa_built(Isa isa) {
   switch (isa) {
     case Isa::PORTABLE: return true;
+    case Isa::AVX2:
+#ifdef SPECDEC_BUILT_AVX2
+      return true;
+#else
+      return false;
+#endif
     case Isa::AVX512:
 #ifdef SPECDEC_BUILT_AVX512
       return true;
@@ -156,7 +166,7 @@ std::map<std::string, int64_t> kernel_path_counts() {
   std::lock_guard<std::mutex> lock(g_counters_mutex);
   std::map<std::string, int64_t> out;
   for (const PathCounter* c : counters()) {
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < kIsaCount; ++i) {
       const int64_t n = c->calls[i].load();
       if (n) out[std::string(c->op) + ":" + isa_name(static_cast<Isa>(i))] += n;
     }

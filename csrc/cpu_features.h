@@ -1,8 +1,10 @@
 // Run-time ISA selection for specdec kernels.
-// Paths: PORTABLE (plain C++, always built), AVX512 (avx512f/bw/vl/dq + avx512_bf16 + fma),
-// AMX (AVX512 plus amx-tile/amx-bf16, with the OS permission to use tile data). The active path
+// Paths: PORTABLE (plain C++, always built), AVX2 (avx2 + fma + f16c: most x86-64 CPUs of the
+// last decade, AMD Zen 1-3 included), AVX512 (avx512f/bw/vl/dq + avx512_bf16 + fma), AMX (AVX512
+// plus amx-tile/amx-bf16, with the OS permission to use tile data). Each path implies the ones
+// below it; an op without a kernel of the active path runs the best lower one it has. The active path
 // is the best one the CPU, the OS and this build support, or the one forced by the environment
-// variable SPECDEC_ISA=portable|avx512|amx (forcing a path the machine cannot run is an error).
+// variable SPECDEC_ISA=portable|avx2|avx512|amx (forcing a path the machine cannot run is an error).
 // Every kernel records which path ran, so tests can assert it (kernel_path_counts()).
 #pragma once
 #include <atomic>
@@ -12,7 +14,8 @@
 
 namespace specdec {
 
-enum class Isa : int { PORTABLE = 0, AVX512 = 1, AMX = 2 };
+enum class Isa : int { PORTABLE = 0, AVX2 = 1, AVX512 = 2, AMX = 3 };
+constexpr int kIsaCount = 4;
 
 const char* isa_name(Isa isa);
 Isa isa_from_name(const std::string& name);  // throws on an unknown name
@@ -33,7 +36,7 @@ void set_active_isa(Isa isa);
 struct PathCounter {
   explicit PathCounter(const char* op);  // registers itself in a global list
   const char* op;
-  std::atomic<int64_t> calls[3];
+  std::atomic<int64_t> calls[kIsaCount];
 };
 #define SPECDEC_RECORD_PATH(op, isa)                                            \
   do {                                                                          \

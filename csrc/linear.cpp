@@ -2,13 +2,14 @@
 // library spends its time packing and the call should instead stream each weight row once at
 // memory bandwidth. Contract: shared/spec/kernels.md has no section for it; it is F.linear
 // restricted to fp32/bf16, with W's rows dense.
-// ISA paths: AVX-512 (linear_avx512.cpp) when active_isa() >= AVX512; portable otherwise. AMX
+// ISA paths: AVX-512 (linear_avx512.cpp) when active_isa() >= AVX512, AVX2 (linear_avx2.cpp)
+// when it is AVX2; portable otherwise. AMX
 // would not help: one weight element feeds only M <= 16 products, so the op is memory-bound.
 // Output features are split across threads in blocks of 8 rows.
 //
 // Packed weights: a weight registered with linear_pack_register (the specdec backend registers
 // the parameters of the graphs it compiles) is copied once, on its first skinny_linear call,
-// into the blocked layout of linear_isa.h, and later calls on the AVX-512 path read that copy
+// into the blocked layout of linear_isa.h, and later calls on the AVX-512 and AVX2 paths read that copy
 // instead ("skinny_linear_packed" in kernel_path_counts()): no horizontal sums, x broadcast
 // against 16 outputs, one contiguous stream per block -- at M = 8 it runs at the memory
 // bandwidth where the row kernel is compute-bound (benchmarks/bench_linear.py). The copy costs
@@ -182,9 +183,22 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
     return y.view(out_shape);
   }
   const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
-  // A registered weight (any strides) runs on its packed copy.
+  // A registered weight (any strides) runs on its packed copy, on the widest path built.
+  void (*packed_kernel)(const PackedLinearBlock&) = nullptr;
+  Isa packed_isa = Isa::PORTABLE;
+#ifdef SPECDEC_BUILT_AVX2
+  if (active_isa() >= Isa::AVX2) {
+    packed_kernel = packed_linear_avx2;
+    packed_isa = Isa::AVX2;
+  }
+#endif
 #ifdef SPECDEC_BUILT_AVX512
   if (active_isa() >= Isa::AVX512) {
+    packed_kernel = packed_linear_avx512;
+    packed_isa = Isa::AVX512;
+  }
+#endif
+  if (packed_kernel != nullptr) {
     const at::Tensor wp = packed_for(weight);
     if (wp.defined()) {
       const bool f32 = x.scalar_type() == at::kFloat;
@@ -201,13 +215,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
         PackedLinearBlock part = pb;
         part.g_begin = begin;
         part.g_end = end;
-        packed_linear_avx512(part);
+        packed_kernel(part);
       });
-      SPECDEC_RECORD_PATH("skinny_linear_packed", Isa::AVX512);
+      SPECDEC_RECORD_PATH("skinny_linear_packed", packed_isa);
       return y.view(out_shape);
     }
   }
-#endif
   // Past kRowKernelMaxRows the row kernels lose to a GEMM library (benchmarks/bench_linear.py):
   // an unpacked weight goes to aten's linear, counted as "skinny_linear_gemm".
   if (M > kRowKernelMaxRows) {
@@ -226,6 +239,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                   M, K, x2.const_data_ptr(), K, w.const_data_ptr(), w.stride(0),
                   bias_c.defined() ? bias_c.const_data_ptr() : nullptr, y.data_ptr(), N, 0, 0};
   Isa isa = Isa::PORTABLE;
+#ifdef SPECDEC_BUILT_AVX2
+  if (active_isa() >= Isa::AVX2) isa = Isa::AVX2;
+#endif
 #ifdef SPECDEC_BUILT_AVX512
   if (active_isa() >= Isa::AVX512) isa = Isa::AVX512;
 #endif
@@ -240,6 +256,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
 #ifdef SPECDEC_BUILT_AVX512
     if (isa == Isa::AVX512) {
       skinny_linear_avx512(part);
+      return;
+    }
+#endif
+#ifdef SPECDEC_BUILT_AVX2
+    if (isa == Isa::AVX2) {
+      skinny_linear_avx2(part);
       return;
     }
 #endif

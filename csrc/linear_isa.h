@@ -57,5 +57,8 @@ void skinny_linear_portable(const LinearBlock& blk);
 // AVX-512: fp32 FMA; bf16 through avx512_bf16 dot products (vdpbf16ps).
 void skinny_linear_avx512(const LinearBlock& blk);
 void packed_linear_avx512(const PackedLinearBlock& blk);
+// AVX2 + FMA: fp32 FMA on 8 lanes; bf16 widened to fp32 in registers (exact), fp32 FMA.
+void skinny_linear_avx2(const LinearBlock& blk);
+void packed_linear_avx2(const PackedLinearBlock& blk);
 
 }  // namespace specdec

@@ -20,10 +20,10 @@ TORCH_LIBRARY(specdec, m) {
 PYBIND11_MODULE(_C, m) {
   using namespace specdec;
   m.def("detected_isa", [] { return std::string(isa_name(detected_isa())); },
-        "Best path the CPU and OS support: portable, avx512 or amx.");
+        "Best path the CPU and OS support: portable, avx2, avx512 or amx.");
   m.def("built_isas", [] {
     std::vector<std::string> out;
-    for (Isa isa : {Isa::PORTABLE, Isa::AVX512, Isa::AMX}) {
+    for (Isa isa : {Isa::PORTABLE, Isa::AVX2, Isa::AVX512, Isa::AMX}) {
       if (isa_built(isa)) out.emplace_back(isa_name(isa));
     }
     return out;
@@ -36,25 +36,38 @@ PYBIND11_MODULE(_C, m) {
   m.def("reset_kernel_path_counts", &reset_kernel_path_counts);
   m.def("peak_multiply_adds", [](bool bf16, int64_t iters) -> double {
     // Multiply-adds done by `iters` probe steps on each of torch's threads (benchmarks time the
-    // call for their compute roofline); 0 when this build or CPU has no AVX-512 probe.
+    // call for their compute roofline); 0 when this build or CPU has no SIMD probe. AVX-512:
+    // 16 fp32 FMAs or 32 bf16 products per instruction; AVX2: 8 fp32 FMAs, bf16 included (its
+    // kernels widen bf16 to fp32).
+    int64_t lanes = 0;
+#ifdef SPECDEC_BUILT_AVX2
+    if (active_isa() >= Isa::AVX2) lanes = 8;
+#endif
 #ifdef SPECDEC_BUILT_AVX512
-    if (active_isa() < Isa::AVX512) return 0.0;
+    if (active_isa() >= Isa::AVX512) lanes = bf16 ? 32 : 16;
+#endif
+    if (lanes == 0) return 0.0;
     const int64_t threads = at::get_num_threads();
     std::vector<float> sink(threads);
     at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) sink[t] = peak_probe_avx512(bf16, iters);
+      for (int64_t t = b; t < e; ++t) {
+#ifdef SPECDEC_BUILT_AVX512
+        if (lanes != 8) {
+          sink[t] = peak_probe_avx512(bf16, iters);
+          continue;
+        }
+#endif
+#ifdef SPECDEC_BUILT_AVX2
+        sink[t] = peak_probe_avx2(iters);
+#endif
+      }
     });
     volatile float keep = 0.f;
     for (float v : sink) keep = keep + v;
     (void)keep;
-    return static_cast<double>(threads) * iters * kPeakAccumulators * (bf16 ? 32 : 16);
-#else
-    (void)bf16;
-    (void)iters;
-    return 0.0;
-#endif
-  }, "Run the AVX-512 peak multiply-add probe on every thread; returns its multiply-adds "
-     "(0 without AVX-512). Time the call for the machine's peak rate.");
+    return static_cast<double>(threads) * iters * kPeakAccumulators * lanes;
+  }, "Run the widest peak multiply-add probe (AVX-512 or AVX2) on every thread; returns its "
+     "multiply-adds (0 without one). Time the call for the machine's peak rate.");
   bind_ngram(m);
   bind_linear_pack(m);
 }

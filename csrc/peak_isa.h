@@ -1,6 +1,7 @@
 // Peak multiply-add probe for benchmarks' compute roofline (benchmarks/bench_attention.py): a
 // loop of independent register-only multiply-adds, the most this ISA's units can do, with no
-// memory traffic. Raw-pointer-free; defined in peak_avx512.cpp (built only with AVX-512 flags).
+// memory traffic. Raw-pointer-free; defined in peak_avx512.cpp / peak_avx2.cpp (each built only
+// with its ISA's flags).
 #pragma once
 #include <cstdint>
 
@@ -11,5 +12,7 @@ namespace specdec {
 // depends on every result, so the loop cannot be optimised away.
 constexpr int kPeakAccumulators = 12;
 float peak_probe_avx512(bool bf16, int64_t iters);
+// The same with 256-bit fp32 FMAs (8 multiply-adds each).
+float peak_probe_avx2(int64_t iters);
 
 }  // namespace specdec

@@ -1,7 +1,8 @@
 """Loads the compiled `specdec_inductor._C` library and exposes its ISA queries.
 
-Paths: "portable" (always built), "avx512" (AVX-512 F/BW/VL/DQ + avx512_bf16), "amx" (AVX-512
-plus AMX tiles). The active path is the best the CPU, OS and build support, unless the
+Paths: "portable" (always built), "avx2" (AVX2 + FMA + F16C), "avx512" (AVX-512 F/BW/VL/DQ +
+avx512_bf16), "amx" (AVX-512 plus AMX tiles); each implies the ones before it. The active path
+is the best the CPU, OS and build support, unless the
 environment variable SPECDEC_ISA forces one; kernel_path_counts() tells which path each op ran.
 """
 import contextlib
@@ -21,7 +22,7 @@ except ImportError as exc:  # never swallowed: the ops would silently be missing
 
 
 def detected_isa() -> str:
-    """Best path this CPU and OS support: "portable", "avx512" or "amx"."""
+    """Best path this CPU and OS support: "portable", "avx2", "avx512" or "amx"."""
     return _C.detected_isa()
 
 
@@ -30,7 +31,7 @@ def built_isas() -> list:
     return list(_C.built_isas())
 
 
-_ORDER = ("portable", "avx512", "amx")
+_ORDER = ("portable", "avx2", "avx512", "amx")
 
 
 def runnable_isas() -> list:

@@ -26,18 +26,21 @@ from specdec_inductor.ops.reference import (
     unpack_tree_mask_ref,
 )
 
-_ORDER = ["portable", "avx512", "amx"]
+_ORDER = ["portable", "avx2", "avx512", "amx"]
 ISAS = [i for i in _ORDER
         if i in si.built_isas() and _ORDER.index(si.detected_isa()) >= _ORDER.index(i)]
 
 
 def recorded(isa, dtype, head_dim):
     """The kernel path an op must record when `isa` is forced: the AMX kernel exists for bf16
-    only (fp32 on AMX runs AVX-512), and head dims without a SIMD tile shape run portable."""
+    only (fp32 on AMX runs AVX-512), a head dim without an AVX-512 tile shape runs AVX2 where
+    it is a multiple of 8, and any other head dim runs portable."""
     if isa == "amx" and dtype == torch.bfloat16 and head_dim % 32 == 0:
         return "amx"
     if isa in ("avx512", "amx") and head_dim % (16 if dtype == torch.float32 else 32) == 0:
         return "avx512"
+    if isa != "portable" and head_dim % 8 == 0:
+        return "avx2"
     return "portable"
 
 
@@ -419,9 +422,10 @@ def test_amx_kernel_matches_avx512_with_emulated_tiles(tmp_path):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_head_dim_without_avx512_kernel_runs_portable(isa):
-    """D = 40 has no AVX-512 tile shape: the portable kernel runs and is recorded as such."""
-    q, k_pool, v_pool, table, rows = make_batch([33], 4, 2, 1, 40, torch.float32)
+def test_head_dim_without_simd_kernel_runs_portable(isa):
+    """D = 36 has no AVX-512 tile shape and is no multiple of 8 (AVX2): the portable kernel
+    runs and is recorded as such."""
+    q, k_pool, v_pool, table, rows = make_batch([33], 4, 2, 1, 36, torch.float32)
     si.reset_kernel_path_counts()
     with si.forced_isa(isa):
         out = extend_attention(q, k_pool, v_pool, table, rows, torch.tensor([33]), torch.tensor([4]),
@@ -430,6 +434,20 @@ def test_head_dim_without_avx512_kernel_runs_portable(isa):
     ref = extend_attention_ref(q, k_pool, v_pool, table, rows, torch.tensor([33]), torch.tensor([4]),
                                None, 0.2)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "portable"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_head_dim_of_eights_runs_avx2_on_any_simd_path(isa, dtype):
+    """D = 40 has no AVX-512 tile shape but is a multiple of 8: the AVX2 kernel takes it (its
+    P.V runs one 32-wide chunk and one 8-wide remainder), tree mask and window included."""
+    q, k_pool, v_pool, table, rows = make_batch([70, 3], 6, 6, 2, 40, dtype, seed=4)
+    tree = random_tree(2, 6, seed=4)
+    out = check_extend(isa, dtype, q, k_pool, v_pool, table, rows, torch.tensor([70, 3]),
+                       torch.tensor([6, 6]), tree)
+    assert out.abs().sum() > 0
+    check_extend(isa, dtype, q, k_pool, v_pool, table, rows, torch.tensor([70, 3]),
+                 torch.tensor([6, 4]), None, sliding_window=20)
 
 
 # ---- store_kv ---------------------------------------------------------------------------------

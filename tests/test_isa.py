@@ -44,7 +44,38 @@ def test_forced_isa_restores_and_counts():
     assert counts == {"compact_accepted_cache_locs:portable": 1}
 
 
-@pytest.mark.skipif(specdec_inductor.detected_isa() == "portable", reason="CPU without AVX-512")
+def _cpuinfo_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(l for l in f if l.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    return set(line.split(":", 1)[1].split())
+
+
+@pytest.mark.skipif(_cpuinfo_flags() is None, reason="no /proc/cpuinfo flags (not Linux)")
+def test_detection_agrees_with_proc_cpuinfo():
+    """cpuid + xgetbv detection against the kernel's own view of the CPU."""
+    flags = _cpuinfo_flags()
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    avx512 = avx2 and {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
+    amx = avx512 and {"amx_tile", "amx_bf16"} <= flags
+    want = "amx" if amx else "avx512" if avx512 else "avx2" if avx2 else "portable"
+    assert specdec_inductor.detected_isa() == want, sorted(f for f in flags if "avx" in f or "amx" in f)
+
+
+@pytest.mark.skipif("avx2" not in specdec_inductor.runnable_isas(), reason="CPU without AVX2")
+def test_avx2_path_really_runs_here():
+    assert "avx2" in specdec_inductor.built_isas(), "compiler could not build the AVX2 units"
+    x, w = torch.randn(3, 40), torch.randn(24, 40)
+    specdec_inductor.reset_kernel_path_counts()
+    with specdec_inductor.forced_isa("avx2"):
+        y = ops.skinny_linear(x, w)
+    assert specdec_inductor.kernel_path_counts() == {"skinny_linear:avx2": 1}
+    torch.testing.assert_close(y, x @ w.T, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif("avx512" not in specdec_inductor.runnable_isas(), reason="CPU without AVX-512")
 def test_avx512_path_really_runs_here():
     assert "avx512" in specdec_inductor.built_isas(), "compiler could not build the AVX-512 units"
     specdec_inductor.reset_kernel_path_counts()
@@ -53,12 +84,16 @@ def test_avx512_path_really_runs_here():
     assert specdec_inductor.kernel_path_counts() == {"compact_accepted_cache_locs:avx512": 1}
 
 
-def test_peak_probe_counts_its_multiply_adds_and_needs_avx512():
+def test_peak_probe_counts_its_multiply_adds_and_needs_simd():
     from specdec_inductor import _C
     threads = torch.get_num_threads()
     if "avx512" in specdec_inductor.runnable_isas():
         with specdec_inductor.forced_isa("avx512"):
             assert _C.peak_multiply_adds(False, 10) == threads * 10 * 12 * 16  # fp32 FMAs
             assert _C.peak_multiply_adds(True, 10) == threads * 10 * 12 * 32  # bf16 pairs
+    if "avx2" in specdec_inductor.runnable_isas():
+        with specdec_inductor.forced_isa("avx2"):  # 8-lane fp32 FMAs, bf16 widened
+            assert _C.peak_multiply_adds(False, 10) == threads * 10 * 12 * 8
+            assert _C.peak_multiply_adds(True, 10) == threads * 10 * 12 * 8
     with specdec_inductor.forced_isa("portable"):
         assert _C.peak_multiply_adds(False, 10) == 0

@@ -17,6 +17,10 @@ from specdec_inductor.ops import (clear_packed_weights, packed_weight_stats,
 from specdec_inductor.ops.reference import skinny_linear_ref
 
 PATHS = specdec_inductor.runnable_isas()
+# Paths with a packed-weight kernel (an AMX machine runs the AVX-512 one).
+PACKED_PATHS = [p for p in PATHS if p in ("avx2", "avx512")]
+# The path the default (unforced) ISA records for the SIMD kernels.
+BEST = {"amx": "avx512"}.get(specdec_inductor.active_isa(), specdec_inductor.active_isa())
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -82,8 +86,8 @@ def test_column_major_weight_is_copied_and_counted():
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_threads_do_not_change_the_result(packed):
-    if packed and "avx512" not in PATHS:
-        pytest.skip("the packed kernel is AVX-512")
+    if packed and not PACKED_PATHS:
+        pytest.skip("the packed kernels are AVX2 / AVX-512")
     x, w = torch.randn(8, 256), torch.randn(4096, 256)  # [M, K], [N, K]: splits across threads
     if packed:
         register_packed_weight(w)
@@ -98,7 +102,7 @@ def test_threads_do_not_change_the_result(packed):
         torch.set_num_threads(threads)
         release_packed_weight(w)
     assert torch.equal(one, many)
-    assert specdec_inductor.kernel_path_counts().get("skinny_linear_packed:avx512", 0) == (
+    assert specdec_inductor.kernel_path_counts().get(f"skinny_linear_packed:{BEST}", 0) == (
         2 if packed else 0)
 
 
@@ -143,49 +147,49 @@ def test_opcheck(sample):
     opcheck(torch.ops.specdec.skinny_linear.default, sample)
 
 
-# -- packed weights (register_packed_weight; the AVX-512 path reads the blocked copy) ----------
+# -- packed weights (register_packed_weight; the AVX2 and AVX-512 paths read the blocked copy) --
 
-needs_avx512 = pytest.mark.skipif("avx512" not in PATHS, reason="the packed kernel is AVX-512")
+needs_packed = pytest.mark.skipif(not PACKED_PATHS, reason="the packed kernels are AVX2 / AVX-512")
 
 
 def _packed_counts():
     return {k: v for k, v in specdec_inductor.kernel_path_counts().items() if "skinny" in k}
 
 
-@needs_avx512
+@pytest.mark.parametrize("path", PACKED_PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,k,n", [(1, 576, 100), (4, 576, 576), (1, 1536, 576), (8, 1, 9),
                                    (2, 15, 8), (3, 17, 7), (16, 1000, 40), (8, 33, 49),
                                    (5, 64, 48), (9, 63, 97), (33, 64, 145)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_matches_reference(dtype, m, k, n, bias):
+def test_packed_matches_reference(path, dtype, m, k, n, bias):
     gen = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=gen).to(dtype)  # [M, K]
     w = torch.randn(n, k, generator=gen).to(dtype)  # [N, K]
     b = torch.randn(n, generator=gen).to(dtype) if bias else None  # [N]
     register_packed_weight(w)
     specdec_inductor.reset_kernel_path_counts()
-    with specdec_inductor.forced_isa("avx512"):
+    with specdec_inductor.forced_isa(path):
         first, second = skinny_linear(x, w, b), skinny_linear(x, w, b)
     # Packed once (on the first call), read twice; the row kernel never ran.
     assert _packed_counts() == {"skinny_linear_pack:portable": 1,
-                                "skinny_linear_packed:avx512": 2}
+                                f"skinny_linear_packed:{path}": 2}
     assert torch.equal(first, second) and first.dtype == dtype and first.shape == (m, n)
     _check_close(first, x, w, b)
     torch.testing.assert_close(first.float(), skinny_linear_ref(x, w, b).float(),
                                rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
     assert release_packed_weight(w) and not release_packed_weight(w)
     specdec_inductor.reset_kernel_path_counts()
-    with specdec_inductor.forced_isa("avx512"):
+    with specdec_inductor.forced_isa(path):
         row = skinny_linear(x, w, b)  # unpacked again: same values up to summation order
-    assert _packed_counts() == {"skinny_linear_gemm:portable" if m > 16 else "skinny_linear:avx512": 1}
+    assert _packed_counts() == {"skinny_linear_gemm:portable" if m > 16 else f"skinny_linear:{path}": 1}
     torch.testing.assert_close(row.float(), first.float(),
                                rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
 
 
-@needs_avx512
+@pytest.mark.parametrize("path", PACKED_PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_strided_weights(dtype):
+def test_packed_strided_weights(path, dtype):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, 40, generator=gen).to(dtype)
     col_major = torch.randn(40, 24, generator=gen).to(dtype).t()  # [N=24, K=40], stride(1) = 24
@@ -193,32 +197,32 @@ def test_packed_strided_weights(dtype):
     for w in (col_major, sliced):
         register_packed_weight(w)
         specdec_inductor.reset_kernel_path_counts()
-        with specdec_inductor.forced_isa("avx512"):
+        with specdec_inductor.forced_isa(path):
             out = skinny_linear(x, w)
         # Packed straight from the strided weight: no per-call dense copy.
         assert _packed_counts() == {"skinny_linear_pack:portable": 1,
-                                    "skinny_linear_packed:avx512": 1}
+                                    f"skinny_linear_packed:{path}": 1}
         _check_close(out, x, w, None)
         # A view with the same data pointer but another shape is not the registered weight.
         specdec_inductor.reset_kernel_path_counts()
-        with specdec_inductor.forced_isa("avx512"):
+        with specdec_inductor.forced_isa(path):
             skinny_linear(x, w[:7])
-        assert "skinny_linear_packed:avx512" not in _packed_counts()
+        assert f"skinny_linear_packed:{path}" not in _packed_counts()
         release_packed_weight(w)
 
 
-@needs_avx512
-def test_packed_weight_follows_in_place_updates():
+@pytest.mark.parametrize("path", PACKED_PATHS)
+def test_packed_weight_follows_in_place_updates(path):
     gen = torch.Generator().manual_seed(4)
     x, w = torch.randn(3, 32, generator=gen), torch.nn.Parameter(torch.randn(20, 32, generator=gen))
     register_packed_weight(w)
-    with specdec_inductor.forced_isa("avx512"), torch.no_grad():
+    with specdec_inductor.forced_isa(path), torch.no_grad():
         skinny_linear(x, w)
         w.mul_(-0.5)  # bumps the version counter: the next call re-packs
         specdec_inductor.reset_kernel_path_counts()
         _check_close(skinny_linear(x, w), x, w, None)
         assert _packed_counts() == {"skinny_linear_repack:portable": 1,
-                                    "skinny_linear_packed:avx512": 1}
+                                    f"skinny_linear_packed:{path}": 1}
         # A write through .data bypasses the version counter (documented): the stale copy is
         # used until the weight is released and registered again.
         before = skinny_linear(x, w)
@@ -230,15 +234,15 @@ def test_packed_weight_follows_in_place_updates():
     release_packed_weight(w)
 
 
-@needs_avx512
-def test_packed_copy_is_freed_with_its_weight():
+@pytest.mark.parametrize("path", PACKED_PATHS)
+def test_packed_copy_is_freed_with_its_weight(path):
     import gc
     clear_packed_weights()
     w = torch.randn(64, 48)
     register_packed_weight(w)
     register_packed_weight(w)  # idempotent
     assert packed_weight_stats() == {"registered": 1, "packed": 0, "bytes": 0}
-    with specdec_inductor.forced_isa("avx512"):
+    with specdec_inductor.forced_isa(path):
         skinny_linear(torch.randn(2, 48), w)
     assert packed_weight_stats() == {"registered": 1, "packed": 1, "bytes": 64 * 48 * 4}
     del w
@@ -247,9 +251,9 @@ def test_packed_copy_is_freed_with_its_weight():
     # A new tensor that happens to reuse the freed address is not mistaken for the old one.
     w2 = torch.randn(64, 48)
     specdec_inductor.reset_kernel_path_counts()
-    with specdec_inductor.forced_isa("avx512"):
+    with specdec_inductor.forced_isa(path):
         skinny_linear(torch.randn(2, 48), w2)
-    assert _packed_counts() == {"skinny_linear:avx512": 1}
+    assert _packed_counts() == {f"skinny_linear:{path}": 1}
 
 
 def test_packed_weight_is_ignored_on_the_portable_path():
@@ -352,9 +356,9 @@ def test_pass_leaves_large_batches_and_other_layouts():
     specdec_inductor.reset_kernel_path_counts()
     out, codes = _compile_and_code(model, x)
     assert torch._dynamo.utils.counters["specdec"]["skinny_linear"] == 2
-    if "avx512" in PATHS:
+    if PACKED_PATHS:
         assert _packed_counts() == {"skinny_linear_pack:portable": 2,
-                                    "skinny_linear_packed:avx512": 2}
+                                    f"skinny_linear_packed:{BEST}": 2}
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
 
@@ -372,7 +376,7 @@ def test_pass_leaves_large_batches_and_other_layouts():
     assert "specdec.skinny_linear" not in codes[0]
 
 
-@needs_avx512
+@needs_packed
 def test_backend_packs_the_parameters_it_compiles():
     torch.manual_seed(0)
     model = _Mlp().eval()
@@ -380,7 +384,7 @@ def test_backend_packs_the_parameters_it_compiles():
     specdec_inductor.reset_kernel_path_counts()
     out, _ = _compile_and_code(model, x)
     # up.weight and down.weight are registered and packed on their first call; biases are 1-D.
-    assert _packed_counts() == {"skinny_linear_pack:portable": 2, "skinny_linear_packed:avx512": 2}
+    assert _packed_counts() == {"skinny_linear_pack:portable": 2, f"skinny_linear_packed:{BEST}": 2}
     for p in (model.up.weight, model.down.weight):
         assert release_packed_weight(p)
     assert not release_packed_weight(model.up.bias)
@@ -388,7 +392,7 @@ def test_backend_packs_the_parameters_it_compiles():
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     specdec_inductor.reset_kernel_path_counts()
     out, _ = _compile_and_code(model, x, {"specdec.pack_weights": False})
-    assert _packed_counts() == {"skinny_linear:avx512": 2}
+    assert _packed_counts() == {f"skinny_linear:{BEST}": 2}
     assert not release_packed_weight(model.up.weight)
 
 

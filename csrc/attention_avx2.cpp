@@ -1,0 +1,214 @@
+// AVX2 attention chunk kernel (built with -mavx2 -mfma -mf16c; run when active_isa() >= AVX2 and
+// head_dim % 8 == 0, unless a wider kernel takes the call): the AttnChunk contract of
+// attention_isa.h on 8 fp32 lanes. Per block of 64 keys: each query's scores come from dot
+// products over D (8 keys at a time, their 8 partial-sum vectors reduced together), then an
+// online-softmax step with a vector exp and P.V as broadcast FMAs over V rows. bf16 K/V rows are
+// widened to fp32 once per block (exact) and shared by every query of the GQA group; all
+// arithmetic is fp32. No std:: containers: template code compiled with AVX2 flags must not be
+// shared with the portable library.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <limits>
+
+#include "attention_isa.h"
+
+namespace specdec {
+namespace {
+
+constexpr int64_t kKeyBlock = 64;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// A per-thread fp32 buffer that only grows (freed at thread exit).
+struct Buffer {
+  float* data = nullptr;
+  int64_t size = 0;
+  float* get(int64_t n) {
+    if (n > size) {
+      std::free(data);
+      const int64_t bytes = ((n * 4 + 63) / 64) * 64;
+      data = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(bytes)));
+      if (data == nullptr) {
+        size = 0;
+        throw std::bad_alloc();
+      }
+      size = n;
+    }
+    return data;
+  }
+  ~Buffer() { std::free(data); }
+};
+thread_local Buffer t_q, t_k, t_v, t_zero;
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+
+// D elements of a row as fp32 (D % 8 == 0).
+inline void widen_row(const uint16_t* src, int64_t D, float* dst) {
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+}
+
+// exp(x) for x clamped to [-87, 88]: Cody-Waite reduction by ln 2, degree-7 Taylor polynomial on
+// |r| <= ln2/2, times 2^n built in the exponent field.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Lane i = the sum of a[i]'s 8 lanes.
+inline __m256 reduce8(const __m256 a[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline bool visible(const AttnChunk& c, int64_t t, int64_t p) {
+  if (c.window > 0 && p <= c.prefix + t - c.window) return false;
+  if (p < c.prefix) return true;
+  const int64_t e = p - c.prefix;
+  return c.tree == nullptr ? e <= t : c.tree[t * c.tree_stride + e] != 0;
+}
+
+// s[0:64] = q . k_j for keys j of the block (rows past the block's keys point at zeros).
+inline void scores(const float* q, const float* const* krow, int64_t D, float* s) {
+  for (int64_t j0 = 0; j0 < kKeyBlock; j0 += 8) {
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[j0 + i] + d), a[i]);
+    }
+    _mm256_store_ps(s + j0, reduce8(a));
+  }
+}
+
+// acc[0:D] = alpha * acc + sum_j p[j] * v_j over the block's nk keys.
+inline void pv(const float* p, const float* const* vrow, int64_t nk, float alpha, float* acc, int64_t D) {
+  const __m256 av = _mm256_set1_ps(alpha);
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) {
+    __m256 r[4];
+    for (int i = 0; i < 4; ++i) r[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8 * i), av);
+    for (int64_t j = 0; j < nk; ++j) {
+      if (p[j] == 0.0f) continue;  // an invisible key (or one whose weight underflowed)
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* v = vrow[j] + d0;
+      for (int i = 0; i < 4; ++i) r[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), r[i]);
+    }
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + d0 + 8 * i, r[i]);
+  }
+  for (; d0 < D; d0 += 8) {
+    __m256 r = _mm256_mul_ps(_mm256_loadu_ps(acc + d0), av);
+    for (int64_t j = 0; j < nk; ++j) {
+      if (p[j] == 0.0f) continue;
+      r = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vrow[j] + d0), r);
+    }
+    _mm256_storeu_ps(acc + d0, r);
+  }
+}
+
+}  // namespace
+
+void attention_chunk_avx2(const AttnChunk& c) {
+  const bool bf16 = c.dtype == AttnDtype::BFLOAT16;
+  const int64_t D = c.head_dim, M = c.rows * c.heads, elem = bf16 ? 2 : 4;
+  float* q = t_q.get(M * D);
+  float* kbuf = bf16 ? t_k.get(kKeyBlock * D) : nullptr;
+  float* vbuf = bf16 ? t_v.get(kKeyBlock * D) : nullptr;
+  float* zero = t_zero.get(D);
+  std::memset(zero, 0, D * sizeof(float));
+  for (int64_t m = 0; m < M; ++m) {
+    const char* src = static_cast<const char*>(c.q) +
+                      ((m / c.heads) * c.q_stride_row + (m % c.heads) * c.q_stride_head) * elem;
+    if (bf16) widen_row(reinterpret_cast<const uint16_t*>(src), D, q + m * D);
+    else std::memcpy(q + m * D, src, D * sizeof(float));
+    c.max[m] = kNegInf;
+    c.sum[m] = 0.0f;
+  }
+  std::memset(c.acc, 0, M * D * sizeof(float));
+  const char* kbase = static_cast<const char*>(c.k);
+  const char* vbase = static_cast<const char*>(c.v);
+  const float* krow[kKeyBlock];
+  const float* vrow[kKeyBlock];
+  alignas(32) float s[kKeyBlock];
+  for (int64_t kb0 = c.key_begin; kb0 < c.key_end; kb0 += kKeyBlock) {
+    const int64_t nk = c.key_end - kb0 < kKeyBlock ? c.key_end - kb0 : kKeyBlock;
+    for (int64_t j = 0; j < kKeyBlock; ++j) {
+      if (j >= nk) {
+        krow[j] = vrow[j] = zero;
+        continue;
+      }
+      const int64_t slot = c.slots[(kb0 + j) * c.slot_stride];
+      const char* kr = kbase + slot * c.k_stride_slot * elem;
+      const char* vr = vbase + slot * c.v_stride_slot * elem;
+      if (bf16) {
+        widen_row(reinterpret_cast<const uint16_t*>(kr), D, kbuf + j * D);
+        widen_row(reinterpret_cast<const uint16_t*>(vr), D, vbuf + j * D);
+        krow[j] = kbuf + j * D;
+        vrow[j] = vbuf + j * D;
+      } else {
+        krow[j] = reinterpret_cast<const float*>(kr);
+        vrow[j] = reinterpret_cast<const float*>(vr);
+      }
+    }
+    // Every key of a block inside the committed prefix is visible to every row (no window).
+    const bool all_visible = c.window <= 0 && kb0 + nk <= c.prefix;
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t t = c.row0 + m / c.heads;
+      scores(q + m * D, krow, D, s);
+      float block_max = kNegInf;
+      for (int64_t j = 0; j < kKeyBlock; ++j) {
+        float x = s[j] * c.scale;
+        if (c.logit_cap > 0) x = c.logit_cap * std::tanh(x / c.logit_cap);
+        if (j >= nk || (!all_visible && !visible(c, t, kb0 + j))) x = kNegInf;
+        s[j] = x;
+        block_max = x > block_max ? x : block_max;
+      }
+      if (block_max == kNegInf) continue;  // no visible key here: this row's state is unchanged
+      const float m_new = c.max[m] > block_max ? c.max[m] : block_max;
+      const float alpha = std::exp(c.max[m] - m_new);  // 0 when the row had no key yet
+      const __m256 mn = _mm256_set1_ps(m_new), ninf = _mm256_set1_ps(kNegInf);
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < kKeyBlock; j += 8) {
+        const __m256 x = _mm256_load_ps(s + j);
+        // exp clamps its input, so an invisible key (-inf) is zeroed explicitly.
+        const __m256 p = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(x, mn)));
+        sum = _mm256_add_ps(sum, p);
+        _mm256_store_ps(s + j, p);
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, sum);
+      float total = 0.0f;
+      for (float v : lanes) total += v;
+      c.sum[m] = c.sum[m] * alpha + total;
+      c.max[m] = m_new;
+      pv(s, vrow, nk, alpha, c.acc + m * D, D);
+    }
+  }
+}
+
+}  // namespace specdec

@@ -1,0 +1,280 @@
+// AVX2 kernel of skinny_linear (see linear_isa.h), for x86-64 CPUs without AVX-512 (AMD Zen 1-3,
+// Intel client cores): 8 fp32 lanes, FMA, 16 vector registers. Same weight-streaming plan as
+// linear_avx512.cpp. AVX2 has no bf16 arithmetic: a bf16 weight is widened to fp32 in registers
+// (a shift for the even element of a pair, a mask for the odd one: both exact), x is widened
+// once per call into a per-thread fp32 copy, and the products and sums are fp32 FMAs, so bf16
+// weights still move half the bytes of fp32 ones. No std:: containers: template code compiled
+// with AVX2 flags must not be shared with the portable library.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "linear_isa.h"
+
+namespace specdec {
+namespace {
+
+inline uint16_t round_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float load_scalar(LinearDtype dtype, const void* p, int64_t i) {
+  return dtype == LinearDtype::FLOAT32 ? static_cast<const float*>(p)[i]
+                                       : bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+}
+
+// y[m, n] = v (+ bias[n]) in the output dtype (a bf16 result rounded once, to nearest even).
+inline void store(LinearDtype dtype, const void* bias, void* y, int64_t y_stride, int64_t m,
+                  int64_t n, float v) {
+  if (bias) v += load_scalar(dtype, bias, n);
+  if (dtype == LinearDtype::FLOAT32) static_cast<float*>(y)[m * y_stride + n] = v;
+  else static_cast<uint16_t*>(y)[m * y_stride + n] = round_to_bf16(v);
+}
+
+// A per-thread fp32 buffer that only grows (freed at thread exit).
+struct Buffer {
+  float* data = nullptr;
+  int64_t size = 0;
+  float* get(int64_t n) {
+    if (n > size) {
+      std::free(data);
+      data = static_cast<float*>(std::malloc(static_cast<size_t>(n) * sizeof(float)));
+      if (data == nullptr) {
+        size = 0;
+        throw std::bad_alloc();
+      }
+      size = n;
+    }
+    return data;
+  }
+  ~Buffer() { std::free(data); }
+};
+thread_local Buffer t_x;
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// x rows [M, width] (row stride `stride`) as dense fp32 [M, width] in a per-thread buffer: fp32
+// x is used in place, bf16 x is widened (exactly) once per call.
+const float* fp32_rows(LinearDtype dtype, const void* x, int64_t stride, int64_t M, int64_t width,
+                       int64_t* out_stride) {
+  if (dtype == LinearDtype::FLOAT32) {
+    *out_stride = stride;
+    return static_cast<const float*>(x);
+  }
+  float* buf = t_x.get(M * width);
+  const uint16_t* src = static_cast<const uint16_t*>(x);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < width; ++k) buf[m * width + k] = bf16_to_float(src[m * stride + k]);
+  *out_stride = width;
+  return buf;
+}
+
+// ---- Row kernel (dense weight rows) ----
+
+// 8 weights of row w at k as fp32.
+struct F32Row {
+  using T = float;
+  static __m256 load(const T* p) { return _mm256_loadu_ps(p); }
+};
+struct Bf16Row {
+  using T = uint16_t;
+  static __m256 load(const T* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+};
+
+// One weight row n times MB rows of x (fp32), U independent accumulators per x row.
+template <class Ops, int MB, int U>
+void row(const LinearBlock& b, const float* x, int64_t xs, int64_t n, int64_t m0) {
+  using T = typename Ops::T;
+  constexpr int64_t L = 8;
+  const T* wr = static_cast<const T*>(b.w) + n * b.w_stride;
+  const float* xr[MB];
+  for (int j = 0; j < MB; ++j) xr[j] = x + (m0 + j) * xs;
+  __m256 acc[MB][U];
+  for (int j = 0; j < MB; ++j)
+    for (int u = 0; u < U; ++u) acc[j][u] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + L * U <= b.K; k += L * U) {
+    for (int u = 0; u < U; ++u) {
+      const __m256 wv = Ops::load(wr + k + L * u);
+      for (int j = 0; j < MB; ++j)
+        acc[j][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[j] + k + L * u), acc[j][u]);
+    }
+  }
+  for (; k + L <= b.K; k += L) {
+    const __m256 wv = Ops::load(wr + k);
+    for (int j = 0; j < MB; ++j) acc[j][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[j] + k), acc[j][0]);
+  }
+  for (int j = 0; j < MB; ++j) {
+    __m256 s = acc[j][0];
+    for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[j][u]);
+    float v = hsum(s);
+    for (int64_t kt = k; kt < b.K; ++kt) v += load_scalar(b.dtype, wr, kt) * xr[j][kt];
+    store(b.dtype, b.bias, b.y, b.y_stride, m0 + j, n, v);
+  }
+}
+
+template <class Ops>
+void all_rows(const LinearBlock& b, const float* x, int64_t xs, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= b.M; m += 4) row<Ops, 4, 2>(b, x, xs, n, m);
+  switch (b.M - m) {
+    case 3: row<Ops, 3, 2>(b, x, xs, n, m); break;
+    case 2: row<Ops, 2, 2>(b, x, xs, n, m); break;
+    case 1: row<Ops, 1, 4>(b, x, xs, n, m); break;
+    default: break;
+  }
+}
+
+// ---- Packed weights (PackedLinearBlock in linear_isa.h) ----
+// A block of 16 outputs is two 8-lane halves. fp32: one k step of a half is one vector. bf16:
+// one pair step of a half is 8 words holding (k = 2kk, 2kk + 1) of 8 outputs; the even element
+// is the word shifted left by 16, the odd one the word with its low half cleared.
+
+struct F32Packed {
+  static constexpr int64_t kChunk = 32;  // k steps per partial sum
+  static constexpr int kParts = 1;       // fp32 vectors per half and step
+  static constexpr int64_t kStepBytes = kPackLanes * 4;
+  static void load(const char* w, __m256 out[2][2]) {
+    out[0][0] = _mm256_loadu_ps(reinterpret_cast<const float*>(w));
+    out[1][0] = _mm256_loadu_ps(reinterpret_cast<const float*>(w) + 8);
+  }
+};
+
+struct Bf16Packed {
+  static constexpr int64_t kChunk = 16;  // pair steps (32 k) per partial sum
+  static constexpr int kParts = 2;
+  static constexpr int64_t kStepBytes = kPackLanes * 4;  // 16 outputs x 2 bf16
+  static void load(const char* w, __m256 out[2][2]) {
+    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w) + h);
+      out[h][0] = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+      out[h][1] = _mm256_castsi256_ps(_mm256_and_si256(words, hi_mask));
+    }
+  }
+};
+
+// Blocks [nb0, nb0 + C) times fp32 x rows [m0, m0 + MB) (x holds Kp * kParts columns): 2 * C * MB
+// accumulators; each chunk of k ends by adding them into `total`, which keeps the fp32 error of
+// a K-long sum at the level of a blocked sum.
+template <class Ops, int C, int MB>
+void packed_tile(const PackedLinearBlock& b, const float* x, int64_t xs, int64_t nb0, int64_t m0) {
+  constexpr int P = Ops::kParts;
+  const float* xr[MB];
+  for (int j = 0; j < MB; ++j) xr[j] = x + (m0 + j) * xs;
+  const char* wb = static_cast<const char*>(b.wp) + nb0 * b.Kp * Ops::kStepBytes;
+  const int64_t block_bytes = b.Kp * Ops::kStepBytes;
+  __m256 total[C][2][MB];
+  for (int c = 0; c < C; ++c)
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < MB; ++j) total[c][h][j] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < b.Kp; k0 += Ops::kChunk) {
+    const int64_t k1 = std::min(b.Kp, k0 + Ops::kChunk);
+    __m256 acc[C][2][MB];
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < MB; ++j) acc[c][h][j] = _mm256_setzero_ps();
+    for (int64_t kk = k0; kk < k1; ++kk) {
+      const char* w = wb + kk * Ops::kStepBytes;
+      __m256 wv[C][2][2];
+      for (int c = 0; c < C; ++c) Ops::load(w + c * block_bytes, wv[c]);
+      for (int p = 0; p < P; ++p) {
+        for (int j = 0; j < MB; ++j) {
+          const __m256 xb = _mm256_broadcast_ss(xr[j] + kk * P + p);
+          for (int c = 0; c < C; ++c)
+            for (int h = 0; h < 2; ++h) acc[c][h][j] = _mm256_fmadd_ps(wv[c][h][p], xb, acc[c][h][j]);
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < MB; ++j) total[c][h][j] = _mm256_add_ps(total[c][h][j], acc[c][h][j]);
+  }
+  for (int c = 0; c < C; ++c) {
+    const int64_t n0 = (nb0 + c) * kPackLanes;
+    const int64_t lanes = std::min<int64_t>(kPackLanes, b.N - n0);
+    for (int j = 0; j < MB; ++j) {
+      alignas(32) float out[kPackLanes];
+      _mm256_store_ps(out, total[c][0][j]);
+      _mm256_store_ps(out + 8, total[c][1][j]);
+      for (int64_t i = 0; i < lanes; ++i) store(b.dtype, b.bias, b.y, b.y_stride, m0 + j, n0 + i, out[i]);
+    }
+  }
+}
+
+// One row (decode): a whole group's C blocks at once, C * 2 streams in flight. More rows: one
+// block at a time against up to 4 rows (8 accumulators, the weight line reused 4 times from
+// registers), the block re-read from L1/L2 for further rows.
+template <class Ops, int C>
+void packed_group(const PackedLinearBlock& b, const float* x, int64_t xs, int64_t nb0) {
+  if (b.M == 1) {
+    packed_tile<Ops, C, 1>(b, x, xs, nb0, 0);
+    return;
+  }
+  for (int c = 0; c < C; ++c) {
+    int64_t m = 0;
+    for (; m + 4 <= b.M; m += 4) packed_tile<Ops, 1, 4>(b, x, xs, nb0 + c, m);
+    switch (b.M - m) {
+      case 3: packed_tile<Ops, 1, 3>(b, x, xs, nb0 + c, m); break;
+      case 2: packed_tile<Ops, 1, 2>(b, x, xs, nb0 + c, m); break;
+      case 1: packed_tile<Ops, 1, 1>(b, x, xs, nb0 + c, m); break;
+      default: break;
+    }
+  }
+}
+
+template <class Ops>
+void packed_groups(const PackedLinearBlock& b) {
+  int64_t xs = 0;
+  const float* x = fp32_rows(b.dtype, b.x, b.x_stride, b.M, b.Kp * Ops::kParts, &xs);
+  const int64_t blocks = (b.N + kPackLanes - 1) / kPackLanes;
+  for (int64_t g = b.g_begin; g < b.g_end; ++g) {
+    const int64_t nb0 = g * kPackGroupBlocks;
+    switch (std::min(kPackGroupBlocks, blocks - nb0)) {
+      case 3: packed_group<Ops, 3>(b, x, xs, nb0); break;
+      case 2: packed_group<Ops, 2>(b, x, xs, nb0); break;
+      case 1: packed_group<Ops, 1>(b, x, xs, nb0); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
+
+void packed_linear_avx2(const PackedLinearBlock& b) {
+  if (b.dtype == LinearDtype::FLOAT32) packed_groups<F32Packed>(b);
+  else packed_groups<Bf16Packed>(b);
+}
+
+void skinny_linear_avx2(const LinearBlock& b) {
+  int64_t xs = 0;
+  const float* x = fp32_rows(b.dtype, b.x, b.x_stride, b.M, b.K, &xs);
+  for (int64_t n = b.n_begin; n < b.n_end; ++n) {
+    if (b.dtype == LinearDtype::FLOAT32) all_rows<F32Row>(b, x, xs, n);
+    else all_rows<Bf16Row>(b, x, xs, n);
+  }
+}
+
+}  // namespace specdec
