@@ -212,7 +212,7 @@ def fmt_us(t):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes, fewer repeats")
-    ap.add_argument("--isa", choices=["portable", "avx512", "amx"], default=None,
+    ap.add_argument("--isa", choices=["portable", "avx2", "avx512", "amx"], default=None,
                     help="force the kernel path (default: the best this machine supports)")
     ap.add_argument("--no-flex", action="store_true", help="skip compiled flex_attention")
     ap.add_argument("--repeats", type=int, default=None)

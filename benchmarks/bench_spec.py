@@ -207,6 +207,7 @@ def main():
             if spec.adaptive:
                 print(f"# {kind}: {label}: adaptive verify size, probe verify({spec._probe_size()}) "
                       f"measured at {spec.probe_cost:.2f} decode steps")
+
         for temp in temperatures:
             # AR and every method take turns within each repeat, so a drift of this shared
             # machine's speed hits them alike instead of whichever ran last.
@@ -237,6 +238,12 @@ def main():
                       f"{ar_s / sp_s:.2f}x | {stats.mean_accepted_length:.2f} | {accept} | {same} |",
                       flush=True)
                 print(f"#   {kind} T={temp:g} {label}: {stats.summary()}")
+                spec = methods[label]
+                if spec.verify_cost is not None and spec._draft_s is not None:
+                    print(f"#   acceptance gate at {spec.gate_threshold():.2f} accepted drafts per "
+                          f"step: verify({spec.proposer.num_draft_tokens}) measured at "
+                          f"{spec.verify_cost:.2f} decode steps, a draft at "
+                          f"{spec._draft_s / spec._decode_s:.2f}")
                 speedups.setdefault((label, temp), []).append(ar_s / sp_s)
     for (label, temp), values in speedups.items():
         print(f"# median over {len(values)} prompts, T={temp:g}, {label}: "

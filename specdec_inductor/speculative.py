@@ -190,7 +190,8 @@ class SpeculativeGenerator:
     def __init__(self, engine, proposer: Proposer, tree_sizes: Optional[Sequence[int]] = None,
                  min_accepted: Optional[float] = None, backoff_steps: int = 4,
                  verify_cost_per_node: float = 0.03, adaptive: Optional[bool] = None,
-                 grow_at: float = 0.5, probe_cost: Optional[float] = None):
+                 grow_at: float = 0.5, probe_cost: Optional[float] = None,
+                 gate_min_steps: int = 4):
         self.engine = engine
         self.proposer = proposer
         n = proposer.num_draft_tokens
@@ -209,16 +210,31 @@ class SpeculativeGenerator:
         #   the dropped first drafts are scored against the decoded tokens, so the rate keeps
         #   being measured at no cost.
         # - Acceptance gate (other proposers, whose drafting runs a draft model and is not
-        #   free): when the running mean of accepted drafts per verify step falls below
-        #   min_accepted, the next steps are plain decodes without drafting, backoff_steps at
+        #   free): when the mean of accepted drafts over this generation's draft steps (judged
+        #   from the gate_min_steps-th on: one step's count is mostly noise) falls below the
+        #   gate threshold, the next steps are plain decodes without drafting, backoff_steps at
         #   first and twice as many after each further failed probe (at most 64); a probe that
-        #   accepts enough resets the backoff. Default threshold: the break-even point of
+        #   brings the mean back up resets the backoff. (A 0.5 running mean, the rule before,
+        #   gated a head whose drafts pay often enough to cost it: simulated over 128-token
+        #   generations with the shipped EAGLE-3 head's per-step acceptance, the mean rule gains
+        #   0.3-1% at the AVX-512 costs below and 6-10% at AVX2's.) Default threshold: the break-even point of
         #   verify(N) against plain decode, verify_cost_per_node * (N - 1), where a verify of N
         #   tokens costs about 1 + verify_cost_per_node * (N - 1) decode steps.
+        #   Unless min_accepted is given, compile_verify (compiled engines) measures verify(N)
+        #   against a decode step (verify_cost) and the loop times each draft, and the threshold
+        #   becomes the break-even point of those measured costs, verify_cost + draft / decode
+        #   - 1 accepted drafts per step (gate_threshold; never below the default): on a CPU
+        #   where verify(N) costs 1.6 decode steps and drafting 0.4 (AVX2 here), a method must
+        #   accept a draft per step to pay at all.
         self.adaptive = bool(getattr(proposer, "cheap_drafts", False)) if adaptive is None else adaptive
+        self._gate_from_costs = min_accepted is None and not self.adaptive
         if min_accepted is None:
             min_accepted = verify_cost_per_node * (n - 1)
-        self.min_accepted, self.backoff_steps = min_accepted, backoff_steps
+        self._min_accepted, self.backoff_steps = min_accepted, backoff_steps
+        self.gate_min_steps = gate_min_steps
+        self.verify_cost: Optional[float] = None  # verify(N) / decode step, by compile_verify
+        self._decode_s: Optional[float] = None  # a decode step's seconds, by compile_verify
+        self._draft_s: Optional[float] = None  # running mean of a draft's seconds
         self.grow_at = grow_at
         # Cost of a probe-size verify in decode steps: measured by compile_verify (compiled
         # engines) unless given; 1.0 (free) until then.
@@ -239,18 +255,41 @@ class SpeculativeGenerator:
         """Compile the target's verify graph of every tree size > 1 for batch_size's bucket now.
         A warm-up `generate` may never verify (NGRAM before any context suffix recurs), and the
         graph would then compile inside the first timed step. Runs one verify per size on a
-        scratch request (step_times); with the adaptive size it also measures probe_cost."""
+        scratch request (step_times); with the adaptive size it also measures probe_cost, with
+        the cost-based acceptance gate verify_cost (verify(N) against a decode step)."""
         engine = self.engine
         sizes = [s for s in self.tree_sizes if s > 1]
         if not sizes or not engine.compiled:
             return
         step_times(engine, sizes, rounds=0, batch_size=batch_size)
+        if self._gate_from_costs:
+            n = self.proposer.num_draft_tokens
+            times = step_times(engine, [1, n], rounds=self.calibration_rounds, batch_size=batch_size)
+            self.verify_cost, self._decode_s = times[n] / times[1], times[1]
         if self.adaptive and self._calibrate and self.tree_sizes[0] == 1:
             # The adaptive size's probe cost (a decode graph compiles here if none has yet).
             probe = self._probe_size()
             times = step_times(engine, [1, probe], rounds=self.calibration_rounds,
                                batch_size=batch_size)
             self.probe_cost = times[probe] / times[1]
+
+    @property
+    def min_accepted(self) -> float:
+        return self._min_accepted
+
+    @min_accepted.setter
+    def min_accepted(self, value: float) -> None:
+        """A threshold set by hand is used as it is (no cost-based raise)."""
+        self._min_accepted = value
+        self._gate_from_costs = False
+
+    def gate_threshold(self) -> float:
+        """Accepted drafts per verify step below which the acceptance gate switches drafting
+        off: min_accepted, or (once compile_verify measured verify_cost and a draft has been
+        timed) the break-even point of the measured costs if that is higher."""
+        if not self._gate_from_costs or self.verify_cost is None or self._draft_s is None:
+            return self.min_accepted
+        return max(self.min_accepted, self.verify_cost + self._draft_s / self._decode_s - 1.0)
 
     def _size_for(self, offered: List[int], done: List[bool], caps: List[int]) -> int:
         """The verify size of a step: the smallest compiled size that holds every live
@@ -361,7 +400,8 @@ class SpeculativeGenerator:
                 proposer.start(ids, contexts)
             started = True
             t_loop = time.perf_counter()
-            accepted_mean, cooldown, failures = None, 0, 0
+            accepted_sum, draft_steps, cooldown, failures = 0.0, 0, 0, 0
+            catch_up = True  # the first draft also runs the draft's prompt: not timed
             caps = [n] * bs  # adaptive verify size per request (stays N without adaptive)
             ema = [float(n)] * bs  # running mean of each request's accepted drafts
             probe = self._probe_size()
@@ -376,6 +416,10 @@ class SpeculativeGenerator:
                     size, cooldown = 1, cooldown - 1
                 else:
                     draft = proposer.propose(ids, seq_lens[:bs])
+                    if not catch_up:
+                        d = time.perf_counter() - t
+                        self._draft_s = d if self._draft_s is None else 0.8 * self._draft_s + 0.2 * d
+                    catch_up = False
                     offered = (draft.num_drafts.tolist() if draft.num_drafts is not None
                                else [n - 1] * bs)  # before the cut to the adaptive size
                     size = self._size_for(offered, done, caps)
@@ -425,9 +469,10 @@ class SpeculativeGenerator:
                             hit_rate = self._update_hit_rate(hit_rate, hits, drafted)
                     else:
                         live = torch.tensor([not d for d in done])
-                        step_mean = float(accept_num[live].float().mean())
-                        accepted_mean = step_mean if accepted_mean is None else 0.5 * (accepted_mean + step_mean)
-                        if accepted_mean < self.min_accepted:
+                        accepted_sum += float(accept_num[live].float().mean())
+                        draft_steps += 1
+                        if (draft_steps >= self.gate_min_steps
+                                and accepted_sum / draft_steps < self.gate_threshold()):
                             cooldown = min(64, self.backoff_steps << failures)
                             failures += 1
                         else:

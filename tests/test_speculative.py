@@ -2,6 +2,8 @@
 same engine's plain greedy output token for token (tiny random models of each family, batch 1
 and ragged batches, eager and compiled), edge cases of length and EOS, and a fully free pool
 afterwards."""
+import time
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from specdec_inductor.engine.engine import Engine  # noqa: E402
 from specdec_inductor.proposers.ngram import NgramProposer  # noqa: E402
-from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats  # noqa: E402
+from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats, step_times  # noqa: E402
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -176,6 +178,11 @@ def test_compile_verify_compiles_every_verify_size_before_the_first_draft():
     # public steps hand every graph inference tensors, whatever the caller passed).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
     assert spec.probe_cost > 0 and spec.probe_cost != 1.0  # measured: verify(3) vs decode
+    assert spec.verify_cost is None  # NGRAM's cheap drafts: the adaptive size, no gate costs
+    gated = SpeculativeGenerator(engine, _CostlyScriptedChainProposer([5] * 40, 0.0))
+    gated.compile_verify()  # verify(6) is compiled already: this only measures it
+    assert gated.verify_cost is not None and gated.verify_cost > 0 and gated._decode_s > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
     assert engine.pool.num_free_slots == engine.pool.num_slots  # the scratch request is freed
     # A warm-up that never drafts (no suffix recurs) leaves nothing to compile later.
     assert spec.generate([[1, 2, 3, 4]], 2) is not None
@@ -227,6 +234,51 @@ class _ScriptedChainProposer:
         pass
 
 
+class _CostlyScriptedChainProposer(_ScriptedChainProposer):
+    """Right drafts (5 per step) from a proposer that is not cheap: the acceptance gate, not
+    the adaptive size, applies; each draft sleeps `delay` seconds."""
+
+    cheap_drafts = False
+
+    def __init__(self, truth, delay):
+        super().__init__(truth, wrong=())
+        self.delay = delay
+
+    def propose(self, request_ids, seq_lens):
+        time.sleep(self.delay)
+        return super().propose(request_ids, seq_lens)
+
+
+def test_gate_threshold_follows_measured_costs():
+    """With measured costs (compile_verify's verify_cost, the loop's draft timings) the gate
+    switches drafting off once drafts cost more than their accepted tokens bring -- even
+    drafts that are always right -- and leaves cheap right drafts alone; a threshold given by
+    hand (or set later) is used as it is."""
+    model = tiny_model("llama", seed=4)
+    engine = Engine(model, max_batch=1, max_len=128, compile=False, prefill_chunk=16)
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    plain = engine.generate(prompt, 40)
+    decode_s = step_times(engine, [1], rounds=5)[1]
+    runs = {}
+    for name, delay in (("cheap", 0.0), ("costly", 20 * decode_s)):
+        spec = SpeculativeGenerator(engine, _CostlyScriptedChainProposer(plain[0], delay))
+        assert not spec.adaptive and spec.gate_threshold() == spec.min_accepted
+        spec.verify_cost, spec._decode_s = 1.2, decode_s  # as compile_verify measures them
+        stats = SpeculativeStats()
+        assert spec.generate(prompt, 40, stats=stats) == plain
+        runs[name] = (spec, stats)
+    cheap, costly = runs["cheap"], runs["costly"]
+    assert cheap[0].gate_threshold() < 5 and cheap[1].decode_steps == 0, cheap[1].summary()
+    assert costly[0].gate_threshold() > 5  # 1.2 + ~20 - 1 accepted drafts per step
+    assert costly[1].decode_steps > 0, costly[1].summary()
+    fixed = SpeculativeGenerator(engine, _CostlyScriptedChainProposer(plain[0], 0.0), min_accepted=0.5)
+    fixed.verify_cost, fixed._decode_s, fixed._draft_s = 1.2, decode_s, 50 * decode_s
+    assert fixed.gate_threshold() == 0.5
+    costly[0].min_accepted = 0.0  # set by hand: the measured costs no longer raise it
+    assert costly[0].gate_threshold() == 0.0
+    engine.pool.check_consistent()
+
+
 def test_adaptive_size_shrinks_verifies_after_misses_and_grows_back():
     """A proposer with cheap drafts gets no acceptance gate: after missing drafts its verifies
     drop to the smallest size (2 tokens, a decode step's cost) instead of plain decodes, and
@@ -262,7 +314,8 @@ def test_adaptive_size_shrinks_verifies_after_misses_and_grows_back():
     assert priced.decode_steps > 0 and priced.steps_by_size.get(2, 0) < stats.steps_by_size[2]
     assert sizes[-1] == 6, (sizes, priced.summary())  # full drafts came back
     engine.pool.check_consistent()
-    # adaptive=False restores the gate: the misses turn into plain decode steps.
-    proposer.calls, gated = 0, SpeculativeStats()
-    assert SpeculativeGenerator(engine, proposer, adaptive=False).generate(prompt, 48, stats=gated) == plain
+    # adaptive=False restores the gate: drafts that keep missing turn into plain decode steps
+    # (the gate judges the generation's mean, which two early hits would keep above it).
+    wrong, gated = _ScriptedChainProposer(plain[0], wrong=range(100)), SpeculativeStats()
+    assert SpeculativeGenerator(engine, wrong, adaptive=False).generate(prompt, 48, stats=gated) == plain
     assert gated.decode_steps > 0 and 2 not in gated.steps_by_size, gated.summary()
