@@ -9,12 +9,11 @@
 #include <immintrin.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <new>
 #include <limits>
 
 #include "attention_isa.h"
+#include "isa_util.h"
 
 namespace specdec {
 namespace {
@@ -22,33 +21,7 @@ namespace {
 constexpr int64_t kKeyBlock = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// A per-thread fp32 buffer that only grows (freed at thread exit).
-struct Buffer {
-  float* data = nullptr;
-  int64_t size = 0;
-  float* get(int64_t n) {
-    if (n > size) {
-      std::free(data);
-      const int64_t bytes = ((n * 4 + 63) / 64) * 64;
-      data = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(bytes)));
-      if (data == nullptr) {
-        size = 0;
-        throw std::bad_alloc();
-      }
-      size = n;
-    }
-    return data;
-  }
-  ~Buffer() { std::free(data); }
-};
-thread_local Buffer t_q, t_k, t_v, t_zero;
-
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
+thread_local ScratchBuffer t_q, t_k, t_v, t_zero;
 
 // D elements of a row as fp32 (D % 8 == 0).
 inline void widen_row(const uint16_t* src, int64_t D, float* dst) {

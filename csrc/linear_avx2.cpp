@@ -8,29 +8,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <new>
 
+#include "isa_util.h"
 #include "linear_isa.h"
 
 namespace specdec {
 namespace {
-
-inline uint16_t round_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 inline float load_scalar(LinearDtype dtype, const void* p, int64_t i) {
   return dtype == LinearDtype::FLOAT32 ? static_cast<const float*>(p)[i]
@@ -45,25 +29,7 @@ inline void store(LinearDtype dtype, const void* bias, void* y, int64_t y_stride
   else static_cast<uint16_t*>(y)[m * y_stride + n] = round_to_bf16(v);
 }
 
-// A per-thread fp32 buffer that only grows (freed at thread exit).
-struct Buffer {
-  float* data = nullptr;
-  int64_t size = 0;
-  float* get(int64_t n) {
-    if (n > size) {
-      std::free(data);
-      data = static_cast<float*>(std::malloc(static_cast<size_t>(n) * sizeof(float)));
-      if (data == nullptr) {
-        size = 0;
-        throw std::bad_alloc();
-      }
-      size = n;
-    }
-    return data;
-  }
-  ~Buffer() { std::free(data); }
-};
-thread_local Buffer t_x;
+thread_local ScratchBuffer t_x;
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

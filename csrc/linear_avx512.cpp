@@ -7,25 +7,11 @@
 #include <algorithm>
 #include <cstring>
 
+#include "isa_util.h"
 #include "linear_isa.h"
 
 namespace specdec {
 namespace {
-
-inline uint16_t round_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 inline void store(const LinearBlock& b, int64_t m, int64_t n, float v) {
   if (b.bias) {
