@@ -150,6 +150,30 @@ void sweep_expired_locked() {
   }
 }
 
+// The path skinny_linear runs on: AVX-512 or AVX2 when built and active (AMX runs AVX-512: the
+// op is memory-bound), else portable.
+Isa linear_path() {
+#ifdef SPECDEC_BUILT_AVX512
+  if (active_isa() >= Isa::AVX512) return Isa::AVX512;
+#endif
+#ifdef SPECDEC_BUILT_AVX2
+  if (active_isa() >= Isa::AVX2) return Isa::AVX2;
+#endif
+  return Isa::PORTABLE;
+}
+
+// The packed-weight kernel of a path from linear_path(); nullptr for portable.
+void (*packed_kernel_for(Isa isa))(const PackedLinearBlock&) {
+#ifdef SPECDEC_BUILT_AVX512
+  if (isa == Isa::AVX512) return packed_linear_avx512;
+#endif
+#ifdef SPECDEC_BUILT_AVX2
+  if (isa == Isa::AVX2) return packed_linear_avx2;
+#endif
+  (void)isa;
+  return nullptr;
+}
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
   check_cpu(x, "x");
@@ -183,21 +207,10 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
     return y.view(out_shape);
   }
   const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
-  // A registered weight (any strides) runs on its packed copy, on the widest path built.
-  void (*packed_kernel)(const PackedLinearBlock&) = nullptr;
-  Isa packed_isa = Isa::PORTABLE;
-#ifdef SPECDEC_BUILT_AVX2
-  if (active_isa() >= Isa::AVX2) {
-    packed_kernel = packed_linear_avx2;
-    packed_isa = Isa::AVX2;
-  }
-#endif
-#ifdef SPECDEC_BUILT_AVX512
-  if (active_isa() >= Isa::AVX512) {
-    packed_kernel = packed_linear_avx512;
-    packed_isa = Isa::AVX512;
-  }
-#endif
+  // The widest SIMD path that is built and active; a registered weight (any strides) runs on
+  // its packed copy there.
+  const Isa isa = linear_path();
+  void (*packed_kernel)(const PackedLinearBlock&) = packed_kernel_for(isa);
   if (packed_kernel != nullptr) {
     const at::Tensor wp = packed_for(weight);
     if (wp.defined()) {
@@ -217,7 +230,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
         part.g_end = end;
         packed_kernel(part);
       });
-      SPECDEC_RECORD_PATH("skinny_linear_packed", packed_isa);
+      SPECDEC_RECORD_PATH("skinny_linear_packed", isa);
       return y.view(out_shape);
     }
   }
@@ -238,13 +251,6 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
   LinearBlock blk{x.scalar_type() == at::kFloat ? LinearDtype::FLOAT32 : LinearDtype::BFLOAT16,
                   M, K, x2.const_data_ptr(), K, w.const_data_ptr(), w.stride(0),
                   bias_c.defined() ? bias_c.const_data_ptr() : nullptr, y.data_ptr(), N, 0, 0};
-  Isa isa = Isa::PORTABLE;
-#ifdef SPECDEC_BUILT_AVX2
-  if (active_isa() >= Isa::AVX2) isa = Isa::AVX2;
-#endif
-#ifdef SPECDEC_BUILT_AVX512
-  if (active_isa() >= Isa::AVX512) isa = Isa::AVX512;
-#endif
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
   // A chunk gets at least ~64K multiply-adds: splitting a small layer costs more in the thread
   // pool's wake-up than it saves.

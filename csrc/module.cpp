@@ -39,26 +39,24 @@ PYBIND11_MODULE(_C, m) {
     // call for their compute roofline); 0 when this build or CPU has no SIMD probe. AVX-512:
     // 16 fp32 FMAs or 32 bf16 products per instruction; AVX2: 8 fp32 FMAs, bf16 included (its
     // kernels widen bf16 to fp32).
-    int64_t lanes = 0;
+    Isa probe = Isa::PORTABLE;
 #ifdef SPECDEC_BUILT_AVX2
-    if (active_isa() >= Isa::AVX2) lanes = 8;
+    if (active_isa() >= Isa::AVX2) probe = Isa::AVX2;
 #endif
 #ifdef SPECDEC_BUILT_AVX512
-    if (active_isa() >= Isa::AVX512) lanes = bf16 ? 32 : 16;
+    if (active_isa() >= Isa::AVX512) probe = Isa::AVX512;
 #endif
-    if (lanes == 0) return 0.0;
+    if (probe == Isa::PORTABLE) return 0.0;
+    const int64_t lanes = probe == Isa::AVX512 ? (bf16 ? 32 : 16) : 8;
     const int64_t threads = at::get_num_threads();
     std::vector<float> sink(threads);
     at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
 #ifdef SPECDEC_BUILT_AVX512
-        if (lanes != 8) {
-          sink[t] = peak_probe_avx512(bf16, iters);
-          continue;
-        }
+        if (probe == Isa::AVX512) sink[t] = peak_probe_avx512(bf16, iters);
 #endif
 #ifdef SPECDEC_BUILT_AVX2
-        sink[t] = peak_probe_avx2(iters);
+        if (probe == Isa::AVX2) sink[t] = peak_probe_avx2(iters);
 #endif
       }
     });

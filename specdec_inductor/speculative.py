@@ -211,24 +211,22 @@ class SpeculativeGenerator:
         #   being measured at no cost.
         # - Acceptance gate (other proposers, whose drafting runs a draft model and is not
         #   free): when the mean of accepted drafts over this generation's draft steps (judged
-        #   from the gate_min_steps-th on: one step's count is mostly noise) falls below the
-        #   gate threshold, the next steps are plain decodes without drafting, backoff_steps at
-        #   first and twice as many after each further failed probe (at most 64); a probe that
-        #   brings the mean back up resets the backoff. (The rule before -- a 0.5 running mean
-        #   against the default threshold -- also gated drafts that pay: in a simulation of
-        #   128-token generations whose per-step accepted drafts follow the shipped EAGLE-3
-        #   head's distribution and three others, the measured-cost threshold with this mean
-        #   gained 0.3-1.4% at the AVX-512 machine's costs (verify(8) 1.3, draft 0.4 decode
-        #   steps) and 3.5-12% at AVX2's (1.6, 0.75), except -3% for drafts accepted ~2 per step
-        #   at AVX2's costs.) Default threshold: the break-even point of
-        #   verify(N) against plain decode, verify_cost_per_node * (N - 1), where a verify of N
-        #   tokens costs about 1 + verify_cost_per_node * (N - 1) decode steps.
-        #   Unless min_accepted is given, compile_verify (compiled engines) measures verify(N)
-        #   against a decode step (verify_cost) and the loop times each draft, and the threshold
-        #   becomes the break-even point of those measured costs, verify_cost + draft / decode
-        #   - 1 accepted drafts per step (gate_threshold; never below the default): on a CPU
-        #   where verify(N) costs 1.6 decode steps and drafting 0.4 (AVX2 here), a method must
-        #   accept a draft per step to pay at all.
+        #   from the gate_min_steps-th on: one step's count is mostly noise) falls below
+        #   gate_threshold(), the next steps are plain decodes without drafting, backoff_steps
+        #   at first and twice as many after each further failed probe (at most 64); a probe
+        #   that brings the mean back up resets the backoff. The threshold is min_accepted when
+        #   given; else the break-even point of the measured costs, verify_cost + draft / decode
+        #   - 1 accepted drafts per step (compile_verify times verify(N) against a decode step on
+        #   compiled engines, the loop times the drafts), never below verify_cost_per_node *
+        #   (N - 1) (a verify of N tokens costing about 1 + verify_cost_per_node * (N - 1)
+        #   decode steps, the default until costs are measured). On the AVX2 machine verify(8)
+        #   measured 1.6 decode steps and an EAGLE-3 draft 0.75: drafting pays only above ~1.35
+        #   accepted drafts per step. (The rule before -- a 0.5 running mean against the default
+        #   threshold -- also gated drafts that pay: in a simulation of 128-token generations
+        #   with per-step accepted drafts drawn from the shipped EAGLE-3 head's distribution and
+        #   three others, this rule gained 0.3-1.4% at the AVX-512 machine's costs (verify(8)
+        #   1.3, draft 0.4) and 3.5-12% at AVX2's, except -3% for drafts accepted ~2 per step at
+        #   AVX2's costs.)
         self.adaptive = bool(getattr(proposer, "cheap_drafts", False)) if adaptive is None else adaptive
         self._gate_from_costs = min_accepted is None and not self.adaptive
         if min_accepted is None:
@@ -419,7 +417,7 @@ class SpeculativeGenerator:
                     size, cooldown = 1, cooldown - 1
                 else:
                     draft = proposer.propose(ids, seq_lens[:bs])
-                    if not catch_up:
+                    if self._gate_from_costs and not catch_up:  # the gate prices drafts
                         d = time.perf_counter() - t
                         self._draft_s = d if self._draft_s is None else 0.8 * self._draft_s + 0.2 * d
                     catch_up = False
