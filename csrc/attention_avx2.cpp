@@ -1,11 +1,16 @@
 // AVX2 attention chunk kernel (built with -mavx2 -mfma -mf16c; run when active_isa() >= AVX2 and
 // head_dim % 8 == 0, unless a wider kernel takes the call): the AttnChunk contract of
-// attention_isa.h on 8 fp32 lanes. Per block of 64 keys: each query's scores come from dot
-// products over D (8 keys at a time, their 8 partial-sum vectors reduced together), then an
-// online-softmax step with a vector exp and P.V as broadcast FMAs over V rows. bf16 K/V rows are
-// widened to fp32 once per block (exact) and shared by every query of the GQA group; all
-// arithmetic is fp32. No std:: containers: template code compiled with AVX2 flags must not be
-// shared with the portable library.
+// attention_isa.h on 8 fp32 lanes, per block of 64 keys. bf16 K/V rows are widened to fp32 once
+// per block (exact) and shared by every query of the GQA group; all arithmetic is fp32.
+// - Few queries (decode: one row times the group's heads): each query's scores are dot products
+//   over D (8 keys at a time, their 8 partial-sum vectors reduced together), then an
+//   online-softmax step with a vector exp and P.V as broadcast FMAs over V rows.
+// - Many queries (verify / extend): the block's keys are transposed once to [D, 64], and tiles of
+//   6 queries run two register-blocked products, like a GEMM micro-kernel: S [6, 16 keys] from
+//   broadcast q[d] times a K^T row, and O [6, 16 dims] += broadcast p[j] times a V row. Each K^T
+//   or V vector loaded feeds 6 FMAs.
+// No std:: containers: template code compiled with AVX2 flags must not be shared with the
+// portable library.
 #include <immintrin.h>
 
 #include <cmath>
@@ -21,7 +26,7 @@ namespace {
 constexpr int64_t kKeyBlock = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-thread_local ScratchBuffer t_q, t_k, t_v, t_zero;
+thread_local ScratchBuffer t_q, t_k, t_v, t_kt, t_zero;
 
 // D elements of a row as fp32 (D % 8 == 0).
 inline void widen_row(const uint16_t* src, int64_t D, float* dst) {
@@ -129,14 +134,187 @@ inline void pv(const float* p, const float* const* vrow, int64_t nk, float alpha
   }
 }
 
+// 8x8 transpose: column i of the 8 rows r[0..7] becomes r[i].
+inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// kt[d * 64 + j] = krow[j][d] for the block's 64 key rows (rows past its keys point at zeros).
+inline void transpose_keys(const float* const* krow, int64_t D, float* kt) {
+  for (int64_t j0 = 0; j0 < kKeyBlock; j0 += 8) {
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(krow[j0 + i] + d0);
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_store_ps(kt + (d0 + i) * kKeyBlock + j0, r[i]);
+    }
+  }
+}
+
+// s[i * 64 + j] = q_i . k_j for MT queries (rows of q, stride D) and the block's 64 keys, from
+// the transposed block kt [D, 64]: 16 keys at a time, 2 * MT accumulators, each K^T vector
+// feeding MT FMAs.
+template <int MT>
+inline void scores_tile(const float* q, const float* kt, int64_t D, float* s) {
+  for (int64_t j0 = 0; j0 < kKeyBlock; j0 += 16) {
+    __m256 a[MT][2];
+    for (int i = 0; i < MT; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 k0 = _mm256_load_ps(kt + d * kKeyBlock + j0);
+      const __m256 k1 = _mm256_load_ps(kt + d * kKeyBlock + j0 + 8);
+      for (int i = 0; i < MT; ++i) {
+        const __m256 qb = _mm256_broadcast_ss(q + i * D + d);
+        a[i][0] = _mm256_fmadd_ps(qb, k0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(qb, k1, a[i][1]);
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      _mm256_store_ps(s + i * kKeyBlock + j0, a[i][0]);
+      _mm256_store_ps(s + i * kKeyBlock + j0 + 8, a[i][1]);
+    }
+  }
+}
+
+// acc_i[0:D] = alpha_i * acc_i + sum_j p_i[j] * v_j for MT queries (p rows of 64, acc rows of D)
+// over the block's nk keys: 16 (then 8) dimensions at a time, each V vector feeding MT FMAs.
+template <int MT>
+inline void pv_tile(const float* p, const float* const* vrow, int64_t nk, const float* alpha,
+                    float* acc, int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + 16 <= D; d0 += 16) {
+    __m256 o[MT][2];
+    for (int i = 0; i < MT; ++i) {
+      const __m256 al = _mm256_set1_ps(alpha[i]);
+      o[i][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d0), al);
+      o[i][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d0 + 8), al);
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(vrow[j] + d0), v1 = _mm256_loadu_ps(vrow[j] + d0 + 8);
+      for (int i = 0; i < MT; ++i) {
+        const __m256 pb = _mm256_broadcast_ss(p + i * kKeyBlock + j);
+        o[i][0] = _mm256_fmadd_ps(pb, v0, o[i][0]);
+        o[i][1] = _mm256_fmadd_ps(pb, v1, o[i][1]);
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      _mm256_storeu_ps(acc + i * D + d0, o[i][0]);
+      _mm256_storeu_ps(acc + i * D + d0 + 8, o[i][1]);
+    }
+  }
+  if (d0 < D) {  // D % 16 == 8
+    __m256 o[MT];
+    for (int i = 0; i < MT; ++i) o[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d0), _mm256_set1_ps(alpha[i]));
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(vrow[j] + d0);
+      for (int i = 0; i < MT; ++i) o[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i * kKeyBlock + j), v0, o[i]);
+    }
+    for (int i = 0; i < MT; ++i) _mm256_storeu_ps(acc + i * D + d0, o[i]);
+  }
+}
+
+// One query's online-softmax step over the block: s [64] holds its raw scores on entry and its
+// weights p on return (0 for keys it does not see) and *alpha the factor for its old acc. Returns
+// false when the query sees no key of the block: its state is unchanged (alpha 1, p all 0).
+inline bool softmax_step(const AttnChunk& c, int64_t m, int64_t kb0, int64_t nk, bool all_visible,
+                         float* s, float* alpha_out) {
+  const int64_t t = c.row0 + m / c.heads;
+  float block_max = kNegInf;
+  if (all_visible && c.logit_cap <= 0) {  // the common case, vectorized
+    const __m256 scale = _mm256_set1_ps(c.scale);
+    __m256 mx = _mm256_set1_ps(kNegInf);
+    for (int64_t j = 0; j < kKeyBlock; j += 8) {
+      __m256 x = _mm256_mul_ps(_mm256_load_ps(s + j), scale);
+      if (j + 8 > nk) {  // keys past the block's end
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, x);
+        for (int64_t i = 0; i < 8; ++i) {
+          if (j + i >= nk) lanes[i] = kNegInf;
+        }
+        x = _mm256_load_ps(lanes);
+      }
+      _mm256_store_ps(s + j, x);
+      mx = _mm256_max_ps(mx, x);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    for (float v : lanes) block_max = v > block_max ? v : block_max;
+  } else {
+    for (int64_t j = 0; j < kKeyBlock; ++j) {
+      float x = s[j] * c.scale;
+      if (c.logit_cap > 0) x = c.logit_cap * std::tanh(x / c.logit_cap);
+      if (j >= nk || (!all_visible && !visible(c, t, kb0 + j))) x = kNegInf;
+      s[j] = x;
+      block_max = x > block_max ? x : block_max;
+    }
+  }
+  if (block_max == kNegInf) {
+    std::memset(s, 0, kKeyBlock * sizeof(float));
+    *alpha_out = 1.0f;
+    return false;
+  }
+  const float m_new = c.max[m] > block_max ? c.max[m] : block_max;
+  const float alpha = std::exp(c.max[m] - m_new);  // 0 when the row had no key yet
+  const __m256 mn = _mm256_set1_ps(m_new), ninf = _mm256_set1_ps(kNegInf);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < kKeyBlock; j += 8) {
+    const __m256 x = _mm256_load_ps(s + j);
+    // exp clamps its input, so an invisible key (-inf) is zeroed explicitly.
+    const __m256 p = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(x, mn)));
+    sum = _mm256_add_ps(sum, p);
+    _mm256_store_ps(s + j, p);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  float total = 0.0f;
+  for (float v : lanes) total += v;
+  c.sum[m] = c.sum[m] * alpha + total;
+  c.max[m] = m_new;
+  *alpha_out = alpha;
+  return true;
+}
+
+// Queries [m0, m0 + MT) against the block: scores, softmax steps, P.V.
+template <int MT>
+inline void query_tile(const AttnChunk& c, const float* q, const float* kt, const float* const* vrow,
+                       int64_t m0, int64_t kb0, int64_t nk, bool all_visible, float* s) {
+  const int64_t D = c.head_dim;
+  scores_tile<MT>(q + m0 * D, kt, D, s);
+  float alpha[MT];
+  for (int i = 0; i < MT; ++i) softmax_step(c, m0 + i, kb0, nk, all_visible, s + i * kKeyBlock, alpha + i);
+  pv_tile<MT>(s, vrow, nk, alpha, c.acc + m0 * D, D);
+}
+
+// Chunks with at least this many queries take the transposed-block (tiled) path.
+constexpr int64_t kTiledMinQueries = 6;
+constexpr int kTileQueries = 6;
+
 }  // namespace
 
 void attention_chunk_avx2(const AttnChunk& c) {
   const bool bf16 = c.dtype == AttnDtype::BFLOAT16;
   const int64_t D = c.head_dim, M = c.rows * c.heads, elem = bf16 ? 2 : 4;
+  const bool tiled = M >= kTiledMinQueries;
   float* q = t_q.get(M * D);
   float* kbuf = bf16 ? t_k.get(kKeyBlock * D) : nullptr;
-  float* vbuf = bf16 ? t_v.get(kKeyBlock * D) : nullptr;
+  // fp32 V rows are copied into a dense block for the tiled path: its P.V re-reads every row once
+  // per tile of queries, and 64 rows scattered over the pool would thrash the L1 TLB.
+  float* vbuf = bf16 || tiled ? t_v.get(kKeyBlock * D) : nullptr;
+  float* kt = tiled ? t_kt.get(kKeyBlock * D) : nullptr;
   float* zero = t_zero.get(D);
   std::memset(zero, 0, D * sizeof(float));
   for (int64_t m = 0; m < M; ++m) {
@@ -152,7 +330,7 @@ void attention_chunk_avx2(const AttnChunk& c) {
   const char* vbase = static_cast<const char*>(c.v);
   const float* krow[kKeyBlock];
   const float* vrow[kKeyBlock];
-  alignas(32) float sc[2 * kKeyBlock];  // scores of a pair of queries
+  alignas(32) float sc[kTileQueries * kKeyBlock];  // scores, then weights, of a tile of queries
   for (int64_t kb0 = c.key_begin; kb0 < c.key_end; kb0 += kKeyBlock) {
     const int64_t nk = c.key_end - kb0 < kKeyBlock ? c.key_end - kb0 : kKeyBlock;
     for (int64_t j = 0; j < kKeyBlock; ++j) {
@@ -171,65 +349,49 @@ void attention_chunk_avx2(const AttnChunk& c) {
       } else {
         krow[j] = reinterpret_cast<const float*>(kr);
         vrow[j] = reinterpret_cast<const float*>(vr);
+        if (tiled) {
+          std::memcpy(vbuf + j * D, vrow[j], D * sizeof(float));
+          vrow[j] = vbuf + j * D;
+        }
       }
     }
     // Every key of a block inside the committed prefix is visible to every row (no window).
     const bool all_visible = c.window <= 0 && kb0 + nk <= c.prefix;
+    if (tiled) {
+      // The next block's K/V rows are scattered over the pool, so no hardware prefetcher finds
+      // them: ask for them now, into L2, while this block's tiles compute.
+      const int64_t next_end = kb0 + 2 * kKeyBlock < c.key_end ? kb0 + 2 * kKeyBlock : c.key_end;
+      for (int64_t p = kb0 + kKeyBlock; p < next_end; ++p) {
+        const int64_t slot = c.slots[p * c.slot_stride];
+        const char* kr = kbase + slot * c.k_stride_slot * elem;
+        const char* vr = vbase + slot * c.v_stride_slot * elem;
+        for (int64_t off = 0; off < D * elem; off += 64) {
+          _mm_prefetch(kr + off, _MM_HINT_T1);
+          _mm_prefetch(vr + off, _MM_HINT_T1);
+        }
+      }
+      transpose_keys(krow, D, kt);
+      int64_t m = 0;
+      for (; m + kTileQueries <= M; m += kTileQueries)
+        query_tile<kTileQueries>(c, q, kt, vrow, m, kb0, nk, all_visible, sc);
+      switch (M - m) {
+        case 5: query_tile<5>(c, q, kt, vrow, m, kb0, nk, all_visible, sc); break;
+        case 4: query_tile<4>(c, q, kt, vrow, m, kb0, nk, all_visible, sc); break;
+        case 3: query_tile<3>(c, q, kt, vrow, m, kb0, nk, all_visible, sc); break;
+        case 2: query_tile<2>(c, q, kt, vrow, m, kb0, nk, all_visible, sc); break;
+        case 1: query_tile<1>(c, q, kt, vrow, m, kb0, nk, all_visible, sc); break;
+        default: break;
+      }
+      continue;
+    }
     for (int64_t m = 0; m < M; ++m) {
-      const int64_t t = c.row0 + m / c.heads;
       float* s = sc + (m % 2) * kKeyBlock;
       if (m % 2 == 0) {  // this query's scores and, when there is one, the next one's
         if (m + 1 < M) scores2(q + m * D, q + (m + 1) * D, krow, D, sc, sc + kKeyBlock);
         else scores(q + m * D, krow, D, sc);
       }
-      float block_max = kNegInf;
-      if (all_visible && c.logit_cap <= 0) {  // the common case, vectorized
-        const __m256 scale = _mm256_set1_ps(c.scale);
-        __m256 mx = _mm256_set1_ps(kNegInf);
-        for (int64_t j = 0; j < kKeyBlock; j += 8) {
-          __m256 x = _mm256_mul_ps(_mm256_load_ps(s + j), scale);
-          if (j + 8 > nk) {  // keys past the block's end
-            alignas(32) float lanes[8];
-            _mm256_store_ps(lanes, x);
-            for (int64_t i = 0; i < 8; ++i) {
-              if (j + i >= nk) lanes[i] = kNegInf;
-            }
-            x = _mm256_load_ps(lanes);
-          }
-          _mm256_store_ps(s + j, x);
-          mx = _mm256_max_ps(mx, x);
-        }
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, mx);
-        for (float v : lanes) block_max = v > block_max ? v : block_max;
-      } else {
-        for (int64_t j = 0; j < kKeyBlock; ++j) {
-          float x = s[j] * c.scale;
-          if (c.logit_cap > 0) x = c.logit_cap * std::tanh(x / c.logit_cap);
-          if (j >= nk || (!all_visible && !visible(c, t, kb0 + j))) x = kNegInf;
-          s[j] = x;
-          block_max = x > block_max ? x : block_max;
-        }
-      }
-      if (block_max == kNegInf) continue;  // no visible key here: this row's state is unchanged
-      const float m_new = c.max[m] > block_max ? c.max[m] : block_max;
-      const float alpha = std::exp(c.max[m] - m_new);  // 0 when the row had no key yet
-      const __m256 mn = _mm256_set1_ps(m_new), ninf = _mm256_set1_ps(kNegInf);
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t j = 0; j < kKeyBlock; j += 8) {
-        const __m256 x = _mm256_load_ps(s + j);
-        // exp clamps its input, so an invisible key (-inf) is zeroed explicitly.
-        const __m256 p = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(x, mn)));
-        sum = _mm256_add_ps(sum, p);
-        _mm256_store_ps(s + j, p);
-      }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, sum);
-      float total = 0.0f;
-      for (float v : lanes) total += v;
-      c.sum[m] = c.sum[m] * alpha + total;
-      c.max[m] = m_new;
-      pv(s, vrow, nk, alpha, c.acc + m * D, D);
+      float alpha;
+      if (softmax_step(c, m, kb0, nk, all_visible, s, &alpha)) pv(s, vrow, nk, alpha, c.acc + m * D, D);
     }
   }
 }

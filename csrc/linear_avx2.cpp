@@ -142,6 +142,27 @@ struct Bf16Packed {
   }
 };
 
+// Row m of packed block nb: y[m, 16 nb + i] = (lo, hi)[i] (+ bias) for the block's outputs < N.
+inline void store_block(const PackedLinearBlock& b, int64_t m, int64_t nb, __m256 lo, __m256 hi) {
+  const int64_t n0 = nb * kPackLanes;
+  const int64_t lanes = std::min<int64_t>(kPackLanes, b.N - n0);
+  if (lanes == kPackLanes && b.dtype == LinearDtype::FLOAT32) {  // the common case, vectorized
+    float* yr = static_cast<float*>(b.y) + m * b.y_stride + n0;
+    if (b.bias) {
+      const float* br = static_cast<const float*>(b.bias) + n0;
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(br));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(br + 8));
+    }
+    _mm256_storeu_ps(yr, lo);
+    _mm256_storeu_ps(yr + 8, hi);
+    return;
+  }
+  alignas(32) float out[kPackLanes];
+  _mm256_store_ps(out, lo);
+  _mm256_store_ps(out + 8, hi);
+  for (int64_t i = 0; i < lanes; ++i) store(b.dtype, b.bias, b.y, b.y_stride, m, n0 + i, out[i]);
+}
+
 // Blocks [nb0, nb0 + C) times fp32 x rows [m0, m0 + MB) (x holds Kp * kParts columns): 2 * C * MB
 // accumulators; each chunk of k ends by adding them into `total`, which keeps the fp32 error of
 // a K-long sum at the level of a blocked sum.
@@ -182,35 +203,80 @@ void packed_tile(const PackedLinearBlock& b, const float* x, int64_t xs, int64_t
         for (int j = 0; j < MB; ++j) total[c][h][j] = _mm256_add_ps(total[c][h][j], acc[c][h][j]);
   }
   for (int c = 0; c < C; ++c) {
-    const int64_t n0 = (nb0 + c) * kPackLanes;
-    const int64_t lanes = std::min<int64_t>(kPackLanes, b.N - n0);
-    for (int j = 0; j < MB; ++j) {
-      alignas(32) float out[kPackLanes];
-      _mm256_store_ps(out, total[c][0][j]);
-      _mm256_store_ps(out + 8, total[c][1][j]);
-      for (int64_t i = 0; i < lanes; ++i) store(b.dtype, b.bias, b.y, b.y_stride, m0 + j, n0 + i, out[i]);
+    for (int j = 0; j < MB; ++j) store_block(b, m0 + j, nb0 + c, total[c][0][j], total[c][1][j]);
+  }
+}
+
+// Rows [m0, m0 + MB) of one block over pair steps [k0, k1) (w: the block's first step; x rows of
+// stride xs): the sums are added into tot (16 floats per row, row m at tot + (m - m0) * 16).
+// (always_inline: compiled on its own, GCC kept the accumulators in registers but also stored
+// all of them to the stack on every step, which halved the kernel's speed.)
+template <class Ops, int MB>
+__attribute__((always_inline)) inline void packed_rows_chunk(const char* w, const float* x, int64_t xs, int64_t m0, int64_t k0,
+                              int64_t k1, float* tot) {
+  constexpr int P = Ops::kParts;
+  const float* xr[MB];
+  for (int j = 0; j < MB; ++j) xr[j] = x + (m0 + j) * xs;
+  __m256 acc[2][MB];
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < MB; ++j) acc[h][j] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t kk = k0; kk < k1; ++kk) {
+    __m256 wv[2][2];
+    Ops::load(w + kk * Ops::kStepBytes, wv);
+    for (int p = 0; p < P; ++p) {
+      for (int j = 0; j < MB; ++j) {
+        const __m256 xb = _mm256_broadcast_ss(xr[j] + kk * P + p);
+        for (int h = 0; h < 2; ++h) acc[h][j] = _mm256_fmadd_ps(wv[h][p], xb, acc[h][j]);
+      }
+    }
+  }
+  for (int j = 0; j < MB; ++j) {
+    for (int h = 0; h < 2; ++h) {
+      float* t = tot + j * kPackLanes + 8 * h;
+      _mm256_store_ps(t, _mm256_add_ps(_mm256_load_ps(t), acc[h][j]));
     }
   }
 }
 
-// One row (decode): a whole group's C blocks at once, C * 2 streams in flight. More rows: one
-// block at a time against up to 4 rows (8 accumulators, each weight vector reused 4 times from
-// a register), the block re-read from L1/L2 for further rows.
-template <class Ops, int C>
-void packed_group(const PackedLinearBlock& b, const float* x, int64_t xs, int64_t nb0) {
-  if (b.M == 1) {
-    packed_tile<Ops, C, 1>(b, x, xs, nb0, 0);
-    return;
-  }
-  for (int c = 0; c < C; ++c) {
+thread_local ScratchBuffer t_tot;
+
+// All M > 4 rows of one block: per chunk of k (32 fp32 steps, 2 KiB of weights), every group
+// of up to 4 rows in turn (8 accumulators; each weight vector feeds 4 rows from a register),
+// so the chunk is read from memory once and re-read from L1 by the further groups. (A whole
+// block per group re-read the block from L2: 36-96 KiB does not stay in L1.)
+template <class Ops>
+void packed_block_rows(const PackedLinearBlock& b, const float* x, int64_t xs, int64_t nb) {
+  float* tot = t_tot.get(b.M * kPackLanes);
+  std::memset(tot, 0, b.M * kPackLanes * sizeof(float));
+  const char* w = static_cast<const char*>(b.wp) + nb * b.Kp * Ops::kStepBytes;
+  for (int64_t k0 = 0; k0 < b.Kp; k0 += Ops::kChunk) {
+    const int64_t k1 = std::min(b.Kp, k0 + Ops::kChunk);
     int64_t m = 0;
-    for (; m + 4 <= b.M; m += 4) packed_tile<Ops, 1, 4>(b, x, xs, nb0 + c, m);
+    for (; m + 4 <= b.M; m += 4) packed_rows_chunk<Ops, 4>(w, x, xs, m, k0, k1, tot + m * kPackLanes);
     switch (b.M - m) {
-      case 3: packed_tile<Ops, 1, 3>(b, x, xs, nb0 + c, m); break;
-      case 2: packed_tile<Ops, 1, 2>(b, x, xs, nb0 + c, m); break;
-      case 1: packed_tile<Ops, 1, 1>(b, x, xs, nb0 + c, m); break;
+      case 3: packed_rows_chunk<Ops, 3>(w, x, xs, m, k0, k1, tot + m * kPackLanes); break;
+      case 2: packed_rows_chunk<Ops, 2>(w, x, xs, m, k0, k1, tot + m * kPackLanes); break;
+      case 1: packed_rows_chunk<Ops, 1>(w, x, xs, m, k0, k1, tot + m * kPackLanes); break;
       default: break;
     }
+  }
+  for (int64_t m = 0; m < b.M; ++m) {
+    store_block(b, m, nb, _mm256_load_ps(tot + m * kPackLanes), _mm256_load_ps(tot + m * kPackLanes + 8));
+  }
+}
+
+// One row (decode): a whole group's C blocks at once, C * 2 streams in flight. 2-4 rows: one
+// block at a time against all of them (8 accumulators at most). More rows: one block at a time,
+// chunk by chunk (packed_block_rows).
+template <class Ops, int C>
+void packed_group(const PackedLinearBlock& b, const float* x, int64_t xs, int64_t nb0) {
+  switch (b.M) {
+    case 1: packed_tile<Ops, C, 1>(b, x, xs, nb0, 0); return;
+    case 2: for (int c = 0; c < C; ++c) packed_tile<Ops, 1, 2>(b, x, xs, nb0 + c, 0); return;
+    case 3: for (int c = 0; c < C; ++c) packed_tile<Ops, 1, 3>(b, x, xs, nb0 + c, 0); return;
+    case 4: for (int c = 0; c < C; ++c) packed_tile<Ops, 1, 4>(b, x, xs, nb0 + c, 0); return;
+    default: for (int c = 0; c < C; ++c) packed_block_rows<Ops>(b, x, xs, nb0 + c);
   }
 }
 

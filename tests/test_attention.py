@@ -439,8 +439,9 @@ def test_head_dim_without_simd_kernel_runs_portable(isa):
 @pytest.mark.parametrize("isa", [i for i in ISAS if i != "portable"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_head_dim_of_eights_runs_avx2_on_any_simd_path(isa, dtype):
-    """D = 40 has no AVX-512 tile shape but is a multiple of 8: the AVX2 kernel takes it (its
-    P.V runs one 32-wide chunk and one 8-wide remainder), tree mask and window included."""
+    """D = 40 has no AVX-512 tile shape but is a multiple of 8: the AVX2 kernel takes it, tree
+    mask and window included. Six rows of 3 heads take its tiled path (P.V over dims 16, 16, 8);
+    one row takes its dot-product path (P.V over dims 32, 8)."""
     q, k_pool, v_pool, table, rows = make_batch([70, 3], 6, 6, 2, 40, dtype, seed=4)
     tree = random_tree(2, 6, seed=4)
     out = check_extend(isa, dtype, q, k_pool, v_pool, table, rows, torch.tensor([70, 3]),
@@ -448,6 +449,8 @@ def test_head_dim_of_eights_runs_avx2_on_any_simd_path(isa, dtype):
     assert out.abs().sum() > 0
     check_extend(isa, dtype, q, k_pool, v_pool, table, rows, torch.tensor([70, 3]),
                  torch.tensor([6, 4]), None, sliding_window=20)
+    check_extend(isa, dtype, q, k_pool, v_pool, table, rows, torch.tensor([70, 3]),
+                 torch.tensor([1, 1]), tree)
 
 
 # ---- store_kv ---------------------------------------------------------------------------------

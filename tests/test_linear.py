@@ -160,7 +160,8 @@ def _packed_counts():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,k,n", [(1, 576, 100), (4, 576, 576), (1, 1536, 576), (8, 1, 9),
                                    (2, 15, 8), (3, 17, 7), (16, 1000, 40), (8, 33, 49),
-                                   (5, 64, 48), (9, 63, 97), (33, 64, 145)])
+                                   (5, 64, 48), (6, 70, 50), (7, 100, 33), (9, 63, 97),
+                                   (33, 64, 145)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_matches_reference(path, dtype, m, k, n, bias):
     gen = torch.Generator().manual_seed(m * 1000 + k + n)
