@@ -166,23 +166,30 @@ inline void transpose_keys(const float* const* krow, int64_t D, float* kt) {
   }
 }
 
+// The register tile both products share: o[i][h] += sum_t a[i * a_stride + t] *
+// b[t * b_stride + 8h : +8] for i < MT, t < steps (2 * MT accumulators; each b vector loaded
+// feeds MT FMAs). always_inline: GCC keeps the accumulators of an inlined tile in registers.
+template <int MT>
+__attribute__((always_inline)) inline void tile_fma(const float* a, int64_t a_stride, const float* b,
+                                                    int64_t b_stride, int64_t steps, __m256 o[MT][2]) {
+  for (int64_t t = 0; t < steps; ++t) {
+    const __m256 b0 = _mm256_loadu_ps(b + t * b_stride), b1 = _mm256_loadu_ps(b + t * b_stride + 8);
+    for (int i = 0; i < MT; ++i) {
+      const __m256 ab = _mm256_broadcast_ss(a + i * a_stride + t);
+      o[i][0] = _mm256_fmadd_ps(ab, b0, o[i][0]);
+      o[i][1] = _mm256_fmadd_ps(ab, b1, o[i][1]);
+    }
+  }
+}
+
 // s[i * 64 + j] = q_i . k_j for MT queries (rows of q, stride D) and the block's 64 keys, from
-// the transposed block kt [D, 64]: 16 keys at a time, 2 * MT accumulators, each K^T vector
-// feeding MT FMAs.
+// the transposed block kt [D, 64], 16 keys at a time.
 template <int MT>
 inline void scores_tile(const float* q, const float* kt, int64_t D, float* s) {
   for (int64_t j0 = 0; j0 < kKeyBlock; j0 += 16) {
     __m256 a[MT][2];
     for (int i = 0; i < MT; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m256 k0 = _mm256_load_ps(kt + d * kKeyBlock + j0);
-      const __m256 k1 = _mm256_load_ps(kt + d * kKeyBlock + j0 + 8);
-      for (int i = 0; i < MT; ++i) {
-        const __m256 qb = _mm256_broadcast_ss(q + i * D + d);
-        a[i][0] = _mm256_fmadd_ps(qb, k0, a[i][0]);
-        a[i][1] = _mm256_fmadd_ps(qb, k1, a[i][1]);
-      }
-    }
+    tile_fma<MT>(q, D, kt + j0, kKeyBlock, D, a);
     for (int i = 0; i < MT; ++i) {
       _mm256_store_ps(s + i * kKeyBlock + j0, a[i][0]);
       _mm256_store_ps(s + i * kKeyBlock + j0 + 8, a[i][1]);
@@ -191,10 +198,10 @@ inline void scores_tile(const float* q, const float* kt, int64_t D, float* s) {
 }
 
 // acc_i[0:D] = alpha_i * acc_i + sum_j p_i[j] * v_j for MT queries (p rows of 64, acc rows of D)
-// over the block's nk keys: 16 (then 8) dimensions at a time, each V vector feeding MT FMAs.
+// over the block's nk keys (v: the block's dense V rows [64, D]), 16 (then 8) dims at a time.
 template <int MT>
-inline void pv_tile(const float* p, const float* const* vrow, int64_t nk, const float* alpha,
-                    float* acc, int64_t D) {
+inline void pv_tile(const float* p, const float* v, int64_t nk, const float* alpha, float* acc,
+                    int64_t D) {
   int64_t d0 = 0;
   for (; d0 + 16 <= D; d0 += 16) {
     __m256 o[MT][2];
@@ -203,14 +210,7 @@ inline void pv_tile(const float* p, const float* const* vrow, int64_t nk, const 
       o[i][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d0), al);
       o[i][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d0 + 8), al);
     }
-    for (int64_t j = 0; j < nk; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(vrow[j] + d0), v1 = _mm256_loadu_ps(vrow[j] + d0 + 8);
-      for (int i = 0; i < MT; ++i) {
-        const __m256 pb = _mm256_broadcast_ss(p + i * kKeyBlock + j);
-        o[i][0] = _mm256_fmadd_ps(pb, v0, o[i][0]);
-        o[i][1] = _mm256_fmadd_ps(pb, v1, o[i][1]);
-      }
-    }
+    tile_fma<MT>(p, kKeyBlock, v + d0, D, nk, o);
     for (int i = 0; i < MT; ++i) {
       _mm256_storeu_ps(acc + i * D + d0, o[i][0]);
       _mm256_storeu_ps(acc + i * D + d0 + 8, o[i][1]);
@@ -220,7 +220,7 @@ inline void pv_tile(const float* p, const float* const* vrow, int64_t nk, const 
     __m256 o[MT];
     for (int i = 0; i < MT; ++i) o[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d0), _mm256_set1_ps(alpha[i]));
     for (int64_t j = 0; j < nk; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(vrow[j] + d0);
+      const __m256 v0 = _mm256_loadu_ps(v + j * D + d0);
       for (int i = 0; i < MT; ++i) o[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i * kKeyBlock + j), v0, o[i]);
     }
     for (int i = 0; i < MT; ++i) _mm256_storeu_ps(acc + i * D + d0, o[i]);
@@ -290,13 +290,13 @@ inline bool softmax_step(const AttnChunk& c, int64_t m, int64_t kb0, int64_t nk,
 
 // Queries [m0, m0 + MT) against the block: scores, softmax steps, P.V.
 template <int MT>
-inline void query_tile(const AttnChunk& c, const float* q, const float* kt, const float* const* vrow,
+inline void query_tile(const AttnChunk& c, const float* q, const float* kt, const float* v,
                        int64_t m0, int64_t kb0, int64_t nk, bool all_visible, float* s) {
   const int64_t D = c.head_dim;
   scores_tile<MT>(q + m0 * D, kt, D, s);
   float alpha[MT];
   for (int i = 0; i < MT; ++i) softmax_step(c, m0 + i, kb0, nk, all_visible, s + i * kKeyBlock, alpha + i);
-  pv_tile<MT>(s, vrow, nk, alpha, c.acc + m0 * D, D);
+  pv_tile<MT>(s, v, nk, alpha, c.acc + m0 * D, D);
 }
 
 // Chunks with at least this many queries take the transposed-block (tiled) path.
@@ -373,13 +373,13 @@ void attention_chunk_avx2(const AttnChunk& c) {
       transpose_keys(krow, D, kt);
       int64_t m = 0;
       for (; m + kTileQueries <= M; m += kTileQueries)
-        query_tile<kTileQueries>(c, q, kt, vrow, m, kb0, nk, all_visible, sc);
+        query_tile<kTileQueries>(c, q, kt, vbuf, m, kb0, nk, all_visible, sc);
       switch (M - m) {
-        case 5: query_tile<5>(c, q, kt, vrow, m, kb0, nk, all_visible, sc); break;
-        case 4: query_tile<4>(c, q, kt, vrow, m, kb0, nk, all_visible, sc); break;
-        case 3: query_tile<3>(c, q, kt, vrow, m, kb0, nk, all_visible, sc); break;
-        case 2: query_tile<2>(c, q, kt, vrow, m, kb0, nk, all_visible, sc); break;
-        case 1: query_tile<1>(c, q, kt, vrow, m, kb0, nk, all_visible, sc); break;
+        case 5: query_tile<5>(c, q, kt, vbuf, m, kb0, nk, all_visible, sc); break;
+        case 4: query_tile<4>(c, q, kt, vbuf, m, kb0, nk, all_visible, sc); break;
+        case 3: query_tile<3>(c, q, kt, vbuf, m, kb0, nk, all_visible, sc); break;
+        case 2: query_tile<2>(c, q, kt, vbuf, m, kb0, nk, all_visible, sc); break;
+        case 1: query_tile<1>(c, q, kt, vbuf, m, kb0, nk, all_visible, sc); break;
         default: break;
       }
       continue;
