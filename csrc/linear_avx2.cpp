@@ -223,6 +223,10 @@ __attribute__((always_inline)) inline void packed_rows_chunk(const char* w, cons
 #pragma GCC unroll 4
   for (int64_t kk = k0; kk < k1; ++kk) {
     __m256 wv[2][2];
+    // The first group asks for the line 2 KiB ahead (one chunk for fp32): measured 10-15% off
+    // M = 8 and 16 fp32 in a one-thread harness over a step's weights; the hardware prefetcher
+    // alone lets the FMAs wait on the stream. (Prefetching in the M <= 4 tile showed nothing.)
+    if (m0 == 0) _mm_prefetch(w + kk * Ops::kStepBytes + 2048, _MM_HINT_T0);
     Ops::load(w + kk * Ops::kStepBytes, wv);
     for (int p = 0; p < P; ++p) {
       for (int j = 0; j < MB; ++j) {
