@@ -5,6 +5,9 @@ machines are shared and noisy.
 
     python benchmarks/bench_ops.py            # full grid
     python benchmarks/bench_ops.py --quick    # bs 8, N 16 only, fewer repeats
+
+top_k_top_p_renorm runs over SmolLM2's 49152-token vocabulary (top-k 50, top-p 0.9) with no
+compiled reference (its reference loops over rows in Python).
 """
 import argparse
 import json
@@ -58,6 +61,12 @@ def make_cases(bs, n):
     moved = max(1, bs * depth)
     src = torch.randperm(slots, generator=gen)[:moved]
     dst = torch.randperm(slots, generator=gen)[:moved]
+    # Sampling at T > 0 with top-k 50 / top-p 0.9 over SmolLM2's vocabulary, one row per tree
+    # node (at most 128 rows: 64 x 64 rows would be 800 MB of probabilities).
+    v_rows = min(bs * n, 128)
+    probs = torch.softmax(torch.randn(v_rows, 49152, generator=gen) * 4, dim=-1)  # [R, V]
+    top_k = torch.full((v_rows,), 50, dtype=torch.int32)
+    top_p = torch.full((v_rows,), 0.9)
     tree_args = (d.parent_list, d.selected_index, d.seq_lens, topk, depth, n)
     verify_args = (candidates, ridx, nxt, sib, target, depth + 1)
     return [
@@ -80,6 +89,8 @@ def make_cases(bs, n):
          lambda: ref.compact_accepted_cache_locs_ref(loc, accept_index)),
         ("move_kv_slots", lambda: ops.move_kv_slots(k_pool, v_pool, src, dst),
          lambda: ref.move_kv_slots_ref(k_pool, v_pool, src, dst)),
+        (f"top_k_top_p_renorm ({v_rows} rows)", lambda: ops.top_k_top_p_renorm(probs, top_k, top_p),
+         lambda: ref.top_k_top_p_renorm_ref(probs, top_k, top_p)),
     ]
 
 
@@ -114,7 +125,8 @@ def main():
             k_us = median_us(kernel, repeats)
             r_us = median_us(reference, max(5, repeats // 3))
             c_us = float("nan")
-            if not args.no_compiled_ref:
+            # The sampling reference loops over rows in Python (sort, .item()): no graph to compile.
+            if not args.no_compiled_ref and not name.startswith("top_k_top_p_renorm"):
                 torch._dynamo.reset()
                 compiled = torch.compile(reference)
                 c_us = median_us(compiled, max(5, repeats // 3), warmup=2)

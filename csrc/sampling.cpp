@@ -50,30 +50,66 @@ float from_bits(uint32_t b) {
   return f;
 }
 
-// Largest threshold t (a float >= lo) with pred(t) true, where pred is true at lo and monotone
-// (true then false) in t. Non-negative floats order like their bit patterns, so a binary search
-// over the bits converges exactly to a value present in p (a step of the count / mass).
+// The values a threshold search still has to look at: first the whole row, later only those at
+// or above the search's lower end (copied, in row order, into `scratch`).
+struct Candidates {
+  const float* vals;
+  int64_t n;
+  std::vector<float>& scratch;
+
+  // Drops the values below t (none of the searches' predicates can count them again).
+  void drop_below(float t) {
+    if (vals != scratch.data()) scratch.resize(n);
+    float* dst = scratch.data();
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = vals[i];
+      dst[m] = x;
+      m += x >= t;
+    }
+    vals = dst;
+    n = m;
+  }
+};
+
+// Largest threshold t (a float >= lo) with pred(vals, n, t) true, where pred is true at lo and
+// monotone (true then false) in t and only counts values >= t. Non-negative floats order like
+// their bit patterns, so a binary search over the bits converges exactly to a value present in
+// the row (a step of the count / mass). Each time the lower end rises, the values below it are
+// dropped from `c`: with a peaked distribution the later passes read a few hundred values
+// instead of the vocabulary (the same sums: a dropped value only ever added 0).
 template <typename Pred>
-float largest_threshold(float lo, Pred pred) {
+float largest_threshold(float lo, Candidates& c, Pred pred) {
   uint32_t a, b = 0x7f800000u;  // +inf: pred(inf) is false for any non-empty keep set
   std::memcpy(&a, &lo, sizeof a);
   while (b - a > 1) {
     const uint32_t mid = a + (b - a) / 2;
-    if (pred(from_bits(mid))) a = mid; else b = mid;
+    if (pred(c.vals, c.n, from_bits(mid))) {
+      a = mid;
+      c.drop_below(from_bits(a));
+    } else {
+      b = mid;
+    }
   }
   return from_bits(a);
 }
 
 // Threshold keeping the top-k (ties at the k-th value kept) and then the smallest top
 // probabilities whose mass reaches top_p of the kept mass (ties kept). 0 keeps everything.
-float keep_threshold(const float* p, int64_t V, int64_t top_k, double top_p, bool vec) {
+float keep_threshold(const float* p, int64_t V, int64_t top_k, double top_p, bool vec,
+                     std::vector<float>& scratch) {
+  Candidates c{p, V, scratch};
   float t = 0.0f;
   if (top_k > 0 && top_k < V) {
-    t = largest_threshold(0.0f, [&](float x) { return count_at_or_above(p, V, x, vec) >= top_k; });
+    t = largest_threshold(0.0f, c, [&](const float* v, int64_t n, float x) {
+      return count_at_or_above(v, n, x, vec) >= top_k;
+    });
   }
   if (top_p < 1.0) {
-    const double target = top_p * mass_at_or_above(p, V, t, vec);
-    t = largest_threshold(t, [&](float x) { return mass_at_or_above(p, V, x, vec) >= target; });
+    const double target = top_p * mass_at_or_above(c.vals, c.n, t, vec);
+    t = largest_threshold(t, c, [&](const float* v, int64_t n, float x) {
+      return mass_at_or_above(v, n, x, vec) >= target;
+    });
   }
   return t;
 }
@@ -148,9 +184,10 @@ at::Tensor top_k_top_p_renorm(const at::Tensor& probs, const at::Tensor& top_k,
   at::Tensor out = at::empty({R, V}, at::kFloat);  // [R, V]
   const bool vec = active_isa() >= Isa::AVX512;
   at::parallel_for(0, R, grain_for(V * 40), [&](int64_t r0, int64_t r1) {
+    std::vector<float> scratch;
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = p.const_data_ptr<float>() + r * V;
-      const float t = keep_threshold(row, V, ks(r), tps[r], vec);
+      const float t = keep_threshold(row, V, ks(r), tps[r], vec, scratch);
       const double kept = mass_at_or_above(row, V, t, vec);
       TORCH_CHECK_VALUE(kept > 0 && std::isfinite(kept), "argument 'probs' row ", r,
                         " has no positive finite mass");

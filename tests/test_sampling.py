@@ -35,6 +35,26 @@ def test_top_k_top_p_renorm_matches_reference(path):
     torch.testing.assert_close(got.sum(1), torch.ones(6))
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_top_k_top_p_renorm_full_vocabulary(path):
+    """SmolLM2's vocabulary: the threshold searches drop the values below their lower end as
+    they go (csrc/sampling.cpp); the keep sets still match the reference exactly, ties at the
+    k-th value and a plateau of equal probabilities included."""
+    gen = torch.Generator().manual_seed(3)
+    probs = _random_probs((5, 49152), gen, sharp=4.0)
+    probs[3] = ((probs[3] * 2e4).round() + 1) / 2e4  # many ties at every level
+    probs[3] /= probs[3].sum()
+    probs[4, 100:140] = probs[4].max() * 2  # 40-way tie at the top: top-20 keeps all 40
+    top_k = torch.tensor([50, 0, 1, 1000, 20], dtype=torch.int32)
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.95, 1.0])
+    with specdec_inductor.forced_isa(path):
+        got = ops.top_k_top_p_renorm(probs, top_k, top_p)
+    want = ref.top_k_top_p_renorm_ref(probs, top_k, top_p)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert int((got[2] > 0).sum()) == 1 and int((got[4] > 0).sum()) == 40
+
+
 def _tree_inputs(gen, bs=7, topk=2, depth=3, n=8, vocab=12):
     d = random_draft(bs, topk, depth, n, gen)
     _, _, ridx, nxt, sib = ops.build_tree(d.parent_list, d.selected_index, d.seq_lens, topk, depth, n)
