@@ -1,8 +1,9 @@
 // Lossless sampling ops (temperature > 0): top_k_top_p_renorm, tree_speculative_sampling,
 // chain_speculative_sampling. Contract: shared/spec/kernels.md section 7.
 // ISA paths: the vocabulary passes (threshold search for top-k / top-p, masses, rescaling) have
-// an AVX-512 path (sampling_avx512.cpp) used when active_isa() >= AVX512, and a portable path;
-// the tree / chain walks themselves are scalar and shared.
+// an AVX-512 path (sampling_avx512.cpp) used when active_isa() >= AVX512, an AVX2 path
+// (sampling_avx2.cpp) when it is AVX2, and a portable path (vocab_path()); the tree / chain
+// walks themselves are scalar and shared.
 // Uniforms are inputs in [0, 1) (as torch.rand draws them): a draft is accepted when
 // u < accept-probability, so a zero-probability token is never accepted, a sure one always.
 #include <torch/library.h>
@@ -19,27 +20,49 @@ namespace {
 
 // ------------------------------------------------------------------ vocabulary passes
 
-double mass_at_or_above(const float* p, int64_t n, float t, bool vec) {
+// The path of the vocabulary passes: the widest SIMD kernel built and active.
+Isa vocab_path() {
+  const Isa isa = active_isa();
 #ifdef SPECDEC_BUILT_AVX512
-  if (vec) return mass_at_or_above_avx512(p, n, t);
+  if (isa >= Isa::AVX512) return Isa::AVX512;
+#endif
+#ifdef SPECDEC_BUILT_AVX2
+  if (isa >= Isa::AVX2) return Isa::AVX2;
+#endif
+  (void)isa;
+  return Isa::PORTABLE;
+}
+
+double mass_at_or_above(const float* p, int64_t n, float t, Isa path) {
+#ifdef SPECDEC_BUILT_AVX512
+  if (path == Isa::AVX512) return mass_at_or_above_avx512(p, n, t);
+#endif
+#ifdef SPECDEC_BUILT_AVX2
+  if (path == Isa::AVX2) return mass_at_or_above_avx2(p, n, t);
 #endif
   double s = 0;
   for (int64_t i = 0; i < n; ++i) s += p[i] >= t ? p[i] : 0.0f;
   return s;
 }
 
-int64_t count_at_or_above(const float* p, int64_t n, float t, bool vec) {
+int64_t count_at_or_above(const float* p, int64_t n, float t, Isa path) {
 #ifdef SPECDEC_BUILT_AVX512
-  if (vec) return count_at_or_above_avx512(p, n, t);
+  if (path == Isa::AVX512) return count_at_or_above_avx512(p, n, t);
+#endif
+#ifdef SPECDEC_BUILT_AVX2
+  if (path == Isa::AVX2) return count_at_or_above_avx2(p, n, t);
 #endif
   int64_t c = 0;
   for (int64_t i = 0; i < n; ++i) c += p[i] >= t;
   return c;
 }
 
-void keep_and_scale(const float* p, float* out, int64_t n, float t, float scale, bool vec) {
+void keep_and_scale(const float* p, float* out, int64_t n, float t, float scale, Isa path) {
 #ifdef SPECDEC_BUILT_AVX512
-  if (vec) return keep_and_scale_avx512(p, out, n, t, scale);
+  if (path == Isa::AVX512) return keep_and_scale_avx512(p, out, n, t, scale);
+#endif
+#ifdef SPECDEC_BUILT_AVX2
+  if (path == Isa::AVX2) return keep_and_scale_avx2(p, out, n, t, scale);
 #endif
   for (int64_t i = 0; i < n; ++i) out[i] = p[i] >= t ? p[i] * scale : 0.0f;
 }
@@ -96,19 +119,19 @@ float largest_threshold(float lo, Candidates& c, Pred pred) {
 
 // Threshold keeping the top-k (ties at the k-th value kept) and then the smallest top
 // probabilities whose mass reaches top_p of the kept mass (ties kept). 0 keeps everything.
-float keep_threshold(const float* p, int64_t V, int64_t top_k, double top_p, bool vec,
+float keep_threshold(const float* p, int64_t V, int64_t top_k, double top_p, Isa path,
                      std::vector<float>& scratch) {
   Candidates c{p, V, scratch};
   float t = 0.0f;
   if (top_k > 0 && top_k < V) {
     t = largest_threshold(0.0f, c, [&](const float* v, int64_t n, float x) {
-      return count_at_or_above(v, n, x, vec) >= top_k;
+      return count_at_or_above(v, n, x, path) >= top_k;
     });
   }
   if (top_p < 1.0) {
-    const double target = top_p * mass_at_or_above(c.vals, c.n, t, vec);
+    const double target = top_p * mass_at_or_above(c.vals, c.n, t, path);
     t = largest_threshold(t, c, [&](const float* v, int64_t n, float x) {
-      return mass_at_or_above(v, n, x, vec) >= target;
+      return mass_at_or_above(v, n, x, path) >= target;
     });
   }
   return t;
@@ -182,20 +205,19 @@ at::Tensor top_k_top_p_renorm(const at::Tensor& probs, const at::Tensor& top_k,
   }
   const at::Tensor p = probs.contiguous();  // rows are scanned linearly
   at::Tensor out = at::empty({R, V}, at::kFloat);  // [R, V]
-  const bool vec = active_isa() >= Isa::AVX512;
+  const Isa path = vocab_path();
   at::parallel_for(0, R, grain_for(V * 40), [&](int64_t r0, int64_t r1) {
     std::vector<float> scratch;
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = p.const_data_ptr<float>() + r * V;
-      const float t = keep_threshold(row, V, ks(r), tps[r], vec, scratch);
-      const double kept = mass_at_or_above(row, V, t, vec);
+      const float t = keep_threshold(row, V, ks(r), tps[r], path, scratch);
+      const double kept = mass_at_or_above(row, V, t, path);
       TORCH_CHECK_VALUE(kept > 0 && std::isfinite(kept), "argument 'probs' row ", r,
                         " has no positive finite mass");
-      keep_and_scale(row, out.data_ptr<float>() + r * V, V, t, static_cast<float>(1.0 / kept), vec);
+      keep_and_scale(row, out.data_ptr<float>() + r * V, V, t, static_cast<float>(1.0 / kept), path);
     }
   });
-  if (vec) SPECDEC_RECORD_PATH("top_k_top_p_renorm", Isa::AVX512);
-  else SPECDEC_RECORD_PATH("top_k_top_p_renorm", Isa::PORTABLE);
+  SPECDEC_RECORD_PATH("top_k_top_p_renorm", path);
   return out;
 }
 
@@ -245,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
   int32_t* pred = predicts.data_ptr<int32_t>();
   int32_t* acc = accept_index.data_ptr<int32_t>();
   int32_t* num = accept_token_num.data_ptr<int32_t>();
-  const bool vec = active_isa() >= Isa::AVX512;
+  const Isa path = vocab_path();
 
   at::parallel_for(0, bs, grain_for(N * V), [&](int64_t b0, int64_t b1) {
     std::vector<int64_t> rejected;
@@ -257,7 +279,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
       for (int64_t level = 0;; ++level) {
         // Residual at `node`: its target distribution without the rejected siblings' mass.
         p = P + (b * N + node) * V;
-        remaining = mass_at_or_above(p, V, 0.0f, vec);
+        remaining = mass_at_or_above(p, V, 0.0f, path);
         TORCH_CHECK_VALUE(remaining > 0 && std::isfinite(remaining), "argument 'target_probs' [",
                           b, ", ", node, "] has no positive finite mass");
         rejected.clear();
@@ -293,14 +315,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
         return p[i];
       };
       int64_t bonus = draw(V, remaining, UF[b], weight);
-      if (bonus < 0) bonus = draw(V, mass_at_or_above(p, V, 0.0f, vec), UF[b],
+      if (bonus < 0) bonus = draw(V, mass_at_or_above(p, V, 0.0f, path), UF[b],
                                   [&](int64_t i) -> double { return p[i]; });
       pred[last] = static_cast<int32_t>(bonus);
       num[b] = static_cast<int32_t>(accepted);
     }
   });
-  if (vec) SPECDEC_RECORD_PATH("tree_speculative_sampling", Isa::AVX512);
-  else SPECDEC_RECORD_PATH("tree_speculative_sampling", Isa::PORTABLE);
+  SPECDEC_RECORD_PATH("tree_speculative_sampling", path);
   return {predicts, accept_index, accept_token_num};
 }
 
@@ -334,7 +355,7 @@ std::tuple<at::Tensor, at::Tensor> chain_speculative_sampling(
   at::Tensor accept_token_num = at::zeros({bs}, at::kInt);  // [B]
   int64_t* o = out.data_ptr<int64_t>();
   int32_t* num = accept_token_num.data_ptr<int32_t>();
-  const bool vec = active_isa() >= Isa::AVX512;
+  const Isa path = vocab_path();
   at::parallel_for(0, bs, grain_for((K + 1) * V), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       int64_t i = 0;
@@ -354,17 +375,16 @@ std::tuple<at::Tensor, at::Tensor> chain_speculative_sampling(
         double total = 0;
         for (int64_t j = 0; j < V; ++j) total += residual(j);
         token = total > 0 ? draw(V, total, UF[b], residual) : -1;
-        if (token < 0) token = draw(V, mass_at_or_above(p, V, 0.0f, vec), UF[b],
+        if (token < 0) token = draw(V, mass_at_or_above(p, V, 0.0f, path), UF[b],
                                     [&](int64_t j) -> double { return p[j]; });
       } else {
-        token = draw(V, mass_at_or_above(p, V, 0.0f, vec), UF[b], [&](int64_t j) -> double { return p[j]; });
+        token = draw(V, mass_at_or_above(p, V, 0.0f, path), UF[b], [&](int64_t j) -> double { return p[j]; });
       }
       TORCH_CHECK_VALUE(token >= 0, "argument 'target_probs' row ", b, " has no positive mass");
       o[b * (K + 1) + i] = token;
     }
   });
-  if (vec) SPECDEC_RECORD_PATH("chain_speculative_sampling", Isa::AVX512);
-  else SPECDEC_RECORD_PATH("chain_speculative_sampling", Isa::PORTABLE);
+  SPECDEC_RECORD_PATH("chain_speculative_sampling", path);
   return {out, accept_token_num};
 }
 

@@ -11,6 +11,8 @@ from specdec_inductor.ops import reference as ref
 from specdec_inductor.testing import random_draft, random_verify_inputs
 
 PATHS = specdec_inductor.runnable_isas()
+# The vocabulary passes' kernel per forced path (AMX has no sampling kernel of its own).
+VOCAB_PATH = {"portable": "portable", "avx2": "avx2", "avx512": "avx512", "amx": "avx512"}
 
 
 def _random_probs(shape, gen, sharp=3.0):
@@ -27,7 +29,7 @@ def test_top_k_top_p_renorm_matches_reference(path):
     specdec_inductor.reset_kernel_path_counts()
     with specdec_inductor.forced_isa(path):
         got = ops.top_k_top_p_renorm(probs, top_k, top_p)
-    assert specdec_inductor.kernel_path_counts() == {f"top_k_top_p_renorm:{'avx512' if path in ('avx512', 'amx') else 'portable'}": 1}
+    assert specdec_inductor.kernel_path_counts() == {f"top_k_top_p_renorm:{VOCAB_PATH[path]}": 1}
     want = ref.top_k_top_p_renorm_ref(probs, top_k, top_p)
     assert torch.equal(got > 0, want > 0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
@@ -47,8 +49,10 @@ def test_top_k_top_p_renorm_full_vocabulary(path):
     probs[4, 100:140] = probs[4].max() * 2  # 40-way tie at the top: top-20 keeps all 40
     top_k = torch.tensor([50, 0, 1, 1000, 20], dtype=torch.int32)
     top_p = torch.tensor([0.9, 0.5, 1.0, 0.95, 1.0])
+    specdec_inductor.reset_kernel_path_counts()
     with specdec_inductor.forced_isa(path):
         got = ops.top_k_top_p_renorm(probs, top_k, top_p)
+    assert specdec_inductor.kernel_path_counts() == {f"top_k_top_p_renorm:{VOCAB_PATH[path]}": 1}
     want = ref.top_k_top_p_renorm_ref(probs, top_k, top_p)
     assert torch.equal(got > 0, want > 0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
