@@ -250,9 +250,9 @@ inline bool softmax_step(const AttnChunk& c, int64_t m, int64_t kb0, int64_t nk,
       _mm256_store_ps(s + j, x);
       mx = _mm256_max_ps(mx, x);
     }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, mx);
-    for (float v : lanes) block_max = v > block_max ? v : block_max;
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    block_max = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
   } else {
     for (int64_t j = 0; j < kKeyBlock; ++j) {
       float x = s[j] * c.scale;
@@ -268,7 +268,8 @@ inline bool softmax_step(const AttnChunk& c, int64_t m, int64_t kb0, int64_t nk,
     return false;
   }
   const float m_new = c.max[m] > block_max ? c.max[m] : block_max;
-  const float alpha = std::exp(c.max[m] - m_new);  // 0 when the row had no key yet
+  // 0 when the row had no key yet; 1 (no exp) when the block did not raise its max.
+  const float alpha = c.max[m] == m_new ? 1.0f : std::exp(c.max[m] - m_new);
   const __m256 mn = _mm256_set1_ps(m_new), ninf = _mm256_set1_ps(kNegInf);
   __m256 sum = _mm256_setzero_ps();
   for (int64_t j = 0; j < kKeyBlock; j += 8) {
@@ -278,10 +279,9 @@ inline bool softmax_step(const AttnChunk& c, int64_t m, int64_t kb0, int64_t nk,
     sum = _mm256_add_ps(sum, p);
     _mm256_store_ps(s + j, p);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  float total = 0.0f;
-  for (float v : lanes) total += v;
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  const float total = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
   c.sum[m] = c.sum[m] * alpha + total;
   c.max[m] = m_new;
   *alpha_out = alpha;
