@@ -24,7 +24,7 @@ from specdec_inductor.cli import DTYPES, encode, head_dtype
 from specdec_inductor.engine.engine import Engine, GenerationStats
 from specdec_inductor.engine.hf import keep_first_layers, load_model
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
-from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
+from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK, EagleProposer, load_eagle_head
 from specdec_inductor.proposers.mtp import MtpCheckpointError, MtpProposer
 from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
 from specdec_inductor.proposers.ngram import RECOMMENDED_WINDOW, NgramProposer, parse_window
@@ -145,7 +145,8 @@ def main():
                 write_random_eagle_checkpoint(path, model.config, scale=0.02)
             head = load_eagle_head(path, model)
             draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
-                                  compile=not args.eager, prefill_chunk=16, capture_hidden=[-1])
+                                  compile=not args.eager, prefill_chunk=DRAFT_PREFILL_CHUNK,
+                                  capture_hidden=[-1])
             label = "EAGLE" + ("" if args.eagle_head else " (random head)")
             methods[f"{label} N={args.num_draft_tokens}{shape}"] = SpeculativeGenerator(
                 engine, EagleProposer(draft_engine, args.num_draft_tokens, topk=args.topk,
@@ -171,7 +172,8 @@ def main():
                 write_random_eagle3_checkpoint(path, model.config, scale=0.02)
             head = load_eagle3_head(path, model, head_dtype(args, model))
             draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
-                                  compile=not args.eager, prefill_chunk=16, capture_hidden=[-1])
+                                  compile=not args.eager, prefill_chunk=DRAFT_PREFILL_CHUNK,
+                                  capture_hidden=[-1])
             proposer = Eagle3Proposer(draft_engine, args.num_draft_tokens, topk=args.topk,
                                       depth=args.depth)
             # Its own target Engine over the same weights: it captures the head's three layers

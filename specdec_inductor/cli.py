@@ -219,14 +219,15 @@ def make_proposer(args, engine=None):
         return StandaloneProposer(draft_engine, args.num_draft_tokens, topk=topk, depth=depth)
     if args.method == "eagle":
         from specdec_inductor.engine.engine import Engine
-        from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
+        from specdec_inductor.proposers.eagle import (DRAFT_PREFILL_CHUNK, EagleProposer,
+                                                      load_eagle_head)
         args.draft_model = draft_head_dir(args)
         head = load_eagle_head(args.draft_model, engine.model)
         _log(f"[specdec] EAGLE head: {args.draft_model}")
         max_batch, max_len = _draft_engine_size(args, engine)
         draft_engine = Engine(head, max_batch=max_batch, max_len=max_len,
                               compile=engine.compiled, attention=args.attention,
-                              prefill_chunk=16, capture_hidden=[-1])
+                              prefill_chunk=DRAFT_PREFILL_CHUNK, capture_hidden=[-1])
         return EagleProposer(draft_engine, args.num_draft_tokens, topk=topk, depth=depth)
     if args.method == "mtp":
         from specdec_inductor.engine.hf import convert_gguf, default_gguf_path
@@ -244,6 +245,7 @@ def make_proposer(args, engine=None):
         return proposer
     if args.method == "eagle3":
         from specdec_inductor.engine.engine import Engine
+        from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK
         from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
         head = getattr(args, "eagle3_head", None) or load_eagle3_head(
             args.draft_model, engine.model, head_dtype(args, engine.model))
@@ -253,7 +255,7 @@ def make_proposer(args, engine=None):
         max_batch, max_len = _draft_engine_size(args, engine)
         draft_engine = Engine(head, max_batch=max_batch, max_len=max_len,
                               compile=engine.compiled, attention=args.attention,
-                              prefill_chunk=16, capture_hidden=[-1])
+                              prefill_chunk=DRAFT_PREFILL_CHUNK, capture_hidden=[-1])
         proposer = Eagle3Proposer(draft_engine, args.num_draft_tokens, topk=topk, depth=depth)
         if engine.capture_hidden != proposer.target_hidden_layers:
             raise SystemExit(f"--method eagle3: the target engine captures {engine.capture_hidden}"

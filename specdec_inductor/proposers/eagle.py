@@ -27,6 +27,13 @@ from specdec_inductor.proposers.chain import admit_draft_requests, chain_tree
 from specdec_inductor.proposers.tree_draft import TreeDrafter, check_tree_shape
 from specdec_inductor.speculative import DraftTree
 
+# T of a draft head's EXTEND graph (the Engine's prefill_chunk). After the prompt, each step
+# feeds the head the accepted drafts plus the bonus token: at most depth + 1 (5 for the shipped
+# trees), so 8 rows are enough and a 16-row chunk computed mostly padding (bench_spec,
+# SmolLM2 EAGLE-3 bf16 head, AVX2: the draft extend 3.0-3.2 -> 1.9 ms, a step's drafting
+# 9.2-11.2 -> 8.3-8.8 ms). A longer prompt or a deep chain takes more than one chunk.
+DRAFT_PREFILL_CHUNK = 8
+
 _LAYER_KEYS = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                "mlp.down_proj.weight", "post_attention_layernorm.weight"]
