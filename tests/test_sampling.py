@@ -19,13 +19,9 @@ def _random_probs(shape, gen, sharp=3.0):
     return torch.softmax(torch.randn(*shape, generator=gen) * sharp, dim=-1)
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_top_k_top_p_renorm_matches_reference(path):
-    gen = torch.Generator().manual_seed(0)
-    probs = _random_probs((6, 1003), gen)
-    probs[5, :10] = probs[5].max() * 2  # ten-way tie at the top: top-4 keeps all ten
-    top_k = torch.tensor([0, 1, 7, 1003, 50, 4], dtype=torch.int32)
-    top_p = torch.tensor([1.0, 1.0, 0.5, 0.9, 0.3, 1.0])
+def _renorm_checked(path, probs, top_k, top_p):
+    """top_k_top_p_renorm on `path`: the vocabulary kernel that ran, the keep sets and values
+    against the sort-based reference."""
     specdec_inductor.reset_kernel_path_counts()
     with specdec_inductor.forced_isa(path):
         got = ops.top_k_top_p_renorm(probs, top_k, top_p)
@@ -33,6 +29,17 @@ def test_top_k_top_p_renorm_matches_reference(path):
     want = ref.top_k_top_p_renorm_ref(probs, top_k, top_p)
     assert torch.equal(got > 0, want > 0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    return got
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_top_k_top_p_renorm_matches_reference(path):
+    gen = torch.Generator().manual_seed(0)
+    probs = _random_probs((6, 1003), gen)
+    probs[5, :10] = probs[5].max() * 2  # ten-way tie at the top: top-4 keeps all ten
+    top_k = torch.tensor([0, 1, 7, 1003, 50, 4], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 1.0, 0.5, 0.9, 0.3, 1.0])
+    got = _renorm_checked(path, probs, top_k, top_p)
     assert (got > 0).sum(1).tolist()[:2] == [1003, 1] and int((got[5] > 0).sum()) == 10
     torch.testing.assert_close(got.sum(1), torch.ones(6))
 
@@ -49,13 +56,7 @@ def test_top_k_top_p_renorm_full_vocabulary(path):
     probs[4, 100:140] = probs[4].max() * 2  # 40-way tie at the top: top-20 keeps all 40
     top_k = torch.tensor([50, 0, 1, 1000, 20], dtype=torch.int32)
     top_p = torch.tensor([0.9, 0.5, 1.0, 0.95, 1.0])
-    specdec_inductor.reset_kernel_path_counts()
-    with specdec_inductor.forced_isa(path):
-        got = ops.top_k_top_p_renorm(probs, top_k, top_p)
-    assert specdec_inductor.kernel_path_counts() == {f"top_k_top_p_renorm:{VOCAB_PATH[path]}": 1}
-    want = ref.top_k_top_p_renorm_ref(probs, top_k, top_p)
-    assert torch.equal(got > 0, want > 0)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    got = _renorm_checked(path, probs, top_k, top_p)
     assert int((got[2] > 0).sum()) == 1 and int((got[4] > 0).sum()) == 40
 
 
