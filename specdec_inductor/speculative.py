@@ -415,6 +415,9 @@ class SpeculativeGenerator:
                 t = time.perf_counter()
                 if cooldown > 0:  # the gate says decode: do not pay for a draft either
                     size, cooldown = 1, cooldown - 1
+                    # The next draft catches up on the tokens decoded meanwhile: a cost of the
+                    # cooldown, not of a step's draft, so the gate does not price it.
+                    catch_up = True
                 else:
                     draft = proposer.propose(ids, seq_lens[:bs])
                     if self._gate_from_costs and not catch_up:  # the gate prices drafts

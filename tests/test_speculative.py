@@ -279,6 +279,48 @@ def test_gate_threshold_follows_measured_costs():
     engine.pool.check_consistent()
 
 
+class _CatchUpCostProposer(_CostlyScriptedChainProposer):
+    """Wrong drafts first (the gate backs off), right ones later; a draft after steps it did
+    not draft (a cooldown) pays `catch_up` seconds instead of `delay`, as a draft model
+    catching up on the decoded tokens does."""
+
+    def __init__(self, truth, wrong, delay, catch_up):
+        super().__init__(truth, delay)
+        self.wrong, self.catch_up, self.commits, self.catch_ups = set(wrong), catch_up, 0, 0
+
+    def propose(self, request_ids, seq_lens):
+        if self.commits > 1:
+            self.catch_ups += 1
+            time.sleep(self.catch_up - self.delay)
+        self.commits = 0
+        return super().propose(request_ids, seq_lens)
+
+    def commit(self, request_ids, emitted):
+        self.commits += 1
+        super().commit(request_ids, emitted)
+
+
+def test_gate_does_not_price_the_catch_up_after_a_cooldown():
+    """The first draft after a cooldown catches up on the decoded tokens; the gate's draft cost
+    is a step's draft, so that one is not timed (else a cooldown would raise the threshold
+    and lengthen the next one)."""
+    model = tiny_model("llama", seed=4)
+    engine = Engine(model, max_batch=1, max_len=128, compile=False, prefill_chunk=16)
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    plain = engine.generate(prompt, 48)
+    decode_s = step_times(engine, [1], rounds=5)[1]
+    proposer = _CatchUpCostProposer(plain[0], wrong=range(0, 6), delay=0.2 * decode_s,
+                                    catch_up=30 * decode_s)
+    spec = SpeculativeGenerator(engine, proposer)
+    spec.verify_cost, spec._decode_s = 1.2, decode_s  # as compile_verify measures them
+    stats = SpeculativeStats()
+    assert spec.generate(prompt, 48, stats=stats) == plain
+    assert stats.decode_steps > 0 and proposer.catch_ups > 0, stats.summary()
+    # Priced drafts cost ~0.2 decode steps; one priced catch-up would put the average at >= 6.
+    assert spec._draft_s < 3 * decode_s, spec._draft_s / decode_s
+    engine.pool.check_consistent()
+
+
 def test_adaptive_size_shrinks_verifies_after_misses_and_grows_back():
     """A proposer with cheap drafts gets no acceptance gate: after missing drafts its verifies
     drop to the smallest size (2 tokens, a decode step's cost) instead of plain decodes, and
