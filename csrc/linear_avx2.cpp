@@ -212,8 +212,9 @@ void packed_tile(const PackedLinearBlock& b, const float* x, int64_t xs, int64_t
 // (always_inline: compiled on its own, GCC kept the accumulators in registers but also stored
 // all of them to the stack on every step, which halved the kernel's speed.)
 template <class Ops, int MB>
-__attribute__((always_inline)) inline void packed_rows_chunk(const char* w, const float* x, int64_t xs, int64_t m0, int64_t k0,
-                              int64_t k1, float* tot) {
+__attribute__((always_inline)) inline void packed_rows_chunk(const char* w, const float* x,
+                                                             int64_t xs, int64_t m0, int64_t k0,
+                                                             int64_t k1, float* tot) {
   constexpr int P = Ops::kParts;
   const float* xr[MB];
   for (int j = 0; j < MB; ++j) xr[j] = x + (m0 + j) * xs;
@@ -266,7 +267,8 @@ void packed_block_rows(const PackedLinearBlock& b, const float* x, int64_t xs, i
     }
   }
   for (int64_t m = 0; m < b.M; ++m) {
-    store_block(b, m, nb, _mm256_load_ps(tot + m * kPackLanes), _mm256_load_ps(tot + m * kPackLanes + 8));
+    const float* t = tot + m * kPackLanes;
+    store_block(b, m, nb, _mm256_load_ps(t), _mm256_load_ps(t + 8));
   }
 }
 
