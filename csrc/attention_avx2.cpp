@@ -167,17 +167,18 @@ inline void transpose_keys(const float* const* krow, int64_t D, float* kt) {
 }
 
 // The register tile both products share: o[i][h] += sum_t a[i * a_stride + t] *
-// b[t * b_stride + 8h : +8] for i < MT, t < steps (2 * MT accumulators; each b vector loaded
-// feeds MT FMAs). always_inline: GCC keeps the accumulators of an inlined tile in registers.
-template <int MT>
+// b[t * b_stride + 8h : +8] for i < MT, h < W, t < steps (W * MT accumulators; each b vector
+// loaded feeds MT FMAs). always_inline: GCC keeps the accumulators of an inlined tile in
+// registers.
+template <int MT, int W>
 __attribute__((always_inline)) inline void tile_fma(const float* a, int64_t a_stride, const float* b,
-                                                    int64_t b_stride, int64_t steps, __m256 o[MT][2]) {
+                                                    int64_t b_stride, int64_t steps, __m256 o[MT][W]) {
   for (int64_t t = 0; t < steps; ++t) {
-    const __m256 b0 = _mm256_loadu_ps(b + t * b_stride), b1 = _mm256_loadu_ps(b + t * b_stride + 8);
+    __m256 bv[W];
+    for (int h = 0; h < W; ++h) bv[h] = _mm256_loadu_ps(b + t * b_stride + 8 * h);
     for (int i = 0; i < MT; ++i) {
       const __m256 ab = _mm256_broadcast_ss(a + i * a_stride + t);
-      o[i][0] = _mm256_fmadd_ps(ab, b0, o[i][0]);
-      o[i][1] = _mm256_fmadd_ps(ab, b1, o[i][1]);
+      for (int h = 0; h < W; ++h) o[i][h] = _mm256_fmadd_ps(ab, bv[h], o[i][h]);
     }
   }
 }
@@ -189,7 +190,7 @@ inline void scores_tile(const float* q, const float* kt, int64_t D, float* s) {
   for (int64_t j0 = 0; j0 < kKeyBlock; j0 += 16) {
     __m256 a[MT][2];
     for (int i = 0; i < MT; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
-    tile_fma<MT>(q, D, kt + j0, kKeyBlock, D, a);
+    tile_fma<MT, 2>(q, D, kt + j0, kKeyBlock, D, a);
     for (int i = 0; i < MT; ++i) {
       _mm256_store_ps(s + i * kKeyBlock + j0, a[i][0]);
       _mm256_store_ps(s + i * kKeyBlock + j0 + 8, a[i][1]);
@@ -197,33 +198,31 @@ inline void scores_tile(const float* q, const float* kt, int64_t D, float* s) {
   }
 }
 
+// pv_tile over dims [d0, d0 + 8W).
+template <int MT, int W>
+inline void pv_dims(const float* p, const float* v, int64_t nk, const float* alpha, float* acc,
+                    int64_t D, int64_t d0) {
+  __m256 o[MT][W];
+  for (int i = 0; i < MT; ++i) {
+    const __m256 al = _mm256_set1_ps(alpha[i]);
+    for (int h = 0; h < W; ++h) o[i][h] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d0 + 8 * h), al);
+  }
+  tile_fma<MT, W>(p, kKeyBlock, v + d0, D, nk, o);
+  for (int i = 0; i < MT; ++i)
+    for (int h = 0; h < W; ++h) _mm256_storeu_ps(acc + i * D + d0 + 8 * h, o[i][h]);
+}
+
 // acc_i[0:D] = alpha_i * acc_i + sum_j p_i[j] * v_j for MT queries (p rows of 64, acc rows of D)
 // over the block's nk keys (v: the block's dense V rows [64, D]), 16 (then 8) dims at a time.
 template <int MT>
 inline void pv_tile(const float* p, const float* v, int64_t nk, const float* alpha, float* acc,
                     int64_t D) {
-  int64_t d0 = 0;
-  for (; d0 + 16 <= D; d0 += 16) {
-    __m256 o[MT][2];
-    for (int i = 0; i < MT; ++i) {
-      const __m256 al = _mm256_set1_ps(alpha[i]);
-      o[i][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d0), al);
-      o[i][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d0 + 8), al);
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    if (d0 + 16 <= D) {
+      pv_dims<MT, 2>(p, v, nk, alpha, acc, D, d0);
+    } else {  // D % 16 == 8
+      pv_dims<MT, 1>(p, v, nk, alpha, acc, D, d0);
     }
-    tile_fma<MT>(p, kKeyBlock, v + d0, D, nk, o);
-    for (int i = 0; i < MT; ++i) {
-      _mm256_storeu_ps(acc + i * D + d0, o[i][0]);
-      _mm256_storeu_ps(acc + i * D + d0 + 8, o[i][1]);
-    }
-  }
-  if (d0 < D) {  // D % 16 == 8
-    __m256 o[MT];
-    for (int i = 0; i < MT; ++i) o[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d0), _mm256_set1_ps(alpha[i]));
-    for (int64_t j = 0; j < nk; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(v + j * D + d0);
-      for (int i = 0; i < MT; ++i) o[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i * kKeyBlock + j), v0, o[i]);
-    }
-    for (int i = 0; i < MT; ++i) _mm256_storeu_ps(acc + i * D + d0, o[i]);
   }
 }
 
@@ -300,8 +299,8 @@ inline void query_tile(const AttnChunk& c, const float* q, const float* kt, cons
 }
 
 // Chunks with at least this many queries take the transposed-block (tiled) path.
-constexpr int64_t kTiledMinQueries = 6;
 constexpr int kTileQueries = 6;
+constexpr int64_t kTiledMinQueries = kTileQueries;  // at least one full tile
 
 }  // namespace
 
@@ -349,10 +348,7 @@ void attention_chunk_avx2(const AttnChunk& c) {
       } else {
         krow[j] = reinterpret_cast<const float*>(kr);
         vrow[j] = reinterpret_cast<const float*>(vr);
-        if (tiled) {
-          std::memcpy(vbuf + j * D, vrow[j], D * sizeof(float));
-          vrow[j] = vbuf + j * D;
-        }
+        if (tiled) std::memcpy(vbuf + j * D, vrow[j], D * sizeof(float));
       }
     }
     // Every key of a block inside the committed prefix is visible to every row (no window).

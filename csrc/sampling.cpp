@@ -2,7 +2,7 @@
 // chain_speculative_sampling. Contract: shared/spec/kernels.md section 7.
 // ISA paths: the vocabulary passes (threshold search for top-k / top-p, masses, rescaling) have
 // an AVX-512 path (sampling_avx512.cpp) used when active_isa() >= AVX512, an AVX2 path
-// (sampling_avx2.cpp) when it is AVX2, and a portable path (vocab_path()); the tree / chain
+// (sampling_avx2.cpp) when it is AVX2, and a portable path (vocab_passes()); the tree / chain
 // walks themselves are scalar and shared.
 // Uniforms are inputs in [0, 1) (as torch.rand draws them): a draft is accepted when
 // u < accept-probability, so a zero-probability token is never accepted, a sure one always.
@@ -20,51 +20,48 @@ namespace {
 
 // ------------------------------------------------------------------ vocabulary passes
 
-// The path of the vocabulary passes: the widest SIMD kernel built and active.
-Isa vocab_path() {
-  const Isa isa = active_isa();
-#ifdef SPECDEC_BUILT_AVX512
-  if (isa >= Isa::AVX512) return Isa::AVX512;
-#endif
-#ifdef SPECDEC_BUILT_AVX2
-  if (isa >= Isa::AVX2) return Isa::AVX2;
-#endif
-  (void)isa;
-  return Isa::PORTABLE;
-}
-
-double mass_at_or_above(const float* p, int64_t n, float t, Isa path) {
-#ifdef SPECDEC_BUILT_AVX512
-  if (path == Isa::AVX512) return mass_at_or_above_avx512(p, n, t);
-#endif
-#ifdef SPECDEC_BUILT_AVX2
-  if (path == Isa::AVX2) return mass_at_or_above_avx2(p, n, t);
-#endif
+// Portable vocabulary passes: sum / count of p[i] >= t, and out[i] = p[i] >= t ? p[i] * scale : 0.
+double mass_at_or_above_portable(const float* p, int64_t n, float t) {
   double s = 0;
   for (int64_t i = 0; i < n; ++i) s += p[i] >= t ? p[i] : 0.0f;
   return s;
 }
 
-int64_t count_at_or_above(const float* p, int64_t n, float t, Isa path) {
-#ifdef SPECDEC_BUILT_AVX512
-  if (path == Isa::AVX512) return count_at_or_above_avx512(p, n, t);
-#endif
-#ifdef SPECDEC_BUILT_AVX2
-  if (path == Isa::AVX2) return count_at_or_above_avx2(p, n, t);
-#endif
+int64_t count_at_or_above_portable(const float* p, int64_t n, float t) {
   int64_t c = 0;
   for (int64_t i = 0; i < n; ++i) c += p[i] >= t;
   return c;
 }
 
-void keep_and_scale(const float* p, float* out, int64_t n, float t, float scale, Isa path) {
+void keep_and_scale_portable(const float* p, float* out, int64_t n, float t, float scale) {
+  for (int64_t i = 0; i < n; ++i) out[i] = p[i] >= t ? p[i] * scale : 0.0f;
+}
+
+// The vocabulary passes of one path, chosen once per op call.
+struct VocabPasses {
+  Isa path;
+  double (*mass_at_or_above)(const float* p, int64_t n, float t);
+  int64_t (*count_at_or_above)(const float* p, int64_t n, float t);
+  void (*keep_and_scale)(const float* p, float* out, int64_t n, float t, float scale);
+};
+
+// The widest SIMD passes built and active, else the portable ones.
+const VocabPasses& vocab_passes() {
+  static const VocabPasses portable{Isa::PORTABLE, mass_at_or_above_portable,
+                                    count_at_or_above_portable, keep_and_scale_portable};
+  const Isa isa = active_isa();
 #ifdef SPECDEC_BUILT_AVX512
-  if (path == Isa::AVX512) return keep_and_scale_avx512(p, out, n, t, scale);
+  static const VocabPasses avx512{Isa::AVX512, mass_at_or_above_avx512, count_at_or_above_avx512,
+                                  keep_and_scale_avx512};
+  if (isa >= Isa::AVX512) return avx512;
 #endif
 #ifdef SPECDEC_BUILT_AVX2
-  if (path == Isa::AVX2) return keep_and_scale_avx2(p, out, n, t, scale);
+  static const VocabPasses avx2{Isa::AVX2, mass_at_or_above_avx2, count_at_or_above_avx2,
+                                keep_and_scale_avx2};
+  if (isa >= Isa::AVX2) return avx2;
 #endif
-  for (int64_t i = 0; i < n; ++i) out[i] = p[i] >= t ? p[i] * scale : 0.0f;
+  (void)isa;
+  return portable;
 }
 
 float from_bits(uint32_t b) {
@@ -119,19 +116,19 @@ float largest_threshold(float lo, Candidates& c, Pred pred) {
 
 // Threshold keeping the top-k (ties at the k-th value kept) and then the smallest top
 // probabilities whose mass reaches top_p of the kept mass (ties kept). 0 keeps everything.
-float keep_threshold(const float* p, int64_t V, int64_t top_k, double top_p, Isa path,
+float keep_threshold(const float* p, int64_t V, int64_t top_k, double top_p, const VocabPasses& vp,
                      std::vector<float>& scratch) {
   Candidates c{p, V, scratch};
   float t = 0.0f;
   if (top_k > 0 && top_k < V) {
     t = largest_threshold(0.0f, c, [&](const float* v, int64_t n, float x) {
-      return count_at_or_above(v, n, x, path) >= top_k;
+      return vp.count_at_or_above(v, n, x) >= top_k;
     });
   }
   if (top_p < 1.0) {
-    const double target = top_p * mass_at_or_above(c.vals, c.n, t, path);
+    const double target = top_p * vp.mass_at_or_above(c.vals, c.n, t);
     t = largest_threshold(t, c, [&](const float* v, int64_t n, float x) {
-      return mass_at_or_above(v, n, x, path) >= target;
+      return vp.mass_at_or_above(v, n, x) >= target;
     });
   }
   return t;
@@ -205,19 +202,19 @@ at::Tensor top_k_top_p_renorm(const at::Tensor& probs, const at::Tensor& top_k,
   }
   const at::Tensor p = probs.contiguous();  // rows are scanned linearly
   at::Tensor out = at::empty({R, V}, at::kFloat);  // [R, V]
-  const Isa path = vocab_path();
+  const VocabPasses& vp = vocab_passes();
   at::parallel_for(0, R, grain_for(V * 40), [&](int64_t r0, int64_t r1) {
     std::vector<float> scratch;
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = p.const_data_ptr<float>() + r * V;
-      const float t = keep_threshold(row, V, ks(r), tps[r], path, scratch);
-      const double kept = mass_at_or_above(row, V, t, path);
+      const float t = keep_threshold(row, V, ks(r), tps[r], vp, scratch);
+      const double kept = vp.mass_at_or_above(row, V, t);
       TORCH_CHECK_VALUE(kept > 0 && std::isfinite(kept), "argument 'probs' row ", r,
                         " has no positive finite mass");
-      keep_and_scale(row, out.data_ptr<float>() + r * V, V, t, static_cast<float>(1.0 / kept), path);
+      vp.keep_and_scale(row, out.data_ptr<float>() + r * V, V, t, static_cast<float>(1.0 / kept));
     }
   });
-  SPECDEC_RECORD_PATH("top_k_top_p_renorm", path);
+  SPECDEC_RECORD_PATH("top_k_top_p_renorm", vp.path);
   return out;
 }
 
@@ -267,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
   int32_t* pred = predicts.data_ptr<int32_t>();
   int32_t* acc = accept_index.data_ptr<int32_t>();
   int32_t* num = accept_token_num.data_ptr<int32_t>();
-  const Isa path = vocab_path();
+  const VocabPasses& vp = vocab_passes();
 
   at::parallel_for(0, bs, grain_for(N * V), [&](int64_t b0, int64_t b1) {
     std::vector<int64_t> rejected;
@@ -279,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
       for (int64_t level = 0;; ++level) {
         // Residual at `node`: its target distribution without the rejected siblings' mass.
         p = P + (b * N + node) * V;
-        remaining = mass_at_or_above(p, V, 0.0f, path);
+        remaining = vp.mass_at_or_above(p, V, 0.0f);
         TORCH_CHECK_VALUE(remaining > 0 && std::isfinite(remaining), "argument 'target_probs' [",
                           b, ", ", node, "] has no positive finite mass");
         rejected.clear();
@@ -315,13 +312,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
         return p[i];
       };
       int64_t bonus = draw(V, remaining, UF[b], weight);
-      if (bonus < 0) bonus = draw(V, mass_at_or_above(p, V, 0.0f, path), UF[b],
+      if (bonus < 0) bonus = draw(V, vp.mass_at_or_above(p, V, 0.0f), UF[b],
                                   [&](int64_t i) -> double { return p[i]; });
       pred[last] = static_cast<int32_t>(bonus);
       num[b] = static_cast<int32_t>(accepted);
     }
   });
-  SPECDEC_RECORD_PATH("tree_speculative_sampling", path);
+  SPECDEC_RECORD_PATH("tree_speculative_sampling", vp.path);
   return {predicts, accept_index, accept_token_num};
 }
 
@@ -355,7 +352,7 @@ std::tuple<at::Tensor, at::Tensor> chain_speculative_sampling(
   at::Tensor accept_token_num = at::zeros({bs}, at::kInt);  // [B]
   int64_t* o = out.data_ptr<int64_t>();
   int32_t* num = accept_token_num.data_ptr<int32_t>();
-  const Isa path = vocab_path();
+  const VocabPasses& vp = vocab_passes();
   at::parallel_for(0, bs, grain_for((K + 1) * V), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       int64_t i = 0;
@@ -375,16 +372,16 @@ std::tuple<at::Tensor, at::Tensor> chain_speculative_sampling(
         double total = 0;
         for (int64_t j = 0; j < V; ++j) total += residual(j);
         token = total > 0 ? draw(V, total, UF[b], residual) : -1;
-        if (token < 0) token = draw(V, mass_at_or_above(p, V, 0.0f, path), UF[b],
+        if (token < 0) token = draw(V, vp.mass_at_or_above(p, V, 0.0f), UF[b],
                                     [&](int64_t j) -> double { return p[j]; });
       } else {
-        token = draw(V, mass_at_or_above(p, V, 0.0f, path), UF[b], [&](int64_t j) -> double { return p[j]; });
+        token = draw(V, vp.mass_at_or_above(p, V, 0.0f), UF[b], [&](int64_t j) -> double { return p[j]; });
       }
       TORCH_CHECK_VALUE(token >= 0, "argument 'target_probs' row ", b, " has no positive mass");
       o[b * (K + 1) + i] = token;
     }
   });
-  SPECDEC_RECORD_PATH("chain_speculative_sampling", path);
+  SPECDEC_RECORD_PATH("chain_speculative_sampling", vp.path);
   return {out, accept_token_num};
 }
 

@@ -219,14 +219,9 @@ class SpeculativeGenerator:
         #   - 1 accepted drafts per step (compile_verify times verify(N) against a decode step on
         #   compiled engines, the loop times the drafts), never below verify_cost_per_node *
         #   (N - 1) (a verify of N tokens costing about 1 + verify_cost_per_node * (N - 1)
-        #   decode steps, the default until costs are measured). On the AVX2 machine verify(8)
-        #   measured 1.6 decode steps and an EAGLE-3 draft 0.75: drafting pays only above ~1.35
-        #   accepted drafts per step. (The rule before -- a 0.5 running mean against the default
-        #   threshold -- also gated drafts that pay: in a simulation of 128-token generations
-        #   with per-step accepted drafts drawn from the shipped EAGLE-3 head's distribution and
-        #   three others, this rule gained 0.3-1.4% at the AVX-512 machine's costs (verify(8)
-        #   1.3, draft 0.4) and 3.5-12% at AVX2's, except -3% for drafts accepted ~2 per step at
-        #   AVX2's costs.)
+        #   decode steps, the default until costs are measured). Drafts are priced per step:
+        #   the first draft, and the first after a cooldown, catch up on tokens the draft model
+        #   has not seen and are not timed.
         self.adaptive = bool(getattr(proposer, "cheap_drafts", False)) if adaptive is None else adaptive
         self._gate_from_costs = min_accepted is None and not self.adaptive
         if min_accepted is None:
