@@ -20,7 +20,10 @@
 // not seen: call linear_pack_release (and register again) after such a write.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <map>
 #include <shared_mutex>
+#include <string>
 #include <unordered_map>
 
 #include "common.h"
@@ -143,9 +146,86 @@ at::Tensor packed_for(const at::Tensor& w) {
   return e.packed;
 }
 
+// Packed copies of weight groups (skinny_linear_cat): the blocks of each weight end to end.
+// Keyed by the weights' data pointers; built only from weights that are registered
+// individually, and valid while each of them is (same storage, layout and version).
+struct GroupEntry {
+  std::vector<PackEntry> parts;
+  at::Tensor packed;
+};
+std::map<std::vector<const void*>, GroupEntry> g_groups;
+
+bool group_describes(const GroupEntry& g, at::TensorList ws) {
+  if (g.parts.size() != ws.size()) return false;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (!describes(g.parts[i], ws[i]) || g.parts[i].version != version_of(ws[i])) return false;
+  }
+  return true;
+}
+
+// The packed copy of `ws` side by side, packing it first if needed; undefined unless every
+// weight is registered and every N but the last is a multiple of kPackLanes (so the blocks of
+// one weight never hold another's outputs).
+at::Tensor packed_group_for(at::TensorList ws) {
+  std::vector<const void*> key;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (i + 1 < ws.size() && ws[i].size(0) % kPackLanes != 0) return at::Tensor();
+    key.push_back(ws[i].const_data_ptr());
+  }
+  auto registered = [&] {
+    for (const at::Tensor& w : ws) {
+      auto it = g_packs.find(w.const_data_ptr());
+      if (it == g_packs.end() || !describes(it->second, w)) return false;
+    }
+    return true;
+  };
+  {
+    std::shared_lock<std::shared_mutex> lock(g_pack_mu);
+    if (!registered()) return at::Tensor();
+    auto it = g_groups.find(key);
+    if (it != g_groups.end() && group_describes(it->second, ws)) return it->second.packed;
+  }
+  std::unique_lock<std::shared_mutex> lock(g_pack_mu);
+  if (!registered()) return at::Tensor();
+  auto it = g_groups.find(key);
+  if (it != g_groups.end() && group_describes(it->second, ws)) return it->second.packed;
+  if (it == g_groups.end()) SPECDEC_RECORD_PATH("skinny_linear_cat_pack", Isa::PORTABLE);
+  else SPECDEC_RECORD_PATH("skinny_linear_cat_repack", Isa::PORTABLE);
+  GroupEntry g;
+  std::vector<at::Tensor> blocks;
+  for (const at::Tensor& w : ws) {
+    g.parts.emplace_back(w);
+    g.parts.back().version = version_of(w);
+    blocks.push_back(pack_weight(w, at::Tensor()));
+  }
+  g.packed = blocks.size() == 1 ? blocks[0] : at::cat(blocks, 0);
+  at::Tensor out = g.packed;
+  g_groups[key] = std::move(g);
+  return out;
+}
+
+bool group_expired(const GroupEntry& g) {
+  for (const PackEntry& e : g.parts) {
+    if (e.storage.expired()) return true;
+  }
+  return false;
+}
+
+// Drops the groups that hold data pointer `p` (a weight released or re-registered).
+void drop_groups_with_locked(const void* p) {
+  for (auto it = g_groups.begin(); it != g_groups.end();) {
+    if (std::find(it->first.begin(), it->first.end(), p) != it->first.end()) it = g_groups.erase(it);
+    else ++it;
+  }
+}
+
 void sweep_expired_locked() {
   for (auto it = g_packs.begin(); it != g_packs.end();) {
     if (it->second.storage.expired()) it = g_packs.erase(it);
+    else ++it;
+  }
+  for (auto it = g_groups.begin(); it != g_groups.end();) {
+    if (group_expired(it->second)) it = g_groups.erase(it);
     else ++it;
   }
 }
@@ -174,39 +254,68 @@ void (*packed_kernel_for(Isa isa))(const PackedLinearBlock&) {
   return nullptr;
 }
 
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias) {
-  check_cpu(x, "x");
-  check_cpu(weight, "weight");
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-                   "argument 'x' must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "argument 'weight' must have x's dtype ",
-                   x.scalar_type(), ", got ", weight.scalar_type());
-  TORCH_CHECK_VALUE(x.dim() >= 1, "argument 'x' must have at least 1 dimension, got a scalar");
-  check_dim(weight, 2, "weight");
+// The checks of one (weight, bias) pair against x; `w_name` / `b_name` name them in errors.
+void check_weight(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  const std::string& w_name, const std::string& b_name) {
+  check_cpu(weight, w_name.c_str());
+  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "argument '", w_name,
+                   "' must have x's dtype ", x.scalar_type(), ", got ", weight.scalar_type());
+  check_dim(weight, 2, w_name.c_str());
   const int64_t K = x.size(-1), N = weight.size(0);
-  TORCH_CHECK_VALUE(weight.size(1) == K, "argument 'weight' must have shape [N, ", K,
+  TORCH_CHECK_VALUE(weight.size(1) == K, "argument '", w_name, "' must have shape [N, ", K,
                     "] (x's last dimension), got ", weight.sizes());
   if (bias.has_value()) {
-    check_cpu(*bias, "bias");
-    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "argument 'bias' must have x's dtype ",
-                     x.scalar_type(), ", got ", bias->scalar_type());
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "argument 'bias' must have shape [",
-                      N, "], got ", bias->sizes());
+    check_cpu(*bias, b_name.c_str());
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "argument '", b_name,
+                     "' must have x's dtype ", x.scalar_type(), ", got ", bias->scalar_type());
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "argument '", b_name,
+                      "' must have shape [", N, "], got ", bias->sizes());
   }
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
-  int64_t M = 1;
-  for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
-  const at::Tensor x2 = x.reshape({M, K}).contiguous();  // [M, K]; x is small
-  at::Tensor y = at::empty({M, N}, x.options());  // [M, N]
-  if (M == 0 || N == 0) return y.view(out_shape);
+}
+
+void check_x(const at::Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                   "argument 'x' must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() >= 1, "argument 'x' must have at least 1 dimension, got a scalar");
+}
+
+// y[:, col0 : col0 + N] = x2 wp^T (+ bias) through a packed kernel: x2 [M, K] dense, wp packed
+// ([NB, Kp, 16 P]), bias [N] dense or undefined, y [M, *] dense.
+void run_packed(void (*kernel)(const PackedLinearBlock&), const at::Tensor& x2, const at::Tensor& wp,
+                int64_t N, const at::Tensor& bias_c, at::Tensor& y, int64_t col0) {
+  const int64_t M = x2.size(0), K = x2.size(1);
+  const bool f32 = x2.scalar_type() == at::kFloat;
+  const int64_t Kp = wp.size(1), P = f32 ? 1 : 2;
+  // bf16 pairs: an odd K gets a zero column so the last pair reads no foreign memory.
+  const at::Tensor xp = Kp * P == K ? x2 : at::constant_pad_nd(x2, {0, Kp * P - K});
+  PackedLinearBlock pb{f32 ? LinearDtype::FLOAT32 : LinearDtype::BFLOAT16, M, Kp, N,
+                       xp.const_data_ptr(), Kp * P, wp.const_data_ptr(),
+                       bias_c.defined() ? bias_c.const_data_ptr() : nullptr,
+                       static_cast<char*>(y.data_ptr()) + col0 * y.element_size(), y.size(1), 0, 0};
+  const int64_t groups = (wp.size(0) + kPackGroupBlocks - 1) / kPackGroupBlocks;
+  const int64_t per_group = kPackGroupBlocks * kPackLanes * K * M;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, per_group));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    PackedLinearBlock part = pb;
+    part.g_begin = begin;
+    part.g_end = end;
+    kernel(part);
+  });
+}
+
+// y[:, col0 : col0 + N] = x2 weight^T (+ bias), N = weight.size(0): x2 [M, K] dense, bias [N]
+// dense or undefined, y [M, *] dense. Records the path that ran.
+void linear_into(const at::Tensor& x2, const at::Tensor& weight, const at::Tensor& bias_c,
+                 at::Tensor& y, int64_t col0) {
+  const int64_t M = x2.size(0), K = x2.size(1), N = weight.size(0);
+  if (M == 0 || N == 0) return;
   if (K == 0) {
-    if (bias.has_value()) y.copy_(bias->unsqueeze(0).expand({M, N}));
-    else y.zero_();
-    return y.view(out_shape);
+    at::Tensor part = y.narrow(1, col0, N);
+    if (bias_c.defined()) part.copy_(bias_c.unsqueeze(0).expand({M, N}));
+    else part.zero_();
+    return;
   }
-  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
   // The widest SIMD path that is built and active; a registered weight (any strides) runs on
   // its packed copy there.
   const Isa isa = linear_path();
@@ -214,32 +323,20 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
   if (packed_kernel != nullptr) {
     const at::Tensor wp = packed_for(weight);
     if (wp.defined()) {
-      const bool f32 = x.scalar_type() == at::kFloat;
-      const int64_t Kp = wp.size(1), P = f32 ? 1 : 2;
-      // bf16 pairs: an odd K gets a zero column so the last pair reads no foreign memory.
-      const at::Tensor xp = Kp * P == K ? x2 : at::constant_pad_nd(x2, {0, Kp * P - K});
-      PackedLinearBlock pb{f32 ? LinearDtype::FLOAT32 : LinearDtype::BFLOAT16, M, Kp, N,
-                           xp.const_data_ptr(), Kp * P, wp.const_data_ptr(),
-                           bias_c.defined() ? bias_c.const_data_ptr() : nullptr, y.data_ptr(), N, 0, 0};
-      const int64_t groups = (wp.size(0) + kPackGroupBlocks - 1) / kPackGroupBlocks;
-      const int64_t per_group = kPackGroupBlocks * kPackLanes * K * M;
-      const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, per_group));
-      at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-        PackedLinearBlock part = pb;
-        part.g_begin = begin;
-        part.g_end = end;
-        packed_kernel(part);
-      });
+      run_packed(packed_kernel, x2, wp, N, bias_c, y, col0);
       SPECDEC_RECORD_PATH("skinny_linear_packed", isa);
-      return y.view(out_shape);
+      return;
     }
   }
   // Past kRowKernelMaxRows the row kernels lose to a GEMM library (benchmarks/bench_linear.py):
   // an unpacked weight goes to aten's linear, counted as "skinny_linear_gemm".
   if (M > kRowKernelMaxRows) {
     SPECDEC_RECORD_PATH("skinny_linear_gemm", Isa::PORTABLE);
-    return at::linear(x2, weight, bias_c.defined() ? std::optional<at::Tensor>(bias_c) : std::nullopt)
-        .view(out_shape);
+    const at::Tensor out =
+        at::linear(x2, weight, bias_c.defined() ? std::optional<at::Tensor>(bias_c) : std::nullopt);
+    if (col0 == 0 && N == y.size(1)) y.copy_(out);
+    else y.narrow(1, col0, N).copy_(out);
+    return;
   }
   // The fast path needs dense weight rows; any other layout is copied once (and counted, so a
   // caller that hits it every step shows up in kernel_path_counts()).
@@ -248,9 +345,10 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
     w = weight.contiguous();
     SPECDEC_RECORD_PATH("skinny_linear_weight_copy", Isa::PORTABLE);
   }
-  LinearBlock blk{x.scalar_type() == at::kFloat ? LinearDtype::FLOAT32 : LinearDtype::BFLOAT16,
+  LinearBlock blk{x2.scalar_type() == at::kFloat ? LinearDtype::FLOAT32 : LinearDtype::BFLOAT16,
                   M, K, x2.const_data_ptr(), K, w.const_data_ptr(), w.stride(0),
-                  bias_c.defined() ? bias_c.const_data_ptr() : nullptr, y.data_ptr(), N, 0, 0};
+                  bias_c.defined() ? bias_c.const_data_ptr() : nullptr,
+                  static_cast<char*>(y.data_ptr()) + col0 * y.element_size(), y.size(1), 0, 0};
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
   // A chunk gets at least ~64K multiply-adds: splitting a small layer costs more in the thread
   // pool's wake-up than it saves.
@@ -274,6 +372,83 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
     skinny_linear_portable(part);
   });
   SPECDEC_RECORD_PATH("skinny_linear", isa);
+}
+
+// x's leading dimensions flattened: [M, K], dense (x is small).
+at::Tensor rows_of(const at::Tensor& x, int64_t* M) {
+  *M = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) *M *= x.size(d);
+  return x.reshape({*M, x.size(-1)}).contiguous();
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  check_x(x);
+  check_weight(x, weight, bias, "weight", "bias");
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = weight.size(0);
+  int64_t M = 0;
+  const at::Tensor x2 = rows_of(x, &M);  // [M, K]
+  at::Tensor y = at::empty({M, weight.size(0)}, x.options());  // [M, N]
+  linear_into(x2, weight, bias.has_value() ? bias->contiguous() : at::Tensor(), y, 0);
+  return y.view(out_shape);
+}
+
+// skinny_linear of several weights against one x, their outputs side by side: y [..., sum N_i].
+// Registered weights whose every N_i but the last is a multiple of 16 are packed together once
+// (their blocks end to end) and stream as one weight ("skinny_linear_cat_packed"): one thread
+// fork, one stream ramp-up and one tail instead of one per weight. Grouping q/k/v and gate/up
+// this way is the backend's linear_cat pass (benchmarks/bench_linear.py, "grouped" column).
+// Otherwise each weight runs as skinny_linear would, into its columns (paths recorded per
+// weight, plus "skinny_linear_cat_split").
+at::Tensor skinny_linear_cat(const at::Tensor& x, at::TensorList weights,
+                             const c10::List<std::optional<at::Tensor>>& biases) {
+  check_x(x);
+  TORCH_CHECK_VALUE(!weights.empty(), "argument 'weights' must hold at least one weight");
+  TORCH_CHECK_VALUE(biases.size() == weights.size(), "argument 'biases' must have one entry per "
+                    "weight (", weights.size(), "), got ", biases.size());
+  std::vector<at::Tensor> bias_c(weights.size());
+  int64_t n_total = 0;
+  bool any_bias = false;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const std::optional<at::Tensor> b = biases.get(i);
+    check_weight(x, weights[i], b, "weights[" + std::to_string(i) + "]",
+                 "biases[" + std::to_string(i) + "]");
+    if (b.has_value()) {
+      bias_c[i] = b->contiguous();
+      any_bias = true;
+    }
+    n_total += weights[i].size(0);
+  }
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n_total;
+  int64_t M = 0;
+  const at::Tensor x2 = rows_of(x, &M);  // [M, K]
+  at::Tensor y = at::empty({M, n_total}, x.options());  // [M, sum N]
+  const Isa isa = linear_path();
+  void (*packed_kernel)(const PackedLinearBlock&) = packed_kernel_for(isa);
+  if (packed_kernel != nullptr && M > 0 && n_total > 0 && x2.size(1) > 0) {
+    const at::Tensor wp = packed_group_for(weights);
+    if (wp.defined()) {
+      at::Tensor bias_all;
+      if (any_bias) {
+        std::vector<at::Tensor> parts;
+        for (size_t i = 0; i < weights.size(); ++i) {
+          parts.push_back(bias_c[i].defined() ? bias_c[i] : at::zeros({weights[i].size(0)}, x.options()));
+        }
+        bias_all = at::cat(parts);
+      }
+      run_packed(packed_kernel, x2, wp, n_total, bias_all, y, 0);
+      SPECDEC_RECORD_PATH("skinny_linear_cat_packed", isa);
+      return y.view(out_shape);
+    }
+  }
+  int64_t col = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    linear_into(x2, weights[i], bias_c[i], y, col);
+    col += weights[i].size(0);
+  }
+  SPECDEC_RECORD_PATH("skinny_linear_cat_split", Isa::PORTABLE);
   return y.view(out_shape);
 }
 
@@ -286,7 +461,10 @@ void bind_linear_pack(pybind11::module& m) {
     sweep_expired_locked();
     auto it = g_packs.find(w.const_data_ptr());
     if (it != g_packs.end() && describes(it->second, w)) return;  // already registered
-    if (it != g_packs.end()) g_packs.erase(it);  // another tensor at a reused address
+    if (it != g_packs.end()) {  // another tensor at a reused address
+      g_packs.erase(it);
+      drop_groups_with_locked(w.const_data_ptr());
+    }
     g_packs.emplace(w.const_data_ptr(), PackEntry(w));
   }, pybind11::arg("weight"),
      "Let skinny_linear pack `weight` (2-D fp32/bf16) on its first call and read the packed copy "
@@ -296,11 +474,13 @@ void bind_linear_pack(pybind11::module& m) {
     auto it = g_packs.find(w.const_data_ptr());
     if (it == g_packs.end() || !describes(it->second, w)) return false;
     g_packs.erase(it);
+    drop_groups_with_locked(w.const_data_ptr());
     return true;
   }, pybind11::arg("weight"), "Forget `weight` and free its packed copy; False if not registered.");
   m.def("linear_pack_clear", [] {
     std::unique_lock<std::shared_mutex> lock(g_pack_mu);
     g_packs.clear();
+    g_groups.clear();
   }, "Forget every registered weight and free the packed copies.");
   m.def("linear_pack_stats", [] {
     std::unique_lock<std::shared_mutex> lock(g_pack_mu);
@@ -312,17 +492,22 @@ void bind_linear_pack(pybind11::module& m) {
         bytes += kv.second.packed.nbytes();
       }
     }
+    for (const auto& kv : g_groups) bytes += kv.second.packed.nbytes();
     return std::map<std::string, int64_t>{
-        {"registered", static_cast<int64_t>(g_packs.size())}, {"packed", packed}, {"bytes", bytes}};
-  }, "Registered weights, how many have a packed copy, and the copies' bytes (live weights only).");
+        {"registered", static_cast<int64_t>(g_packs.size())}, {"packed", packed},
+        {"groups", static_cast<int64_t>(g_groups.size())}, {"bytes", bytes}};
+  }, "Registered weights, how many have a packed copy, how many weight groups (skinny_linear_cat) "
+     "have one, and all the copies' bytes (live weights only).");
 }
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("skinny_linear_cat(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
+  m.impl("skinny_linear_cat", &skinny_linear_cat);
 }
 
 }  // namespace specdec

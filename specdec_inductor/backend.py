@@ -21,8 +21,11 @@ INDUCTOR_CONFIG: Dict[str, object] = {
 # - skinny_linear: mm/addmm of few rows (16, or 64 with pack_weights) -> specdec.skinny_linear
 #   (weight-streaming GEMV);
 #   SmolLM2-135M batch-1 decode, benchmarks/bench_e2e.py: see the README's numbers.
+# - linear_cat: skinny_linear calls that share their x (q/k/v, gate/up) -> one
+#   specdec.skinny_linear_cat (one packed stream per group); bench_e2e.py / bench_linear.py --cat.
 PASS_DEFAULTS: Dict[str, bool] = {
     "skinny_linear": True,
+    "linear_cat": True,
 }
 
 # Backend switches besides the passes, also set by "specdec.<name>" options:

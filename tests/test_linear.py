@@ -13,8 +13,9 @@ from specdec_inductor.backend import specdec_backend
 from specdec_inductor.lowerings.compile import run_and_get_code
 from specdec_inductor.lowerings import skinny_linear as skinny_pass
 from specdec_inductor.ops import (clear_packed_weights, packed_weight_stats,
-                                  register_packed_weight, release_packed_weight, skinny_linear)
-from specdec_inductor.ops.reference import skinny_linear_ref
+                                  register_packed_weight, release_packed_weight, skinny_linear,
+                                  skinny_linear_cat)
+from specdec_inductor.ops.reference import skinny_linear_cat_ref, skinny_linear_ref
 
 PATHS = specdec_inductor.runnable_isas()
 # Paths with a packed-weight kernel (an AMX machine runs the AVX-512 one).
@@ -242,13 +243,13 @@ def test_packed_copy_is_freed_with_its_weight(path):
     w = torch.randn(64, 48)
     register_packed_weight(w)
     register_packed_weight(w)  # idempotent
-    assert packed_weight_stats() == {"registered": 1, "packed": 0, "bytes": 0}
+    assert packed_weight_stats() == {"registered": 1, "packed": 0, "groups": 0, "bytes": 0}
     with specdec_inductor.forced_isa(path):
         skinny_linear(torch.randn(2, 48), w)
-    assert packed_weight_stats() == {"registered": 1, "packed": 1, "bytes": 64 * 48 * 4}
+    assert packed_weight_stats() == {"registered": 1, "packed": 1, "groups": 0, "bytes": 64 * 48 * 4}
     del w
     gc.collect()
-    assert packed_weight_stats() == {"registered": 0, "packed": 0, "bytes": 0}
+    assert packed_weight_stats() == {"registered": 0, "packed": 0, "groups": 0, "bytes": 0}
     # A new tensor that happens to reuse the freed address is not mistaken for the old one.
     w2 = torch.randn(64, 48)
     specdec_inductor.reset_kernel_path_counts()
@@ -276,6 +277,202 @@ def test_packed_weight_is_ignored_on_the_portable_path():
 def test_register_packed_weight_bad_inputs(weight, match):
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         register_packed_weight(weight)
+
+
+# -- skinny_linear_cat (several weights against one x; packed as one stream when registered) --
+
+
+def _cat_case(dtype, m, k, ns, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)  # [M, K]
+    ws = [torch.randn(n, k, generator=gen).to(dtype) for n in ns]  # [N_i, K]
+    # bias: "all", "none" or "mixed" (every other weight has one)
+    bs = [torch.randn(n, generator=gen).to(dtype)
+          if bias == "all" or (bias == "mixed" and i % 2 == 0) else None
+          for i, n in enumerate(ns)]
+    return x, ws, bs
+
+
+def _check_cat(out, x, ws, bs):
+    assert out.shape == (*x.shape[:-1], sum(w.shape[0] for w in ws)) and out.dtype == x.dtype
+    col = 0
+    for w, b in zip(ws, bs):
+        _check_close(out[..., col:col + w.shape[0]], x, w, b)
+        col += w.shape[0]
+    tol = dict(rtol=2e-2, atol=1e-2) if x.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out.float(), skinny_linear_cat_ref(x, ws, bs).float(), **tol)
+
+
+CAT_SHAPES = [(1, 576, (576, 192, 192)), (4, 64, (48, 32, 7)), (8, 33, (16, 16)),
+              (6, 40, (32, 9)), (33, 64, (64, 64)), (1, 17, (5,))]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,ns", CAT_SHAPES)
+@pytest.mark.parametrize("bias", ["none", "all", "mixed"])
+def test_cat_matches_reference(path, dtype, m, k, ns, bias):
+    x, ws, bs = _cat_case(dtype, m, k, ns, bias, m * 100 + k)
+    specdec_inductor.reset_kernel_path_counts()
+    with specdec_inductor.forced_isa(path):
+        out = skinny_linear_cat(x, ws, bs)
+    # Unregistered weights: each runs as skinny_linear would, into its columns.
+    each = "skinny_linear_gemm:portable" if m > 16 else f"skinny_linear:{path}"
+    assert _packed_counts() == {each: len(ns), "skinny_linear_cat_split:portable": 1}
+    _check_cat(out, x, ws, bs)
+
+
+@pytest.mark.parametrize("path", PACKED_PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,ns", CAT_SHAPES)
+@pytest.mark.parametrize("bias", ["none", "mixed"])
+def test_cat_packed_matches_reference(path, dtype, m, k, ns, bias):
+    x, ws, bs = _cat_case(dtype, m, k, ns, bias, m * 100 + k + 1)
+    for w in ws:
+        register_packed_weight(w)
+    specdec_inductor.reset_kernel_path_counts()
+    with specdec_inductor.forced_isa(path):
+        first, second = skinny_linear_cat(x, ws, bs), skinny_linear_cat(x, ws, bs)
+    assert torch.equal(first, second)
+    _check_cat(first, x, ws, bs)
+    # Every CAT_SHAPES group fills whole 16-output blocks up to its last weight: one packed
+    # stream (test_cat_unaligned_weight_before_the_last_is_split covers the other case).
+    assert _packed_counts() == {"skinny_linear_cat_pack:portable": 1,
+                                f"skinny_linear_cat_packed:{path}": 2}
+    assert packed_weight_stats()["groups"] >= 1
+    for w in ws:
+        release_packed_weight(w)
+
+
+@pytest.mark.parametrize("path", PACKED_PATHS)
+def test_cat_unaligned_weight_before_the_last_is_split(path):
+    x, ws, bs = _cat_case(torch.float32, 3, 32, (9, 16), "none", 7)  # 9 outputs, then 16
+    for w in ws:
+        register_packed_weight(w)
+    specdec_inductor.reset_kernel_path_counts()
+    with specdec_inductor.forced_isa(path):
+        out = skinny_linear_cat(x, ws, bs)
+    assert _packed_counts() == {"skinny_linear_pack:portable": 2,
+                                f"skinny_linear_packed:{path}": 2,
+                                "skinny_linear_cat_split:portable": 1}
+    _check_cat(out, x, ws, bs)
+    for w in ws:
+        release_packed_weight(w)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_cat_layouts(path):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 40, generator=gen)  # leading dims kept
+    xt = torch.randn(40, 6, generator=gen).t()  # [6, K] transposed
+    ws = [torch.randn(16, 50, generator=gen)[:, 5:45],  # row stride 50
+          torch.randn(40, 32, generator=gen).t(),  # column-major
+          torch.randn(32, 40, generator=gen)[::2]]  # every other row
+    bs = [None, torch.randn(64, generator=gen)[::2], None]  # a strided bias
+    with specdec_inductor.forced_isa(path):
+        out = skinny_linear_cat(x, ws, bs)
+        out_t = skinny_linear_cat(xt, ws, bs)
+    assert out.shape == (2, 3, 64)
+    _check_cat(out.view(6, 64), x.view(6, 40), ws, bs)
+    _check_cat(out_t, xt, ws, bs)
+    if path in PACKED_PATHS:  # the packed group reads the strided weights directly
+        for w in ws:
+            register_packed_weight(w)
+        specdec_inductor.reset_kernel_path_counts()
+        with specdec_inductor.forced_isa(path):
+            packed = skinny_linear_cat(xt, ws, bs)
+        assert _packed_counts() == {"skinny_linear_cat_pack:portable": 1,
+                                    f"skinny_linear_cat_packed:{path}": 1}
+        _check_cat(packed, xt, ws, bs)
+        for w in ws:
+            release_packed_weight(w)
+
+
+@pytest.mark.parametrize("path", PACKED_PATHS)
+def test_cat_group_follows_updates_release_and_freeing(path):
+    import gc
+    clear_packed_weights()
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 32, generator=gen)
+    q = torch.nn.Parameter(torch.randn(32, 32, generator=gen))
+    k = torch.nn.Parameter(torch.randn(16, 32, generator=gen))
+    register_packed_weight(q)
+    register_packed_weight(k)
+    with specdec_inductor.forced_isa(path), torch.no_grad():
+        skinny_linear_cat(x, [q, k])
+        assert packed_weight_stats() == {"registered": 2, "packed": 0, "groups": 1,
+                                         "bytes": 48 * 32 * 4}
+        k.mul_(2.0)  # one member updated in place: the group re-packs on the next call
+        specdec_inductor.reset_kernel_path_counts()
+        _check_cat(skinny_linear_cat(x, [q, k]), x, [q, k], [None, None])
+        assert _packed_counts() == {"skinny_linear_cat_repack:portable": 1,
+                                    f"skinny_linear_cat_packed:{path}": 1}
+        # The same weights in another order are another group.
+        specdec_inductor.reset_kernel_path_counts()
+        _check_cat(skinny_linear_cat(x, [k, q]), x, [k, q], [None, None])
+        assert _packed_counts() == {"skinny_linear_cat_pack:portable": 1,
+                                    f"skinny_linear_cat_packed:{path}": 1}
+        # Releasing a member drops its groups: the rest runs split.
+        assert release_packed_weight(k)
+        assert packed_weight_stats()["groups"] == 0
+        specdec_inductor.reset_kernel_path_counts()
+        _check_cat(skinny_linear_cat(x, [q, k]), x, [q, k], [None, None])
+        assert _packed_counts() == {"skinny_linear_pack:portable": 1,
+                                    f"skinny_linear_packed:{path}": 1,
+                                    f"skinny_linear:{path}": 1,
+                                    "skinny_linear_cat_split:portable": 1}
+        register_packed_weight(k)
+        skinny_linear_cat(x, [q, k])
+    assert packed_weight_stats()["groups"] == 1
+    del k
+    gc.collect()  # a freed member frees the group's copy
+    assert packed_weight_stats() == {"registered": 1, "packed": 1, "groups": 0,
+                                     "bytes": 32 * 32 * 4}
+    release_packed_weight(q)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.randn(2, 8), [], []), "argument 'weights' must hold at least one"),
+    ((torch.randn(2, 8), [torch.randn(5, 8)], []), "argument 'biases' must have one entry"),
+    ((torch.randn(2, 8), [torch.randn(5, 8), torch.randn(5, 7)], [None, None]),
+     r"argument 'weights\[1\]' must have shape"),
+    ((torch.randn(2, 8), [torch.randn(5, 8), torch.randn(5, 8).double()], [None, None]),
+     r"argument 'weights\[1\]' must have x's dtype"),
+    ((torch.randn(2, 8), [torch.randn(5, 8)], [torch.randn(4)]),
+     r"argument 'biases\[0\]' must have shape"),
+    ((torch.randn(2, 8).half(), [torch.randn(5, 8).half()], [None]), "argument 'x' must be float32"),
+    ((torch.tensor(1.0), [torch.randn(5, 8)], [None]), "argument 'x' must have at least 1"),
+])
+def test_cat_bad_inputs(args, match):
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+        torch.ops.specdec.skinny_linear_cat.default(*args)
+
+
+def test_cat_empty_shapes():
+    assert skinny_linear_cat(torch.randn(0, 8), [torch.randn(5, 8), torch.randn(3, 8)]).shape == (0, 8)
+    assert skinny_linear_cat(torch.randn(3, 8), [torch.randn(0, 8), torch.randn(2, 8)]).shape == (3, 2)
+    b = torch.randn(4)
+    out = skinny_linear_cat(torch.randn(2, 0), [torch.randn(4, 0), torch.randn(1, 0)], [b, None])
+    torch.testing.assert_close(out, torch.cat([b.expand(2, 4), torch.zeros(2, 1)], 1))
+
+
+def _cat_samples():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 20, generator=gen)
+    ws = [torch.randn(16, 20, generator=gen), torch.randn(9, 20, generator=gen)]
+    bs = [torch.randn(16, generator=gen), None]
+    yield (x, ws, bs)  # contiguous
+    yield (torch.randn(20, 3, generator=gen).t(), ws, [None, None])  # transposed x
+    yield (torch.randn(3, 40, generator=gen)[:, ::2], [torch.randn(16, 30, generator=gen)[:, 5:25],
+                                                      ws[1]],
+           [torch.randn(32, generator=gen)[::2], torch.randn(9, generator=gen)])  # sliced
+    yield (x.bfloat16(), [w.bfloat16() for w in ws], [bs[0].bfloat16(), None])
+
+
+@pytest.mark.parametrize("sample", list(_cat_samples()), ids=["contiguous", "transposed", "sliced",
+                                                              "bf16"])
+def test_cat_opcheck(sample):
+    opcheck(torch.ops.specdec.skinny_linear_cat.default, sample)
 
 
 # -- the graph pass ----------------------------------------------------------------------------
@@ -405,3 +602,61 @@ def test_unknown_option_is_an_error():
 
 def test_pass_uuid_is_stable():
     assert skinny_pass.SkinnyLinearPass().uuid() == skinny_pass.SkinnyLinearPass().uuid()
+
+
+class _QkvMlp(torch.nn.Module):
+    """Projections that share their input, as in an attention block and a gated MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(64, 64)  # with bias (Qwen2's q/k/v have them)
+        self.k = torch.nn.Linear(64, 32, bias=False)
+        self.v = torch.nn.Linear(64, 16)
+        self.odd = torch.nn.Linear(64, 9)  # not whole 16-output blocks: may only come last
+        self.odd2 = torch.nn.Linear(64, 7, bias=False)  # a second such one stays on its own
+        self.gate = torch.nn.Linear(64, 48, bias=False)
+        self.up = torch.nn.Linear(64, 48, bias=False)
+        self.down = torch.nn.Linear(48, 64, bias=False)
+
+    def forward(self, x):
+        n = x * 2.0
+        q, k, v, odd, odd2 = self.q(n), self.k(n), self.v(n), self.odd(n), self.odd2(n)
+        h = x + q + torch.cat([k, k], -1) * v.sum(-1, keepdim=True)
+        mlp = self.down(F.silu(self.gate(h)) * self.up(h))
+        return mlp, odd * 3.0, odd2
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_linear_cat_pass_groups_shared_inputs(rows):
+    torch.manual_seed(0)
+    model = _QkvMlp().eval()
+    x = torch.randn(rows, 64)
+    torch._dynamo.utils.counters.clear()
+    specdec_inductor.reset_kernel_path_counts()
+    out, codes = _compile_and_code(model, x)
+    counters = torch._dynamo.utils.counters["specdec"]
+    assert counters["skinny_linear"] == 8 and counters["linear_cat"] == 2
+    lines = _op_lines(codes[0])
+    # q/k/v/odd as one group, gate/up as another; odd2 and down on their own.
+    assert lines.count("skinny_linear_cat.default(") == 2, lines
+    assert lines.count("skinny_linear.default(") == 2, lines
+    if PACKED_PATHS:
+        assert _packed_counts() == {"skinny_linear_cat_pack:portable": 2,
+                                    f"skinny_linear_cat_packed:{BEST}": 2,
+                                    "skinny_linear_pack:portable": 2,
+                                    f"skinny_linear_packed:{BEST}": 2}
+    with torch.no_grad():
+        expected = model(x)
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch._dynamo.utils.counters.clear()
+    off, codes = _compile_and_code(model, x, {"specdec.linear_cat": False})
+    assert torch._dynamo.utils.counters["specdec"]["linear_cat"] == 0
+    assert "skinny_linear_cat" not in codes[0]
+    for got, want in zip(off, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_cat_pass_uuid_is_stable():
+    assert skinny_pass.LinearCatPass().uuid() == skinny_pass.LinearCatPass().uuid()
+    assert skinny_pass.LinearCatPass().uuid() != skinny_pass.SkinnyLinearPass().uuid()

@@ -8,10 +8,11 @@ from torch._inductor.compile_fx import compile_fx
 
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from specdec_inductor.lowerings.skinny_linear import SkinnyLinearPass
+from specdec_inductor.lowerings.skinny_linear import LinearCatPass, SkinnyLinearPass
 
-# Graph passes by name; the backend's `specdec.<name>` options switch them (default on).
-PASSES = {"skinny_linear": SkinnyLinearPass}
+# Graph passes by name, in the order they run; the backend's `specdec.<name>` options switch
+# them (default on).
+PASSES = {"skinny_linear": SkinnyLinearPass, "linear_cat": LinearCatPass}
 
 
 class PassSequence(CustomGraphPass):
@@ -42,7 +43,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List, config_patches
         if unknown:
             raise ValueError(f"unknown specdec pass(es) {unknown}; known: {sorted(PASSES)}")
         patches["post_grad_custom_post_pass"] = PassSequence([PASSES[p](**(pass_kwargs or {}).get(p, {}))
-                                                         for p in passes])
+                                                         for p in PASSES if p in passes])
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 

@@ -5,6 +5,11 @@ a GEMM library tuned for large M (benchmarks/bench_linear.py).
 
 Only static row counts <= MAX_ROWS (PACKED_MAX_ROWS with packed weights), fp32/bf16, and weights with dense rows are rewritten; the
 rest is left to Inductor. Each rewrite increments counters["specdec"]["skinny_linear"].
+
+A second pass (LinearCatPass, option "specdec.linear_cat") then merges the skinny_linear calls
+that share their x -- q/k/v, gate/up -- into one `specdec.skinny_linear_cat` whose output
+columns are sliced back out (views): one weight stream per group instead of one per matrix.
+Each merged group increments counters["specdec"]["linear_cat"].
 """
 import hashlib
 import inspect
@@ -83,6 +88,79 @@ def rewrite_skinny_linear(graph: torch.fx.Graph, max_rows: int = MAX_ROWS) -> in
     return rewritten
 
 
+# Outputs per packed block (csrc/linear_isa.h kPackLanes): skinny_linear_cat streams a group as
+# one packed weight only when every member but the last fills whole blocks.
+PACK_LANES = 16
+
+
+def _operands_before(node, first, order) -> bool:
+    return all(order[a] < order[first] for a in node.args[1:] if isinstance(a, torch.fx.Node))
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _x_key(x):
+    """The tensor x reads, seen through views (each projection views the normed hidden state
+    itself), with x's shape: skinny_linear calls with equal keys read the same values."""
+    base = x
+    while isinstance(base, torch.fx.Node) and base.op == "call_function" and base.target in _VIEWS:
+        base = base.args[0]
+    return base, tuple(_val(x).shape)
+
+
+def group_skinny_linear(graph: torch.fx.Graph) -> int:
+    """Merges the skinny_linear nodes of `graph` that read the same x (_x_key; their weights
+    and biases existing before the first of them) into skinny_linear_cat + slices; returns how many
+    groups. Members: every weight with N % PACK_LANES == 0, plus at most one other, last."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    by_x = {}
+    for node in graph.nodes:
+        if (node.op == "call_function" and node.target is torch.ops.specdec.skinny_linear.default
+                and _val(node.args[0]) is not None):
+            by_x.setdefault(_x_key(node.args[0]), []).append(node)
+    groups = 0
+    for nodes in by_x.values():
+        if len(nodes) < 2:
+            continue
+        first = nodes[0]  # graph order
+        x = first.args[0]
+        nodes = [n for n in nodes if _operands_before(n, first, order) and _val(n.args[1]) is not None]
+        aligned = [n for n in nodes if _val(n.args[1]).shape[0] % PACK_LANES == 0]
+        members = aligned + [n for n in nodes if n not in aligned][:1]
+        if len(members) < 2:
+            continue
+        weights = [n.args[1] for n in members]
+        biases = [n.args[2] if len(n.args) > 2 else None for n in members]
+        fake_mode = torch._guards.detect_fake_mode([_val(x)])
+        with fake_mode:
+            cat_val = torch.ops.specdec.skinny_linear_cat.default(
+                _val(x), [_val(w) for w in weights], [_val(b) for b in biases])
+        dim = cat_val.dim() - 1
+        with graph.inserting_before(first):
+            cat = graph.call_function(torch.ops.specdec.skinny_linear_cat.default,
+                                      (x, weights, biases))
+        cat.meta.update(first.meta)
+        cat.meta["val"] = cat_val
+        start, anchor = 0, cat
+        for node in members:
+            n_out = _val(node.args[1]).shape[0]
+            with graph.inserting_after(anchor):
+                part = graph.call_function(aten.slice.Tensor, (cat, dim, start, start + n_out))
+            anchor = part
+            part.meta.update(node.meta)
+            part.meta["val"] = aten.slice.Tensor(cat_val, dim, start, start + n_out)
+            node.replace_all_uses_with(part)
+            own_x = node.args[0]
+            graph.erase_node(node)
+            if own_x is not x and not own_x.users:
+                graph.erase_node(own_x)
+            start += n_out
+        groups += 1
+    counters["specdec"]["linear_cat"] += groups
+    return groups
+
+
 class SkinnyLinearPass(CustomGraphPass):
     """`post_grad_custom_post_pass` of the specdec backend (see module docstring); max_rows is
     MAX_ROWS, or PACKED_MAX_ROWS when the backend packs the weights."""
@@ -96,4 +174,15 @@ class SkinnyLinearPass(CustomGraphPass):
     def uuid(self) -> bytes:
         # The FX graph cache keys on this: any edit of this file, or of max_rows, changes it.
         src = inspect.getsource(inspect.getmodule(SkinnyLinearPass)) + f"max_rows={self.max_rows}"
+        return hashlib.sha256(src.encode()).digest()
+
+
+class LinearCatPass(CustomGraphPass):
+    """Post-grad pass after SkinnyLinearPass: group_skinny_linear (see module docstring)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        group_skinny_linear(graph)
+
+    def uuid(self) -> bytes:
+        src = inspect.getsource(inspect.getmodule(LinearCatPass)) + "linear_cat"
         return hashlib.sha256(src.encode()).digest()

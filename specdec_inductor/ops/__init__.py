@@ -28,4 +28,4 @@ from specdec_inductor.ops.sampling import (  # noqa: F401
 )
 from specdec_inductor.ops.linear import (  # noqa: F401
     clear_packed_weights, packed_weight_stats, register_packed_weight, release_packed_weight,
-    skinny_linear)
+    skinny_linear, skinny_linear_cat)

@@ -11,7 +11,7 @@ memory. An in-place update through the weight (its version counter) re-packs on 
 call; a write that bypasses the counter (`.data`, inference tensors) needs
 `release_packed_weight` first. Results are those of the plain kernel up to summation order.
 """
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -36,6 +36,28 @@ def _(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def skinny_linear_cat(x: Tensor, weights: Sequence[Tensor],
+                      biases: Optional[Sequence[Optional[Tensor]]] = None) -> Tensor:
+    """`torch.cat([skinny_linear(x, w, b) for w, b in zip(weights, biases)], -1)` in one call
+    (q/k/v, gate/up): y [..., sum N_i]. Registered weights whose N_i are multiples of 16 (the
+    last may be any) are packed together once and streamed as one weight -- one thread fork and
+    one stream ramp-up instead of one per weight; otherwise each weight runs as skinny_linear,
+    into its columns. The `specdec` backend's graph pass (lowerings/skinny_linear.py) groups
+    the skinny_linear calls that share their x.
+
+    Args: x as skinny_linear; weights: one or more [N_i, K] of x's dtype; biases: None, or one
+    entry (a [N_i] tensor or None) per weight.
+    """
+    weights = list(weights)
+    biases = [None] * len(weights) if biases is None else list(biases)
+    return torch.ops.specdec.skinny_linear_cat.default(x, weights, biases)
+
+
+@torch.library.register_fake("specdec::skinny_linear_cat")
+def _(x, weights, biases):
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+
+
 def register_packed_weight(weight: Tensor) -> None:
     """Let skinny_linear pack `weight` ([N, K] float32/bfloat16 CPU, any strides) on its first
     call and use the packed copy from then on. Idempotent; the entry goes when `weight` is
@@ -54,6 +76,6 @@ def clear_packed_weights() -> None:
 
 
 def packed_weight_stats() -> Dict[str, int]:
-    """{"registered": live registered weights, "packed": how many have a copy, "bytes": their
-    size}."""
+    """{"registered": live registered weights, "packed": how many have a copy, "groups": how
+    many weight groups of skinny_linear_cat have one, "bytes": the size of all copies}."""
     return dict(_C.linear_pack_stats())

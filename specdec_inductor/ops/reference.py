@@ -359,3 +359,8 @@ def skinny_linear_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) 
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def skinny_linear_cat_ref(x: Tensor, weights, biases) -> Tensor:
+    """The skinny_linear of each (weight, bias) against x, side by side: [..., sum N_i]."""
+    return torch.cat([skinny_linear_ref(x, w, b) for w, b in zip(weights, biases)], dim=-1)
