@@ -7,6 +7,10 @@ Prints medians, ratios, ms per decode step vs the weight-read roofline (model by
 read bandwidth) and cold compile times. Timings are printed, never asserted.
 
     python benchmarks/bench_e2e.py [--new-tokens 128] [--repeats 3] [--json out.json]
+
+--ab OPTION (a bool backend option, e.g. specdec.linear_cat) times ours with it on and off in
+one process, the two engines taking turns within every repeat: on this shared machine runs of
+one engine after the other move by more than a 5-10% effect.
 """
 import argparse
 import json
@@ -64,6 +68,28 @@ def bench_ours(dtype, ids, new_tokens, repeats, options=None, layers_once=True):
     return {"decode_tok_s": statistics.median(runs), "ms_per_step": 1e3 * statistics.median(steps),
             "compile_s": compile_s, "bytes": param_bytes(model), "tokens": tokens,
             "attention": engine.attention_backend.value, "compiled": engine.compiled}
+
+
+def bench_ab(dtype, ids, new_tokens, repeats, key):
+    """Decode tok/s of ours with the bool option `key` on and off, interleaved (the order
+    alternates per repeat): {"on": rate, "off": rate, "won": repeats where on was faster,
+    "same_tokens": bool}."""
+    model, _ = load_model(None, dtype)
+    engines = {}
+    for name, value in (("on", True), ("off", False)):
+        engines[name] = Engine(model, max_batch=1, max_len=len(ids) + new_tokens + 8,
+                               compile_options={key: value})
+        engines[name].generate([ids], max_new_tokens=3)  # compiles
+    rates = {"on": [], "off": []}
+    tokens = {}
+    for r in range(repeats):
+        for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
+            stats = GenerationStats()
+            tokens[name] = engines[name].generate([ids], new_tokens, None, stats)[0]
+            rates[name].append((new_tokens - 1) / stats.decode_s)
+    won = sum(a > b for a, b in zip(rates["on"], rates["off"]))
+    return {"on": statistics.median(rates["on"]), "off": statistics.median(rates["off"]),
+            "won": won, "same_tokens": tokens["on"] == tokens["off"]}
 
 
 def _hf_decode_rate(model, ids, new_tokens, **kwargs):
@@ -160,6 +186,9 @@ def main(argv=None):
                         help="also time HF generate with a static cache + torch.compile")
     parser.add_argument("--inductor-option", action="append", default=[],
                         help="also time ours with an Inductor bool option, e.g. freezing=1")
+    parser.add_argument("--ab", action="append", default=[],
+                        help="only time ours with this bool option on vs off, interleaved in one "
+                             "process (e.g. specdec.linear_cat); repeatable")
     parser.add_argument("--per-layer-graphs", action="store_true",
                         help="also time ours with Engine(compile_layers_once=False): every "
                              "decoder layer lowered and compiled on its own")
@@ -185,6 +214,19 @@ def main(argv=None):
     print(f"# SmolLM2-135M-Instruct (Q4_1 GGUF dequantized), batch 1, greedy, chat prompt "
           f"{len(ids)} tokens, {args.new_tokens} new tokens, medians of {args.repeats}",
           flush=True)
+
+    if args.ab:
+        print("| option | dtype | decode tok/s on | off | on / off | repeats on won | tokens equal |")
+        print("|---|---|---|---|---|---|---|")
+        for key in args.ab:
+            for dt, dname in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+                if f"ours {dname}" in skip:
+                    continue
+                r = bench_ab(dt, ids, args.new_tokens, args.repeats, key)
+                print(f"| {key} | {dname} | {r['on']:.1f} | {r['off']:.1f} | "
+                      f"{r['on'] / r['off']:.2f}x | {r['won']} of {args.repeats} | "
+                      f"{'yes' if r['same_tokens'] else 'no'} |", flush=True)
+        return
 
     results = {}
     plan = [("ours fp32", lambda: bench_ours(torch.float32, ids, args.new_tokens, args.repeats)),

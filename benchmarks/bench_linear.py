@@ -34,20 +34,28 @@ def read_bandwidth_gbs(nbytes=1 << 30):
     return nbytes / best / 1e9
 
 
-def time_step(fn, weights, xs, repeats):
+def median_times(runs, repeats):
+    """Median seconds of each of `runs` (a list of callables) over `repeats` rounds in which
+    they take turns (a drift of the machine's speed hits them alike), after one untimed call."""
+    for run in runs:
+        run()
+    times = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, t in zip(runs, times):
+            t0 = time.perf_counter()
+            run()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def step_runner(fn, weights, xs):
     def run():
         for w in weights:
             fn(xs[w.shape[1]], w)
-    run()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return run
 
 
-def time_grouped(weights, xs, repeats):
+def grouped_runner(weights, xs):
     """The step's weights (registered) called as the linear_cat pass groups them."""
     calls = []
     for layer in range(30):
@@ -62,13 +70,7 @@ def time_grouped(weights, xs, repeats):
             else:
                 skinny_linear_cat(xs[width], ws)
         skinny_linear(xs[576], lm_head)
-    run()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return run
 
 
 def main():
@@ -89,20 +91,18 @@ def main():
         nbytes = sum(w.numel() * w.element_size() for w in weights)
         for m in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (576, 1536)}
-            t_aten = time_step(F.linear, weights, xs, args.repeats)
-            t_row = time_step(skinny_linear, weights, xs, args.repeats)
+            t_aten, t_row = median_times([step_runner(F.linear, weights, xs),
+                                          step_runner(skinny_linear, weights, xs)], args.repeats)
             for w in weights:
                 register_packed_weight(w)
             specdec_inductor.reset_kernel_path_counts()
-            t_packed = time_step(skinny_linear, weights, xs, args.repeats)
+            # packed and grouped take turns: their ratio is the grouping's effect
+            t_packed, t_grouped = median_times([step_runner(skinny_linear, weights, xs),
+                                                grouped_runner(weights, xs)], args.repeats)
             ran = specdec_inductor.kernel_path_counts()
-            if not any(k.startswith("skinny_linear_packed:") for k in ran):
-                raise SystemExit(f"the packed path did not run (no AVX2 / AVX-512 here?): {ran}")
-            specdec_inductor.reset_kernel_path_counts()
-            t_grouped = time_grouped(weights, xs, args.repeats)
-            ran = specdec_inductor.kernel_path_counts()
-            if not any(k.startswith("skinny_linear_cat_packed:") for k in ran):
-                raise SystemExit(f"the grouped packed path did not run: {ran}")
+            for path in ("skinny_linear_packed:", "skinny_linear_cat_packed:"):
+                if not any(k.startswith(path) for k in ran):
+                    raise SystemExit(f"{path[:-1]} did not run (no AVX2 / AVX-512 here?): {ran}")
             for w in weights:
                 release_packed_weight(w)
             print(f"| {str(dtype).replace('torch.', '')} | {m} | {1e3 * t_aten:.1f} | "
