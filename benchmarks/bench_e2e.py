@@ -59,13 +59,15 @@ def bench_ours(dtype, ids, new_tokens, repeats, options=None, layers_once=True):
     t0 = time.perf_counter()
     engine.generate([ids], max_new_tokens=3)  # compiles the prefill and decode graphs
     compile_s = time.perf_counter() - t0
-    runs, steps, tokens = [], [], None
+    runs, steps, prefills, tokens = [], [], [], None
     for _ in range(repeats):
         stats = GenerationStats()
         tokens = engine.generate([ids], new_tokens, None, stats)[0]
         runs.append((new_tokens - 1) / stats.decode_s)
         steps.append(statistics.median(stats.step_times))
+        prefills.append(stats.prefill_s)
     return {"decode_tok_s": statistics.median(runs), "ms_per_step": 1e3 * statistics.median(steps),
+            "prefill_ms": 1e3 * statistics.median(prefills),
             "compile_s": compile_s, "bytes": param_bytes(model), "tokens": tokens,
             "attention": engine.attention_backend.value, "compiled": engine.compiled}
 
@@ -290,7 +292,8 @@ def main(argv=None):
     for name in ("ours fp32", "ours bf16"):
         if name in results:
             print(f"# {name}: attention backend {results[name]['attention']}, "
-                  f"{'compiled' if results[name]['compiled'] else 'eager'}")
+                  f"{'compiled' if results[name]['compiled'] else 'eager'}; prefill of the "
+                  f"{len(ids)}-token prompt {results[name]['prefill_ms']:.0f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bandwidth_gbs": bw, "threads": threads, "results": {

@@ -61,6 +61,33 @@ def test_prefill_and_decode_logits_match_stock(arch, attention):
     engine.pool.check_consistent()
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prefill_runs_the_lm_head_on_last_rows_only(arch):
+    """A prefill chunk feeds the LM head each request's last row (HF's logits_to_keep), not
+    every row of the chunk; the logits still match stock."""
+    model = tiny_model(arch)
+    prompts = PROMPTS[:2]  # 5 and 9 tokens: the second ends in the second chunk
+    with torch.no_grad():
+        stock = [model(torch.tensor([p])).logits[0, -1] for p in prompts]  # before Engine
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda mod, inp, out: seen.append(tuple(inp[0].shape)))
+    try:
+        engine = Engine(model, max_batch=2, max_len=32, compile=False, attention="torch",
+                        prefill_chunk=8)
+        assert engine._prefill_last_only
+        reqs = engine.pool.admit([len(p) for p in prompts], 1)
+        last = engine.prefill(prompts, torch.tensor([r.row for r in reqs]))
+    finally:
+        hook.remove()
+    assert seen == [(2, 2, TINY["hidden_size"])] * 2, seen  # 2 chunks x [B, B, H], not [B, 8, H]
+    for b, s in enumerate(stock):
+        torch.testing.assert_close(last[b], s, atol=1e-4, rtol=1e-4)
+    for r in reqs:
+        engine.pool.release(r)
+    engine.pool.check_consistent()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_extend_logits_all_positions_match_stock(arch):
     """Every position of a ragged, right-padded single-chunk batch equals the stock logits."""

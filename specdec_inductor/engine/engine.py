@@ -11,6 +11,7 @@ DECODE (one token per request).
 Eager mode (`compile=False` or SPECDEC_EAGER=1) runs the same step functions uncompiled.
 """
 import functools
+import inspect
 import os
 import time
 import types
@@ -182,6 +183,11 @@ class Engine:
         self._capture_layers: Optional[List[Optional[int]]] = None
         if self.capture_hidden is not None:
             self._capture_layers = self._plan_capture(model, self.capture_hidden)
+        # Prefill chunks need the logits of each prompt's last token only: gathered before the
+        # LM head when the engine runs the decoder itself (hidden capture) or the model takes
+        # HF's `logits_to_keep`; otherwise (this package's draft heads) every row's.
+        self._prefill_last_only = (self._capture_layers is not None or
+                                   "logits_to_keep" in inspect.signature(model.forward).parameters)
         self.compiled = (not eager_requested()) if compile is None else compile
         self.attention_backend = ab.resolve_backend(attention)
         if self.compiled and not self.attention_backend.traceable:
@@ -252,9 +258,11 @@ class Engine:
         return {j: None for j in self._capture_layers if j is not None}
 
     def _forward(self, input_ids: Tensor, positions: Tensor, batch: StepBatch,
-                 aux: Optional[Tensor]):
-        """The model over one step; (logits, captured hidden or None)."""
+                 aux: Optional[Tensor], last: Optional[Tensor] = None):
+        """The model over one step; (logits [B, T, V], captured hidden or None). With `last`
+        [B] (row indices), the logits are those of row last[b] only: [B, 1, V]."""
         extra = {} if aux is None else {"aux_hidden": aux}
+        bs = input_ids.shape[0]
         if self._capture_layers is not None:
             # A stock HF model: run its decoder and LM head ourselves (output_hidden_states
             # records through a lock Dynamo cannot trace); layer inputs land in batch.captured
@@ -268,22 +276,32 @@ class Engine:
                                    "seeing specdec_batch (the model does not pass its forward "
                                    "kwargs on to its layers)")
             captured = rows[0] if len(rows) == 1 else torch.cat(rows, dim=-1)  # [B, T, k*H]
+            if last is not None:
+                hidden = hidden.gather(1, last.view(bs, 1, 1).expand(bs, 1, hidden.shape[-1]))
             return self.model.get_output_embeddings()(hidden), captured
         if self.capture_hidden is not None:
             extra["output_hidden_states"] = True
+        if last is not None:
+            extra["logits_to_keep"] = last  # rows last[0..B) of every request: [B, B, V]
         out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                          specdec_batch=batch, **extra)
+        logits = out.logits
+        if last is not None:  # request b's own row: the diagonal
+            logits = logits.gather(1, torch.arange(bs).view(bs, 1, 1).expand(bs, 1, logits.shape[-1]))
         if self.capture_hidden is None:
-            return out.logits, None
+            return logits, None
         hidden = torch.cat([out.hidden_states[i] for i in self.capture_hidden], dim=-1)
-        return out.logits, hidden  # [B, T, V], [B, T, k*H]
+        return logits, hidden  # [B, T or 1, V], [B, T, k*H]
 
     def _extend_step(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor,
                      prefix_lens: Tensor, extend_lens: Tensor,
-                     tree_mask: Optional[Tensor], aux: Optional[Tensor] = None):
+                     tree_mask: Optional[Tensor], aux: Optional[Tensor] = None,
+                     last_only: bool = False):
         """T new tokens per request at `positions` [B, T] (sequence positions; for a tree, the
         node depths); their KV goes to positions prefix_lens + t of the request's row.
-        Returns logits [B, T, V] (rows t >= extend_lens[b] are padding)."""
+        Returns logits [B, T, V] (rows t >= extend_lens[b] are padding); with last_only (a
+        prefill chunk; its own graph) those of row extend_lens[b] - 1 only, [B, 1, V], where
+        that saves LM-head rows."""
         bs, t_max = input_ids.shape
         t = torch.arange(t_max).view(1, t_max)
         # Padding requests (the pool's padding row) store nothing: store_kv rejects a slot
@@ -295,8 +313,13 @@ class Engine:
         slots = torch.where(valid, torch.gather(table, 1, store_pos), -1)  # [B, T]
         batch = StepBatch(StepKind.EXTEND, self.attention_backend, self.pool, req_rows,
                           prefix_lens, extend_lens, slots, tree_mask, self._capture_slots())
-        logits, hidden = self._forward(input_ids, positions, batch, aux)
-        return logits if hidden is None else (logits, hidden)  # [B, T, V] (, [B, T, k*H])
+        # logits_to_keep keeps B rows of every request (B * B in all): only worth it below T.
+        if last_only and (self._capture_layers is not None or bs < t_max):
+            last = (extend_lens - 1).clamp(min=0)  # [B]
+        else:
+            last = None
+        logits, hidden = self._forward(input_ids, positions, batch, aux, last)
+        return logits if hidden is None else (logits, hidden)  # [B, T or 1, V] (, [B, T, k*H])
 
     def _decode_step(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor,
                      aux: Optional[Tensor] = None):
@@ -400,13 +423,15 @@ class Engine:
             positions = prefix.view(bs, 1) + t.view(1, chunk)  # [B, C]
             chunk_ids = ids[:, start:start + chunk].contiguous()  # [B, C]; strides are guarded
             chunk_aux = None if aux is None else aux[:, start:start + chunk].contiguous()
-            out = self.extend(chunk_ids, positions, req_rows, prefix, ext, None, chunk_aux)
+            out = self._extend_fn(*map(_inference, (chunk_ids, positions, req_rows, prefix, ext,
+                                                     None, chunk_aux)),
+                                  last_only=self._prefill_last_only)
             logits, hidden = out if self.capture_hidden is not None else (out, None)
             ends_here = (ext > 0) & (prefix + ext == prompt_lens)  # [B]
-            idx = (ext - 1).clamp(min=0).view(bs, 1, 1)
-            last = torch.where(ends_here.view(bs, 1),
-                               logits.gather(1, idx.expand(bs, 1, logits.shape[-1]))[:, 0].to(last.dtype),
-                               last)
+            if logits.shape[1] > 1:  # every row's logits [B, C, V] -> row ext - 1
+                idx = (ext - 1).clamp(min=0).view(bs, 1, 1)
+                logits = logits.gather(1, idx.expand(bs, 1, logits.shape[-1]))
+            last = torch.where(ends_here.view(bs, 1), logits[:, 0].to(last.dtype), last)
             if hidden is not None:
                 hiddens.append(hidden)
         return last, (torch.cat(hiddens, dim=1) if hiddens else None)
