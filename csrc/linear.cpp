@@ -332,10 +332,8 @@ void linear_into(const at::Tensor& x2, const at::Tensor& weight, const at::Tenso
   // an unpacked weight goes to aten's linear, counted as "skinny_linear_gemm".
   if (M > kRowKernelMaxRows) {
     SPECDEC_RECORD_PATH("skinny_linear_gemm", Isa::PORTABLE);
-    const at::Tensor out =
-        at::linear(x2, weight, bias_c.defined() ? std::optional<at::Tensor>(bias_c) : std::nullopt);
-    if (col0 == 0 && N == y.size(1)) y.copy_(out);
-    else y.narrow(1, col0, N).copy_(out);
+    y.narrow(1, col0, N).copy_(
+        at::linear(x2, weight, bias_c.defined() ? std::optional<at::Tensor>(bias_c) : std::nullopt));
     return;
   }
   // The fast path needs dense weight rows; any other layout is copied once (and counted, so a

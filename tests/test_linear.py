@@ -1,6 +1,7 @@
 """skinny_linear (csrc/linear.cpp) against its reference on every runnable ISA path, its
 layouts and bad inputs, opcheck, and the `specdec` backend's graph pass that puts it in place
 of mm/addmm (counter fired, generated code calls the op, eager == compiled)."""
+import contextlib
 import re
 
 import pytest
@@ -303,6 +304,19 @@ def _check_cat(out, x, ws, bs):
     torch.testing.assert_close(out.float(), skinny_linear_cat_ref(x, ws, bs).float(), **tol)
 
 
+@contextlib.contextmanager
+def _registered(ws):
+    """The weights registered for packing inside the block, released after it (even when an
+    assertion fails, so no registration leaks into the next test)."""
+    for w in ws:
+        register_packed_weight(w)
+    try:
+        yield
+    finally:
+        for w in ws:
+            release_packed_weight(w)
+
+
 CAT_SHAPES = [(1, 576, (576, 192, 192)), (4, 64, (48, 32, 7)), (8, 33, (16, 16)),
               (6, 40, (32, 9)), (33, 64, (64, 64)), (1, 17, (5,))]
 
@@ -328,36 +342,30 @@ def test_cat_matches_reference(path, dtype, m, k, ns, bias):
 @pytest.mark.parametrize("bias", ["none", "mixed"])
 def test_cat_packed_matches_reference(path, dtype, m, k, ns, bias):
     x, ws, bs = _cat_case(dtype, m, k, ns, bias, m * 100 + k + 1)
-    for w in ws:
-        register_packed_weight(w)
-    specdec_inductor.reset_kernel_path_counts()
-    with specdec_inductor.forced_isa(path):
-        first, second = skinny_linear_cat(x, ws, bs), skinny_linear_cat(x, ws, bs)
-    assert torch.equal(first, second)
-    _check_cat(first, x, ws, bs)
-    # Every CAT_SHAPES group fills whole 16-output blocks up to its last weight: one packed
-    # stream (test_cat_unaligned_weight_before_the_last_is_split covers the other case).
-    assert _packed_counts() == {"skinny_linear_cat_pack:portable": 1,
-                                f"skinny_linear_cat_packed:{path}": 2}
-    assert packed_weight_stats()["groups"] >= 1
-    for w in ws:
-        release_packed_weight(w)
+    with _registered(ws):
+        specdec_inductor.reset_kernel_path_counts()
+        with specdec_inductor.forced_isa(path):
+            first, second = skinny_linear_cat(x, ws, bs), skinny_linear_cat(x, ws, bs)
+        assert torch.equal(first, second)
+        _check_cat(first, x, ws, bs)
+        # Every CAT_SHAPES group fills whole 16-output blocks up to its last weight: one packed
+        # stream (test_cat_unaligned_weight_before_the_last_is_split covers the other case).
+        assert _packed_counts() == {"skinny_linear_cat_pack:portable": 1,
+                                    f"skinny_linear_cat_packed:{path}": 2}
+        assert packed_weight_stats()["groups"] >= 1
 
 
 @pytest.mark.parametrize("path", PACKED_PATHS)
 def test_cat_unaligned_weight_before_the_last_is_split(path):
     x, ws, bs = _cat_case(torch.float32, 3, 32, (9, 16), "none", 7)  # 9 outputs, then 16
-    for w in ws:
-        register_packed_weight(w)
-    specdec_inductor.reset_kernel_path_counts()
-    with specdec_inductor.forced_isa(path):
-        out = skinny_linear_cat(x, ws, bs)
-    assert _packed_counts() == {"skinny_linear_pack:portable": 2,
-                                f"skinny_linear_packed:{path}": 2,
-                                "skinny_linear_cat_split:portable": 1}
-    _check_cat(out, x, ws, bs)
-    for w in ws:
-        release_packed_weight(w)
+    with _registered(ws):
+        specdec_inductor.reset_kernel_path_counts()
+        with specdec_inductor.forced_isa(path):
+            out = skinny_linear_cat(x, ws, bs)
+        assert _packed_counts() == {"skinny_linear_pack:portable": 2,
+                                    f"skinny_linear_packed:{path}": 2,
+                                    "skinny_linear_cat_split:portable": 1}
+        _check_cat(out, x, ws, bs)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -376,16 +384,13 @@ def test_cat_layouts(path):
     _check_cat(out.view(6, 64), x.view(6, 40), ws, bs)
     _check_cat(out_t, xt, ws, bs)
     if path in PACKED_PATHS:  # the packed group reads the strided weights directly
-        for w in ws:
-            register_packed_weight(w)
-        specdec_inductor.reset_kernel_path_counts()
-        with specdec_inductor.forced_isa(path):
-            packed = skinny_linear_cat(xt, ws, bs)
-        assert _packed_counts() == {"skinny_linear_cat_pack:portable": 1,
-                                    f"skinny_linear_cat_packed:{path}": 1}
-        _check_cat(packed, xt, ws, bs)
-        for w in ws:
-            release_packed_weight(w)
+        with _registered(ws):
+            specdec_inductor.reset_kernel_path_counts()
+            with specdec_inductor.forced_isa(path):
+                packed = skinny_linear_cat(xt, ws, bs)
+            assert _packed_counts() == {"skinny_linear_cat_pack:portable": 1,
+                                        f"skinny_linear_cat_packed:{path}": 1}
+            _check_cat(packed, xt, ws, bs)
 
 
 @pytest.mark.parametrize("path", PACKED_PATHS)
