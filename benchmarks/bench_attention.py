@@ -59,9 +59,9 @@ def measure_gemm_flops(dtype, repeats):
 
 
 def measure_probe_flops(dtype, repeats):
-    """Peak flop/s from the widest probe of our extension -- independent register-only FMAs
-    (fp32; AVX2 bf16 too) or vdpbf16ps (AVX-512 bf16) on every thread, no memory traffic -- or
-    None without AVX2 / AVX-512."""
+    """Peak flop/s from the widest probe of our extension for the active path -- independent
+    register-only FMAs (fp32; AVX2 bf16 too), vdpbf16ps (AVX-512 bf16) or tdpbf16ps (bf16 on
+    the AMX path) on every thread, no memory traffic -- or None without AVX2 / AVX-512."""
     bf16 = dtype == torch.bfloat16
     if si._C.peak_multiply_adds(bf16, 1000) == 0:
         return None
@@ -246,7 +246,8 @@ def main():
         # Without the probe, torch.mm's rate stands in (a GEMM library can only understate it).
         gemm[dt] = measure_gemm_flops(dt, 5 if args.quick else 10)
         probe = measure_probe_flops(dt, 5 if args.quick else 10)
-        peak[dt], peak_how[dt] = (probe, "FMA probe") if probe else (gemm[dt], "torch.mm 512^3")
+        how = f"{si._C.peak_probe_isa(dt == torch.bfloat16)} probe"
+        peak[dt], peak_how[dt] = (probe, how) if probe else (gemm[dt], "torch.mm 512^3")
 
     def roofline(r, dt):
         """(roofline time, 'mem' or 'cmp': which bound sets it)."""
@@ -259,8 +260,9 @@ def main():
           f"active path: {si.active_isa()} (AMX attention kernel: bf16 only, fp32 on amx runs "
           f"avx512)")
     print(f"# measured read bandwidth (x.sum over 512 MiB): {bw / 1e9:.1f} GB/s; roofline = "
-          f"max((K/V + q + out bytes) / bandwidth, flops / peak); peak ({peak_how[torch.float32]}): "
-          f"fp32 {peak[torch.float32] / 1e9:.1f}, bf16 {peak[torch.bfloat16] / 1e9:.1f} GFLOP/s "
+          f"max((K/V + q + out bytes) / bandwidth, flops / peak); peak: "
+          f"fp32 {peak[torch.float32] / 1e9:.1f} ({peak_how[torch.float32]}), bf16 "
+          f"{peak[torch.bfloat16] / 1e9:.1f} GFLOP/s ({peak_how[torch.bfloat16]}) "
           f"(torch.mm 512^3 reaches {gemm[torch.float32] / 1e9:.1f} / "
           f"{gemm[torch.bfloat16] / 1e9:.1f}); K/V " +
           ("reused (warm caches)" if args.warm else "cycled over >= 96 MiB of copies (cold caches)"))

@@ -36,7 +36,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("reset_kernel_path_counts", &reset_kernel_path_counts);
   m.def("peak_multiply_adds", [](bool bf16, int64_t iters) -> double {
     // Multiply-adds done by `iters` probe steps on each of torch's threads (benchmarks time the
-    // call for their compute roofline); 0 when this build or CPU has no SIMD probe. AVX-512:
+    // call for their compute roofline); 0 when this build or CPU has no SIMD probe. AMX (bf16
+    // only, when the active path is AMX): 4 tile products of 16 x 16 x 32 per step; AVX-512:
     // 16 fp32 FMAs or 32 bf16 products per instruction; AVX2: 8 fp32 FMAs, bf16 included (its
     // kernels widen bf16 to fp32).
     Isa probe = Isa::PORTABLE;
@@ -46,12 +47,20 @@ PYBIND11_MODULE(_C, m) {
 #ifdef SPECDEC_BUILT_AVX512
     if (active_isa() >= Isa::AVX512) probe = Isa::AVX512;
 #endif
+#ifdef SPECDEC_BUILT_AMX
+    if (active_isa() == Isa::AMX && bf16) probe = Isa::AMX;
+#endif
     if (probe == Isa::PORTABLE) return 0.0;
-    const int64_t lanes = probe == Isa::AVX512 ? (bf16 ? 32 : 16) : 8;
+    const int64_t per_step = probe == Isa::AMX ? kPeakAmxTiles * kAmxTileMadds
+                             : probe == Isa::AVX512 ? kPeakAccumulators * (bf16 ? 32 : 16)
+                                                    : kPeakAccumulators * 8;
     const int64_t threads = at::get_num_threads();
     std::vector<float> sink(threads);
     at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
+#ifdef SPECDEC_BUILT_AMX
+        if (probe == Isa::AMX) sink[t] = peak_probe_amx(iters);
+#endif
 #ifdef SPECDEC_BUILT_AVX512
         if (probe == Isa::AVX512) sink[t] = peak_probe_avx512(bf16, iters);
 #endif
@@ -63,9 +72,23 @@ PYBIND11_MODULE(_C, m) {
     volatile float keep = 0.f;
     for (float v : sink) keep = keep + v;
     (void)keep;
-    return static_cast<double>(threads) * iters * kPeakAccumulators * lanes;
-  }, "Run the widest peak multiply-add probe (AVX-512 or AVX2) on every thread; returns its "
-     "multiply-adds (0 without one). Time the call for the machine's peak rate.");
+    return static_cast<double>(threads) * iters * per_step;
+  }, "Run the widest peak multiply-add probe (AMX for bf16 on the AMX path, else AVX-512 or "
+     "AVX2) on every thread; returns its multiply-adds (0 without one). Time the call for the "
+     "machine's peak rate.");
+  m.def("peak_probe_isa", [](bool bf16) -> std::string {
+    Isa probe = Isa::PORTABLE;
+#ifdef SPECDEC_BUILT_AVX2
+    if (active_isa() >= Isa::AVX2) probe = Isa::AVX2;
+#endif
+#ifdef SPECDEC_BUILT_AVX512
+    if (active_isa() >= Isa::AVX512) probe = Isa::AVX512;
+#endif
+#ifdef SPECDEC_BUILT_AMX
+    if (active_isa() == Isa::AMX && bf16) probe = Isa::AMX;
+#endif
+    return probe == Isa::PORTABLE ? std::string() : std::string(isa_name(probe));
+  }, "The path peak_multiply_adds(bf16) runs now ('' when none).");
   bind_ngram(m);
   bind_linear_pack(m);
 }

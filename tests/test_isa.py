@@ -87,8 +87,14 @@ def test_avx512_path_really_runs_here():
 def test_peak_probe_counts_its_multiply_adds_and_needs_simd():
     from specdec_inductor import _C
     threads = torch.get_num_threads()
+    if "amx" in specdec_inductor.runnable_isas():
+        with specdec_inductor.forced_isa("amx"):  # bf16 on 4 tiles of 16 x 16 x 32; fp32 AVX-512
+            assert _C.peak_probe_isa(True) == "amx" and _C.peak_probe_isa(False) == "avx512"
+            assert _C.peak_multiply_adds(True, 10) == threads * 10 * 4 * 16 * 16 * 32
+            assert _C.peak_multiply_adds(False, 10) == threads * 10 * 12 * 16
     if "avx512" in specdec_inductor.runnable_isas():
         with specdec_inductor.forced_isa("avx512"):
+            assert _C.peak_probe_isa(True) == "avx512"
             assert _C.peak_multiply_adds(False, 10) == threads * 10 * 12 * 16  # fp32 FMAs
             assert _C.peak_multiply_adds(True, 10) == threads * 10 * 12 * 32  # bf16 pairs
     if "avx2" in specdec_inductor.runnable_isas():
@@ -97,3 +103,4 @@ def test_peak_probe_counts_its_multiply_adds_and_needs_simd():
             assert _C.peak_multiply_adds(True, 10) == threads * 10 * 12 * 8
     with specdec_inductor.forced_isa("portable"):
         assert _C.peak_multiply_adds(False, 10) == 0
+        assert _C.peak_probe_isa(True) == ""
