@@ -3,8 +3,9 @@
 // specdec_inductor/ops/reference.py.
 // ISA paths: the attention ops cut each call into chunks (request, KV head, query-row block, key
 // range) run with at::parallel_for; every query head of a GQA group shares one pass over the KV
-// rows. Kernel per call: AMX (attention_amx.cpp) when active_isa() == AMX, q is bf16 and
-// D % 32 == 0 (unproven: no AMX machine was available when it was written); else AVX-512
+// rows. Kernel per call: AMX (attention_amx.cpp) when active_isa() == AMX, q is bf16,
+// D % 32 == 0 and a chunk holds at least kAmxMinQueries queries (rows x GQA group; so decode
+// with a group of 4 runs AVX-512, where it measured faster); else AVX-512
 // (attention_avx512.cpp) when active_isa() >= AVX512 and D allows it (fp32: D % 16 == 0, bf16:
 // D % 32 == 0) -- so fp32 on an AMX machine runs AVX-512; else AVX2 (attention_avx2.cpp) when
 // active_isa() >= AVX2 and D % 8 == 0; else the portable kernel below. The
@@ -104,6 +105,7 @@ struct Task {
 
 constexpr int64_t kMaxQueriesPerChunk = 128;  // rows * heads of a chunk (acc [M, D] stays in L2)
 constexpr int64_t kMinSplitKeys = 256;        // a key-range split is never shorter than this
+constexpr int64_t kAmxMinQueries = 8;         // AMX kernel from this many queries per chunk
 
 void check_pool(const at::Tensor& pool, const char* name) {
   check_cpu(pool, name);
@@ -248,7 +250,10 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
   }
 #endif
 #ifdef SPECDEC_BUILT_AMX
-  if (isa == Isa::AMX && dtype == AttnDtype::BFLOAT16 && D % 32 == 0) {
+  // AMX pads each chunk's queries to 16 tile rows; below kAmxMinQueries per chunk (decode:
+  // one row times the GQA group) the AVX-512 kernel is faster.
+  if (isa == Isa::AMX && dtype == AttnDtype::BFLOAT16 && D % 32 == 0 &&
+      std::min(T, std::max<int64_t>(1, kMaxQueriesPerChunk / (H / Hkv))) * (H / Hkv) >= kAmxMinQueries) {
     kernel = attention_chunk_amx;
     *ran = Isa::AMX;
   }
