@@ -10,8 +10,9 @@ through enough copies of the K/V data (>= 96 MiB in all) that each call reads it
 from the last-level cache, unless --warm. Prints medians over repeats
 and ratios measured in the same run; never asserts.
 
-    python benchmarks/bench_attention.py [--quick] [--isa portable|avx512|amx] [--no-flex]
-                                         [--threads N] [--warm]
+    python benchmarks/bench_attention.py [--quick] [--isa portable|avx2|avx512|amx] [--no-flex]
+                                         [--threads N] [--warm] [--vs-isa PATH]
+                                         [--slots scattered|consecutive]
 
 flex_attention is compiled per shape (dynamic=False: its dynamic-shape CPU kernel failed to
 compile with torch 2.13), so outside --quick it runs on the prefix-2048, N in {8, 64} shapes only.
@@ -41,6 +42,24 @@ def median_time(fn, repeats, warmup=3):
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def time_ours(fn, repeats, vs_isa):
+    """Median of fn under the active path, or with vs_isa: (ours, ours under vs_isa), the two
+    paths taking turns call by call so machine noise hits both alike."""
+    if vs_isa is None:
+        return median_time(fn, repeats), None
+    mine = si.active_isa()
+    times = {mine: [], vs_isa: []}
+    for r in range(repeats + 3):
+        for isa in (mine, vs_isa):
+            si.set_active_isa(isa)
+            t0 = time.perf_counter()
+            fn()
+            if r >= 3:  # warmup rounds
+                times[isa].append(time.perf_counter() - t0)
+    si.set_active_isa(mine)
+    return statistics.median(times[mine]), statistics.median(times[vs_isa])
 
 
 def measure_read_bandwidth(repeats):
@@ -107,13 +126,19 @@ class Rotation:
         return self.copies[self.i]
 
 
+CONSECUTIVE_SLOTS = False  # --slots consecutive
+
+
 def make_problem(bs, h, h_kv, d, n, prefix, dtype, seed=0):
-    """Pool with each request's slots scattered at random (as after many allocations)."""
+    """Pool with each request's slots scattered at random (as after many allocations), or
+    consecutive with --slots consecutive."""
     g = torch.Generator().manual_seed(seed)
     total = bs * (prefix + n)
     k_pool = torch.randn(total + 16, h_kv, d, generator=g).to(dtype)  # [S, Hkv, D]
     v_pool = torch.randn(total + 16, h_kv, d, generator=g).to(dtype)  # [S, Hkv, D]
     table = torch.randperm(total + 16, generator=g)[:total].view(bs, prefix + n).int()  # [B, L]
+    if CONSECUTIVE_SLOTS:
+        table = torch.arange(total, dtype=torch.int32).view(bs, prefix + n)
     q = torch.randn(bs, n, h, d, generator=g).to(dtype)  # [B, N, H, D]
     tree = torch.zeros(bs, n, n, dtype=torch.bool)  # [B, N, N] random tree (ancestor rows)
     for b in range(bs):
@@ -124,7 +149,7 @@ def make_problem(bs, h, h_kv, d, n, prefix, dtype, seed=0):
     return q, k_pool, v_pool, table, tree
 
 
-def bench_verify(bs, h, h_kv, d, n, prefix, dtype, repeats, use_flex, flex_fn, warm):
+def bench_verify(bs, h, h_kv, d, n, prefix, dtype, repeats, use_flex, flex_fn, warm, vs_isa=None):
     q, k_pool, v_pool, table, tree = make_problem(bs, h, h_kv, d, n, prefix, dtype)
     rows = torch.arange(bs)
     pre = torch.full((bs,), prefix, dtype=torch.int32)
@@ -134,8 +159,8 @@ def bench_verify(bs, h, h_kv, d, n, prefix, dtype, repeats, use_flex, flex_fn, w
     kv_bytes = bs * (prefix + n) * h_kv * d * 2 * k_pool.element_size()
     res = {}
     pools = Rotation([k_pool, v_pool], kv_bytes, warm)
-    res["ours"] = median_time(lambda: extend_attention(q, *pools.next(), table, rows, pre, ext,
-                                                       flat_tree, scale), repeats)
+    res["ours"], res["vs"] = time_ours(lambda: extend_attention(
+        q, *pools.next(), table, rows, pre, ext, flat_tree, scale), repeats, vs_isa)
     mask = torch.cat([torch.ones(bs, n, prefix, dtype=torch.bool), tree], dim=2)  # [B, N, L]
     mask = mask.unsqueeze(1)  # [B, 1, N, L]
     qt = q.transpose(1, 2)  # [B, H, N, D]
@@ -174,7 +199,7 @@ def bench_verify(bs, h, h_kv, d, n, prefix, dtype, repeats, use_flex, flex_fn, w
     return res
 
 
-def bench_decode(bs, h, h_kv, d, kv_len, dtype, repeats, warm):
+def bench_decode(bs, h, h_kv, d, kv_len, dtype, repeats, warm, vs_isa=None):
     q4, k_pool, v_pool, table, _ = make_problem(bs, h, h_kv, d, 1, kv_len - 1, dtype)
     q = q4[:, 0]  # [B, H, D]
     rows = torch.arange(bs)
@@ -182,8 +207,9 @@ def bench_decode(bs, h, h_kv, d, kv_len, dtype, repeats, warm):
     scale = 1.0 / math.sqrt(d)
     kv_bytes = bs * kv_len * h_kv * d * 2 * k_pool.element_size()
     pools = Rotation([k_pool, v_pool], kv_bytes, warm)
-    res = {"ours": median_time(lambda: decode_attention(q, *pools.next(), table, rows, lens, scale),
-                               repeats)}
+    res = {}
+    res["ours"], res["vs"] = time_ours(lambda: decode_attention(q, *pools.next(), table, rows, lens,
+                                                                scale), repeats, vs_isa)
     mask = torch.ones(bs, 1, 1, kv_len, dtype=torch.bool)  # exact lengths (all equal here)
     qt = q.unsqueeze(2)  # [B, H, 1, D]
     slots = table.long()
@@ -221,11 +247,23 @@ def main():
                          "one thread gives far steadier medians")
     ap.add_argument("--warm", action="store_true",
                     help="reuse one copy of K/V (cache-resident when it fits the LLC)")
+    ap.add_argument("--vs-isa", choices=["portable", "avx2", "avx512", "amx"], default=None,
+                    help="also time our kernels under this path, taking turns with the active "
+                         "one call by call, and print the ratio (e.g. --isa amx --vs-isa avx512)")
+    ap.add_argument("--slots", choices=["scattered", "consecutive"], default="scattered",
+                    help="each request's KV slots: a random permutation of the pool (as after "
+                         "many allocations; default) or consecutive (as a fresh pool hands "
+                         "them out)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.isa:
         si.set_active_isa(args.isa)
+    if args.vs_isa:
+        si.set_active_isa(args.vs_isa)  # raises here, not mid-run, when this machine cannot
+        si.set_active_isa(args.isa or si.detected_isa())
+    global CONSECUTIVE_SLOTS
+    CONSECUTIVE_SLOTS = args.slots == "consecutive"
     repeats = args.repeats or (10 if args.quick else 20)
 
     flex_fn, flex_note = None, ""
@@ -285,16 +323,29 @@ def main():
                          for bs in (1, 4) for (h, hk) in ((9, 3), (32, 8))
                          for L in (512, 2048, 4096)]
 
+    vs = args.vs_isa
+    vs_hdr = f" {'x ' + vs:>8}" if vs else ""
+    if vs:
+        print(f"# x {vs} = ours under {vs} / ours under {si.active_isa()}, the two taking turns "
+              f"call by call (recorded paths below count both)")
+    print(f"# KV slots: {args.slots}")
+
+    def vs_col(r):
+        return f" {r['vs'] / r['ours']:8.2f}" if vs else ""
+
     print("\n## verify: extend_attention with a random tree mask")
     hdr = (f"{'dtype':5} {'bs':>2} {'H/Hkv':>5} {'N':>3} {'prefix':>6} | {'ours':>9} {'sdpa+gat':>9} "
            f"{'sdpa':>9} {'flex':>9} {'roof':>9} | {'x sdpa+g':>8} {'x sdpa':>7} {'x flex':>7} "
-           f"{'roof%':>6} bound")
+           f"{'roof%':>6} bound{vs_hdr}")
     print(hdr)
     ratios = {"sdpa+gather": [], "sdpa": [], "flex": [], "roof": []}
+    if vs:
+        ratios[vs] = []
     for (bs, h, hk, d, n, p, dt) in verify_shapes:
         use_flex = flex_fn is not None and (args.quick or (p == 2048 and n in (8, 64)))
         try:
-            r = bench_verify(bs, h, hk, d, n, p, dt, repeats, use_flex, flex_fn, args.warm)
+            r = bench_verify(bs, h, hk, d, n, p, dt, repeats, use_flex, flex_fn, args.warm,
+                             args.vs_isa)
         except Exception as exc:  # noqa: BLE001  flex can fail to compile on some CPUs/builds
             if not use_flex:
                 raise
@@ -302,7 +353,8 @@ def main():
             print(f"# flex_attention failed on this shape ({type(exc).__name__}: {msg[:300]} ... "
                   f"{msg[-400:]}); continuing without flex")
             flex_fn = None
-            r = bench_verify(bs, h, hk, d, n, p, dt, repeats, False, None, args.warm)
+            r = bench_verify(bs, h, hk, d, n, p, dt, repeats, False, None, args.warm,
+                             args.vs_isa)
         roof, bound = roofline(r, dt)
         flex_t = r.get("flex")
         row = (f"{str(dt)[6:]:5} {bs:2d} {h:2d}/{hk:<2d} {n:3d} {p:6d} | {fmt_us(r['ours'])} "
@@ -310,7 +362,9 @@ def main():
                f"{fmt_us(flex_t) if flex_t else '        -'} {fmt_us(roof)} | "
                f"{r['sdpa+gather'] / r['ours']:8.2f} {r['sdpa'] / r['ours']:7.2f} "
                f"{(flex_t / r['ours']) if flex_t else float('nan'):7.2f} {100 * roof / r['ours']:5.0f}% "
-               f"{bound}")
+               f"{bound:5}{vs_col(r)}")
+        if vs:
+            ratios[vs].append(r["vs"] / r["ours"])
         print(row, flush=True)
         ratios["sdpa+gather"].append(r["sdpa+gather"] / r["ours"])
         ratios["sdpa"].append(r["sdpa"] / r["ours"])
@@ -327,15 +381,19 @@ def main():
 
     print("\n## decode: decode_attention (one query per request)")
     print(f"{'dtype':5} {'bs':>2} {'H/Hkv':>5} {'kv_len':>6} | {'ours':>9} {'sdpa+gat':>9} {'sdpa':>9} "
-          f"{'roof':>9} | {'x sdpa+g':>8} {'x sdpa':>7} {'roof%':>6} bound")
+          f"{'roof':>9} | {'x sdpa+g':>8} {'x sdpa':>7} {'roof%':>6} bound{vs_hdr}")
     dratios = {"sdpa+gather": [], "sdpa": [], "roof": []}
+    if vs:
+        dratios[vs] = []
     for (bs, h, hk, d, L, dt) in decode_shapes:
-        r = bench_decode(bs, h, hk, d, L, dt, repeats, args.warm)
+        r = bench_decode(bs, h, hk, d, L, dt, repeats, args.warm, args.vs_isa)
         roof, bound = roofline(r, dt)
         print(f"{str(dt)[6:]:5} {bs:2d} {h:2d}/{hk:<2d} {L:6d} | {fmt_us(r['ours'])} "
               f"{fmt_us(r['sdpa+gather'])} {fmt_us(r['sdpa'])} {fmt_us(roof)} | "
               f"{r['sdpa+gather'] / r['ours']:8.2f} {r['sdpa'] / r['ours']:7.2f} "
-              f"{100 * roof / r['ours']:5.0f}% {bound}", flush=True)
+              f"{100 * roof / r['ours']:5.0f}% {bound:5}{vs_col(r)}", flush=True)
+        if vs:
+            dratios[vs].append(r["vs"] / r["ours"])
         dratios["sdpa+gather"].append(r["sdpa+gather"] / r["ours"])
         dratios["sdpa"].append(r["sdpa"] / r["ours"])
         dratios["roof"].append(roof / r["ours"])
