@@ -107,6 +107,16 @@ void attention_chunk_amx(const AttnChunk& c) {
   s.vis.resize(kKeyBlock);
   s.mref.assign(Mp, -std::numeric_limits<float>::infinity());
   s.lsum.assign(Mp, 0.0f);
+  // Plain pointers for the loops (the compiler cannot keep thread-local vectors' data pointers
+  // in registers across the stores below).
+  float* const st = s.st.data();
+  uint16_t* const visb = s.vis.data();
+  uint32_t* const ptb = s.pt.data();
+  uint32_t* const pbb = s.pb.data();
+  uint32_t* const vpb = s.vp.data();
+  float* const mref = s.mref.data();
+  float* const lsb = s.lsum.data();
+  const float cap = c.logit_cap;
   float* acc = c.acc;  // [Mp, D]: the chunk's own [M, D] output when no rows are padding
   if (Mp != M) {
     s.acc.resize(Mp * D);
@@ -180,7 +190,7 @@ void attention_chunk_amx(const AttnChunk& c) {
         SPECDEC_FOR_4_TILES(SPECDEC_QK)
 #undef SPECDEC_QK
       }
-#define SPECDEC_STORE_S(t) _tile_stored(t, s.st.data() + 16 * (t) * Mp + 16 * g, Mp * 4);
+#define SPECDEC_STORE_S(t) _tile_stored(t, st + 16 * (t) * Mp + 16 * g, Mp * 4);
       SPECDEC_FOR_4_TILES(SPECDEC_STORE_S)
 #undef SPECDEC_STORE_S
     }
@@ -194,7 +204,7 @@ void attention_chunk_amx(const AttnChunk& c) {
       const char* r0 = vbase + sl[2 * j2 * c.slot_stride] * vstride;
       const bool odd = 2 * j2 + 1 < nk;  // an odd last key pairs with zeros
       const char* r1 = odd ? vbase + sl[(2 * j2 + 1) * c.slot_stride] * vstride : r0;
-      uint32_t* dst = s.vp.data() + j2 * D;
+      uint32_t* dst = vpb + j2 * D;
       for (int64_t d = 0; d < D; d += 16) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d * 2));
         const __m256i b = odd ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + d * 2))
@@ -203,29 +213,32 @@ void attention_chunk_amx(const AttnChunk& c) {
         _mm512_storeu_si512(dst + d, _mm512_permutexvar_epi16(interleave, ab));
       }
     }
-    std::memset(s.vp.data() + npairs * D, 0, (kPairs - npairs) * D * sizeof(uint32_t));
+    std::memset(vpb + npairs * D, 0, (kPairs - npairs) * D * sizeof(uint32_t));
 
-    // Online softmax per query group, lane-wise.
+    // Per query group: the online softmax (lane-wise), then its P . V on the tiles, so the tile
+    // products of one group overlap the vector work of the next.
     const bool all_visible = kb0 + nk <= c.prefix && c.window <= 0;
     for (int64_t g = 0; g < G; ++g) {
       const uint16_t lanes = M - 16 * g >= 16 ? 0xFFFF : static_cast<uint16_t>((1u << (M - 16 * g)) - 1);
-      if (!all_visible) block_visibility(c, M, g, kb0, nk, s.vis.data());
-      float* sg = s.st.data() + 16 * g;
+      if (!all_visible) block_visibility(c, M, g, kb0, nk, visb);
+      float* sg = st + 16 * g;
       __m512 mx = neg_inf;
       for (int64_t j = 0; j < nk; ++j) {
-        const __mmask16 vis = all_visible ? lanes : s.vis[j];
+        const __mmask16 vis = all_visible ? lanes : visb[j];
         __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sg + j * Mp), scale);
-        if (c.logit_cap > 0) x = soft_cap512(x, c.logit_cap);
-        _mm512_storeu_ps(sg + j * Mp, x);
+        if (cap > 0) {
+          x = soft_cap512(x, cap);
+          _mm512_storeu_ps(sg + j * Mp, x);  // capped scores are kept, not recomputed
+        }
         mx = _mm512_mask_max_ps(mx, vis, mx, x);
       }
-      const __m512 m_old = _mm512_loadu_ps(s.mref.data() + 16 * g);
+      const __m512 m_old = _mm512_loadu_ps(mref + 16 * g);
       // Lanes whose block max passes the reference by more than the margin move it (a lane with
       // no key yet moves at its first visible one).
       const __mmask16 move = _mm512_cmp_ps_mask(mx, _mm512_add_ps(m_old, _mm512_set1_ps(kLazyMargin)),
                                                 _CMP_GT_OQ);
       const __m512 m_new = _mm512_mask_mov_ps(m_old, move, mx);
-      __m512 lsum = _mm512_loadu_ps(s.lsum.data() + 16 * g);
+      __m512 lsum = _mm512_loadu_ps(lsb + 16 * g);
       if (move) {
         // alpha = exp(m_old - m_new): 0 for a lane with no key yet (its acc and sum are 0).
         const __m512 alpha = _mm512_maskz_mov_ps(
@@ -240,45 +253,41 @@ void attention_chunk_amx(const AttnChunk& c) {
           for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(row + d, _mm512_mul_ps(a, _mm512_loadu_ps(row + d)));
         }
         lsum = _mm512_mask_mul_ps(lsum, move, lsum, alpha);
-        _mm512_storeu_ps(s.mref.data() + 16 * g, m_new);
+        _mm512_storeu_ps(mref + 16 * g, m_new);
       }
       // Lanes that have seen no key keep -inf; subtract 0 there (their probabilities are masked).
       const __m512 msub = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_NEQ_OQ), m_new);
-      uint32_t* pt = s.pt.data();
+      const __m512 xscale = cap > 0 ? _mm512_set1_ps(1.0f) : scale;  // capped scores are stored scaled
       for (int64_t j2 = 0; j2 < kPairs; ++j2) {
         const int64_t j = 2 * j2;
         __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
         if (j < nk) {
-          p0 = _mm512_maskz_mov_ps(all_visible ? lanes : s.vis[j],
-                                   exp_bf16(_mm512_sub_ps(_mm512_loadu_ps(sg + j * Mp), msub)));
+          p0 = _mm512_maskz_mov_ps(all_visible ? lanes : visb[j],
+                                   exp_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(sg + j * Mp), xscale, msub)));
         }
         if (j + 1 < nk) {
-          p1 = _mm512_maskz_mov_ps(all_visible ? lanes : s.vis[j + 1],
-                                   exp_bf16(_mm512_sub_ps(_mm512_loadu_ps(sg + (j + 1) * Mp), msub)));
+          p1 = _mm512_maskz_mov_ps(all_visible ? lanes : visb[j + 1],
+                                   exp_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(sg + (j + 1) * Mp), xscale, msub)));
         }
         // Word l = (bf16 p0[l], bf16 p1[l]): the key pair of query l.
         const __m512i w = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-        _mm512_storeu_si512(pt + j2 * 16, w);
+        _mm512_storeu_si512(ptb + j2 * 16, w);
         // The sum uses the same rounded values as P . V.
         lsum = _mm512_add_ps(lsum, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
         lsum = _mm512_add_ps(lsum, _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536))));
       }
-      _mm512_storeu_ps(s.lsum.data() + 16 * g, lsum);
+      _mm512_storeu_ps(lsb + 16 * g, lsum);
       // P^T pair rows [32, 16 lanes] -> P rows [16 queries, 32 pair words] (the A operand).
+      uint32_t* const pg = pbb + 16 * g * kPairs;
       for (int64_t half = 0; half < 2; ++half) {
         __m512 r[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(pt + (16 * half + i) * 16));
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(ptb + (16 * half + i) * 16));
         transpose16(r);
-        for (int i = 0; i < 16; ++i) {
-          _mm512_storeu_ps(reinterpret_cast<float*>(s.pb.data() + (16 * g + i) * kPairs + 16 * half), r[i]);
-        }
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(pg + i * kPairs + 16 * half), r[i]);
       }
-    }
 
-    // acc [Mp, D] += P [Mp, 32 pairs] . V pairs [32, D].
-    for (int64_t g = 0; g < G; ++g) {
-      float* ag = acc + 16 * g * D;
-      const uint32_t* pg = s.pb.data() + 16 * g * kPairs;
+      // acc [16 g .. 16 g + 16, D] += P [16 queries, 32 pairs] . V pairs [32, D].
+      float* const ag = acc + 16 * g * D;
       int64_t dc = 0;
       for (; dc + 64 <= D; dc += 64) {
 #define SPECDEC_LOAD_ACC(t) _tile_loadd(t, ag + dc + 16 * (t), D * 4);
@@ -286,8 +295,8 @@ void attention_chunk_amx(const AttnChunk& c) {
 #undef SPECDEC_LOAD_ACC
         for (int64_t k0 = 0; k0 < kPairs; k0 += 16) {
           _tile_loadd(4, pg + k0, kPairs * 4);
-#define SPECDEC_PV(t)                                        \
-  _tile_loadd(5, s.vp.data() + k0 * D + dc + 16 * (t), D * 4); \
+#define SPECDEC_PV(t)                                   \
+  _tile_loadd(5, vpb + k0 * D + dc + 16 * (t), D * 4);  \
   _tile_dpbf16ps(t, 4, 5);
           SPECDEC_FOR_4_TILES(SPECDEC_PV)
 #undef SPECDEC_PV
@@ -300,7 +309,7 @@ void attention_chunk_amx(const AttnChunk& c) {
         _tile_loadd(0, ag + dc, D * 4);
         for (int64_t k0 = 0; k0 < kPairs; k0 += 16) {
           _tile_loadd(4, pg + k0, kPairs * 4);
-          _tile_loadd(5, s.vp.data() + k0 * D + dc, D * 4);
+          _tile_loadd(5, vpb + k0 * D + dc, D * 4);
           _tile_dpbf16ps(0, 4, 5);
         }
         _tile_stored(0, ag + dc, D * 4);
@@ -310,8 +319,8 @@ void attention_chunk_amx(const AttnChunk& c) {
   _tile_release();
 
   for (int64_t m = 0; m < M; ++m) {
-    c.max[m] = s.mref[m];
-    c.sum[m] = s.lsum[m];
+    c.max[m] = mref[m];
+    c.sum[m] = lsb[m];
   }
   if (acc != c.acc) std::memcpy(c.acc, acc, M * D * sizeof(float));
 }
