@@ -28,12 +28,11 @@ struct alignas(64) TileConfig {
 // relative precision at any magnitude, and fp32 sums have room to spare.
 constexpr float kLazyMargin = 8.0f;
 
-// exp(x) for x <= kLazyMargin to ~4e-5 relative (far below bf16's 2^-9 rounding of the
-// probabilities): 2^(x log2 e) = 2^n * 2^f, n = round, |f| <= 1/2, 2^f by its degree-4 Taylor
-// polynomial; x below -100 flushes to ~0 through the clamp (scalef underflows cleanly).
-inline __m512 exp_bf16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)),
-                                 _mm512_set1_ps(1.4426950408889634f));
+// 2^t for t <= kLazyMargin * log2(e), to ~4e-5 relative (far below bf16's 2^-9 rounding of the
+// probabilities): 2^n * 2^f, n = round(t), |f| <= 1/2, 2^f by its degree-4 Taylor polynomial;
+// t below -144 flushes to ~0 through the clamp (scalef underflows cleanly).
+inline __m512 exp2_bf16(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-144.0f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(0.009618129f);  // ln2^4 / 24
@@ -140,6 +139,9 @@ void attention_chunk_amx(const AttnChunk& c) {
                                               24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
                                               1, 16, 0);
   const __m512 scale = _mm512_set1_ps(c.scale);
+  const bool raw_max = cap <= 0 && c.scale > 0;
+  const __m512 log2e = _mm512_set1_ps(1.4426950408889634f);
+  const __m512 kx = _mm512_set1_ps(raw_max ? c.scale * 1.4426950408889634f : 1.4426950408889634f);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   {
     const int64_t n0 = std::min<int64_t>(kKeyBlock, c.key_end - c.key_begin);
@@ -222,15 +224,21 @@ void attention_chunk_amx(const AttnChunk& c) {
       const uint16_t lanes = M - 16 * g >= 16 ? 0xFFFF : static_cast<uint16_t>((1u << (M - 16 * g)) - 1);
       if (!all_visible) block_visibility(c, M, g, kb0, nk, visb);
       float* sg = st + 16 * g;
+      // The block max: uncapped scores with a positive scale take it over the raw products
+      // (the scale is monotone); capped ones are scaled, capped and stored for the exp pass.
       __m512 mx = neg_inf;
-      for (int64_t j = 0; j < nk; ++j) {
-        const __mmask16 vis = all_visible ? lanes : visb[j];
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sg + j * Mp), scale);
-        if (cap > 0) {
-          x = soft_cap512(x, cap);
-          _mm512_storeu_ps(sg + j * Mp, x);  // capped scores are kept, not recomputed
+      if (raw_max) {
+        for (int64_t j = 0; j < nk; ++j) {
+          mx = _mm512_mask_max_ps(mx, all_visible ? lanes : visb[j], mx, _mm512_loadu_ps(sg + j * Mp));
         }
-        mx = _mm512_mask_max_ps(mx, vis, mx, x);
+        mx = _mm512_mul_ps(mx, scale);
+      } else {
+        for (int64_t j = 0; j < nk; ++j) {
+          __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sg + j * Mp), scale);
+          if (cap > 0) x = soft_cap512(x, cap);
+          _mm512_storeu_ps(sg + j * Mp, x);
+          mx = _mm512_mask_max_ps(mx, all_visible ? lanes : visb[j], mx, x);
+        }
       }
       const __m512 m_old = _mm512_loadu_ps(mref + 16 * g);
       // Lanes whose block max passes the reference by more than the margin move it (a lane with
@@ -257,17 +265,19 @@ void attention_chunk_amx(const AttnChunk& c) {
       }
       // Lanes that have seen no key keep -inf; subtract 0 there (their probabilities are masked).
       const __m512 msub = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_NEQ_OQ), m_new);
-      const __m512 xscale = cap > 0 ? _mm512_set1_ps(1.0f) : scale;  // capped scores are stored scaled
+      // p = exp(x - m) = 2^(stored * kx - m log2 e), stored = raw products (kx = scale log2 e)
+      // or scaled, capped scores (kx = log2 e).
+      const __m512 mb = _mm512_mul_ps(msub, log2e);
       for (int64_t j2 = 0; j2 < kPairs; ++j2) {
         const int64_t j = 2 * j2;
         __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
         if (j < nk) {
           p0 = _mm512_maskz_mov_ps(all_visible ? lanes : visb[j],
-                                   exp_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(sg + j * Mp), xscale, msub)));
+                                   exp2_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(sg + j * Mp), kx, mb)));
         }
         if (j + 1 < nk) {
           p1 = _mm512_maskz_mov_ps(all_visible ? lanes : visb[j + 1],
-                                   exp_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(sg + (j + 1) * Mp), xscale, msub)));
+                                   exp2_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(sg + (j + 1) * Mp), kx, mb)));
         }
         // Word l = (bf16 p0[l], bf16 p1[l]): the key pair of query l.
         const __m512i w = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));

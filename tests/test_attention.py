@@ -221,13 +221,16 @@ def test_prefill_causal(isa, dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_sliding_window_and_logit_cap(isa):
-    q, k_pool, v_pool, table, rows = make_batch([500, 20], 40, 4, 2, 64, torch.float32, seed=9)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_sliding_window_and_logit_cap(isa, dtype):
+    """Window and soft cap on every path (bf16 with 40 rows x 2 heads per KV head runs the AMX
+    kernel where there is one: its capped scores take the stored-score branch)."""
+    q, k_pool, v_pool, table, rows = make_batch([500, 20], 40, 4, 2, 64, dtype, seed=9)
     q = q * 4  # large scores, so the soft cap matters
     args = (q, k_pool, v_pool, table, rows, torch.tensor([500, 20]), torch.tensor([40, 33]), None)
     for kw in ({"sliding_window": 100}, {"logit_cap": 5.0}, {"sliding_window": 7, "logit_cap": 2.0}):
-        out = check_extend(isa, torch.float32, *args, **kw)
-        plain = check_extend(isa, torch.float32, *args)
+        out = check_extend(isa, dtype, *args, **kw)
+        plain = check_extend(isa, dtype, *args)
         assert (out - plain).abs().max() > 1e-2, f"{kw} had no effect"
 
 
