@@ -11,18 +11,11 @@
 //   P [Mp, 64 keys] = two 16 x 16 word transposes of the bf16 key-pair rows of P^T per group
 //   acc [Mp, D] += P . V                           (AMX: B = V rows interleaved into key pairs)
 // Tiles: tmm0..3 accumulate, tmm4 holds the A operand, tmm5 the B operand (16 rows x 64 bytes).
+#include "amx_tiles.h"
 #include "attention_kernel.h"
 
 namespace specdec {
 namespace {
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // Probabilities may reach exp(kLazyMargin) relative to the reference max: bf16 keeps its
 // relative precision at any magnitude, and fp32 sums have room to spare.
@@ -123,13 +116,7 @@ void attention_chunk_amx(const AttnChunk& c) {
   }
   std::memset(acc, 0, Mp * D * sizeof(float));
 
-  TileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 6; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
+  configure_full_tiles(6);
 
   const char* kbase = static_cast<const char*>(c.k);
   const char* vbase = static_cast<const char*>(c.v);

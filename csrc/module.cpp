@@ -17,6 +17,28 @@ TORCH_LIBRARY(specdec, m) {
   // Op families add their schemas with TORCH_LIBRARY_FRAGMENT in their own files.
 }
 
+namespace {
+
+// The widest peak probe for the active path: AMX tiles for bf16 on the AMX path, else AVX-512 or
+// AVX2 FMAs; PORTABLE when there is none.
+specdec::Isa peak_probe_path(bool bf16) {
+  using specdec::Isa;
+  using specdec::active_isa;
+  Isa probe = Isa::PORTABLE;
+#ifdef SPECDEC_BUILT_AVX2
+  if (active_isa() >= Isa::AVX2) probe = Isa::AVX2;
+#endif
+#ifdef SPECDEC_BUILT_AVX512
+  if (active_isa() >= Isa::AVX512) probe = Isa::AVX512;
+#endif
+#ifdef SPECDEC_BUILT_AMX
+  if (active_isa() == Isa::AMX && bf16) probe = Isa::AMX;
+#endif
+  return probe;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   using namespace specdec;
   m.def("detected_isa", [] { return std::string(isa_name(detected_isa())); },
@@ -40,16 +62,7 @@ PYBIND11_MODULE(_C, m) {
     // only, when the active path is AMX): 4 tile products of 16 x 16 x 32 per step; AVX-512:
     // 16 fp32 FMAs or 32 bf16 products per instruction; AVX2: 8 fp32 FMAs, bf16 included (its
     // kernels widen bf16 to fp32).
-    Isa probe = Isa::PORTABLE;
-#ifdef SPECDEC_BUILT_AVX2
-    if (active_isa() >= Isa::AVX2) probe = Isa::AVX2;
-#endif
-#ifdef SPECDEC_BUILT_AVX512
-    if (active_isa() >= Isa::AVX512) probe = Isa::AVX512;
-#endif
-#ifdef SPECDEC_BUILT_AMX
-    if (active_isa() == Isa::AMX && bf16) probe = Isa::AMX;
-#endif
+    const Isa probe = peak_probe_path(bf16);
     if (probe == Isa::PORTABLE) return 0.0;
     const int64_t per_step = probe == Isa::AMX ? kPeakAmxTiles * kAmxTileMadds
                              : probe == Isa::AVX512 ? kPeakAccumulators * (bf16 ? 32 : 16)
@@ -77,16 +90,7 @@ PYBIND11_MODULE(_C, m) {
      "AVX2) on every thread; returns its multiply-adds (0 without one). Time the call for the "
      "machine's peak rate.");
   m.def("peak_probe_isa", [](bool bf16) -> std::string {
-    Isa probe = Isa::PORTABLE;
-#ifdef SPECDEC_BUILT_AVX2
-    if (active_isa() >= Isa::AVX2) probe = Isa::AVX2;
-#endif
-#ifdef SPECDEC_BUILT_AVX512
-    if (active_isa() >= Isa::AVX512) probe = Isa::AVX512;
-#endif
-#ifdef SPECDEC_BUILT_AMX
-    if (active_isa() == Isa::AMX && bf16) probe = Isa::AMX;
-#endif
+    const Isa probe = peak_probe_path(bf16);
     return probe == Isa::PORTABLE ? std::string() : std::string(isa_name(probe));
   }, "The path peak_multiply_adds(bf16) runs now ('' when none).");
   bind_ngram(m);

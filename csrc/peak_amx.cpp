@@ -4,28 +4,14 @@
 
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "peak_isa.h"
 
 namespace specdec {
 
-namespace {
-struct alignas(64) PeakTileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-}  // namespace
 
 float peak_probe_amx(int64_t iters) {
-  PeakTileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 6; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
+  configure_full_tiles(6);
   alignas(64) uint32_t ab[16 * 16];
   for (int i = 0; i < 16 * 16; ++i) ab[i] = 0x38d138d1u;  // bf16 pairs (~1e-4, ~1e-4)
   alignas(64) float out[16 * 16];
