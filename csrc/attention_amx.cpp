@@ -17,25 +17,6 @@
 namespace specdec {
 namespace {
 
-// Probabilities may reach exp(kLazyMargin) relative to the reference max: bf16 keeps its
-// relative precision at any magnitude, and fp32 sums have room to spare.
-constexpr float kLazyMargin = 8.0f;
-
-// 2^t for t <= kLazyMargin * log2(e), to ~4e-5 relative (far below bf16's 2^-9 rounding of the
-// probabilities): 2^n * 2^f, n = round(t), |f| <= 1/2, 2^f by its degree-4 Taylor polynomial;
-// t below -144 flushes to ~0 through the clamp (scalef underflows cleanly).
-inline __m512 exp2_bf16(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-144.0f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(0.009618129f);  // ln2^4 / 24
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550411f));  // ln2^3 / 6
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265f));   // ln2^2 / 2
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931472f));   // ln2
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 struct AmxScratch {
   std::vector<uint32_t> qw, qt, vp, pb, pt;
   std::vector<uint16_t> kbuf;
@@ -127,8 +108,8 @@ void attention_chunk_amx(const AttnChunk& c) {
                                               1, 16, 0);
   const __m512 scale = _mm512_set1_ps(c.scale);
   const bool raw_max = cap <= 0 && c.scale > 0;
-  const __m512 log2e = _mm512_set1_ps(1.4426950408889634f);
-  const __m512 kx = _mm512_set1_ps(raw_max ? c.scale * 1.4426950408889634f : 1.4426950408889634f);
+  const __m512 log2e = _mm512_set1_ps(kLog2e);
+  const __m512 kx = _mm512_set1_ps(raw_max ? c.scale * kLog2e : kLog2e);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   {
     const int64_t n0 = std::min<int64_t>(kKeyBlock, c.key_end - c.key_begin);
