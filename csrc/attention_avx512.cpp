@@ -9,42 +9,13 @@
 // pairs). The next block's rows are prefetched while this one computes.
 #include "attention_kernel.h"
 
-#include <type_traits>
-
 namespace specdec {
 namespace {
 
 constexpr int64_t kRowBlock = 4;  // queries per register tile
 
-// Calls f(Int<R>, m) over row tiles of kRowBlock queries and one tail of R < kRowBlock, so the
-// register tiles keep compile-time sizes.
-template <int N>
-using Int = std::integral_constant<int, N>;
-
-template <class F>
-void for_row_tiles(int64_t M, F f) {
-  int64_t m = 0;
-  for (; m + kRowBlock <= M; m += kRowBlock) f(Int<kRowBlock>{}, m);
-  switch (M - m) {
-    case 3: f(Int<3>{}, m); break;
-    case 2: f(Int<2>{}, m); break;
-    case 1: f(Int<1>{}, m); break;
-    default: break;
-  }
-}
-
-// Calls f(Int<C>, dc) over column tiles of 64 outputs (4 zmm) and one tail of 16C < 64.
-template <class F>
-void for_col_tiles(int64_t D, F f) {
-  int64_t dc = 0;
-  for (; dc + 64 <= D; dc += 64) f(Int<4>{}, dc);
-  switch ((D - dc) / 16) {
-    case 3: f(Int<3>{}, dc); break;
-    case 2: f(Int<2>{}, dc); break;
-    case 1: f(Int<1>{}, dc); break;
-    default: break;
-  }
-}
+// The row / column tile ladders below are spelled out per product: a shared walker taking
+// generic lambdas measured 3-5% slower in the one-chunk harness (GCC 12 inlined less of it).
 
 // s[r, 0:64] = q_r . kt[:, 0:64] for R queries; q and kt hold 32-bit words (fp32 values or bf16
 // pairs), kt is [W, 64].
@@ -74,7 +45,16 @@ void qk_tile(const uint32_t* q, int64_t W, const uint32_t* kt, float* s) {
 
 template <bool kBf16>
 void qk_rows(const uint32_t* q, int64_t M, int64_t W, const uint32_t* kt, float* s) {
-  for_row_tiles(M, [&](auto r, int64_t m) { qk_tile<r, kBf16>(q + m * W, W, kt, s + m * kKeyBlock); });
+  int64_t m = 0;
+  for (; m + kRowBlock <= M; m += kRowBlock) {
+    qk_tile<4, kBf16>(q + m * W, W, kt, s + m * kKeyBlock);
+  }
+  switch (M - m) {
+    case 3: qk_tile<3, kBf16>(q + m * W, W, kt, s + m * kKeyBlock); break;
+    case 2: qk_tile<2, kBf16>(q + m * W, W, kt, s + m * kKeyBlock); break;
+    case 1: qk_tile<1, kBf16>(q + m * W, W, kt, s + m * kKeyBlock); break;
+    default: break;
+  }
 }
 
 // acc[r, dc:dc+16C] = alpha[r] * acc[r, ...] + sum_j p[r, j] * vrow[j][dc:dc+16C].
@@ -121,23 +101,59 @@ void pv_tile_bf16(const uint32_t* p, const float* alpha, const uint32_t* vp, int
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + dc + 16 * c, a[r][c]);
 }
 
+template <int R>
+void pv_cols_bf16(const uint32_t* p, const float* alpha, const uint32_t* vp, int64_t npairs,
+                  float* acc, int64_t D) {
+  int64_t dc = 0;
+  for (; dc + 64 <= D; dc += 64) pv_tile_bf16<R, 4>(p, alpha, vp, npairs, dc, acc, D);
+  switch ((D - dc) / 16) {
+    case 3: pv_tile_bf16<R, 3>(p, alpha, vp, npairs, dc, acc, D); break;
+    case 2: pv_tile_bf16<R, 2>(p, alpha, vp, npairs, dc, acc, D); break;
+    case 1: pv_tile_bf16<R, 1>(p, alpha, vp, npairs, dc, acc, D); break;
+    default: break;
+  }
+}
+
 void pv_rows_bf16(const uint32_t* p, const float* alpha, const uint32_t* vp, int64_t npairs,
                   int64_t M, float* acc, int64_t D) {
   constexpr int64_t W = kKeyBlock / 2;
-  for_row_tiles(M, [&](auto r, int64_t m) {
-    for_col_tiles(D, [&](auto c, int64_t dc) {
-      pv_tile_bf16<r, c>(p + m * W, alpha + m, vp, npairs, dc, acc + m * D, D);
-    });
-  });
+  int64_t m = 0;
+  for (; m + kRowBlock <= M; m += kRowBlock) {
+    pv_cols_bf16<4>(p + m * W, alpha + m, vp, npairs, acc + m * D, D);
+  }
+  switch (M - m) {
+    case 3: pv_cols_bf16<3>(p + m * W, alpha + m, vp, npairs, acc + m * D, D); break;
+    case 2: pv_cols_bf16<2>(p + m * W, alpha + m, vp, npairs, acc + m * D, D); break;
+    case 1: pv_cols_bf16<1>(p + m * W, alpha + m, vp, npairs, acc + m * D, D); break;
+    default: break;
+  }
+}
+
+template <int R>
+void pv_cols(const float* p, const float* alpha, const float* const* vrow, int64_t nk, float* acc,
+             int64_t D) {
+  int64_t dc = 0;
+  for (; dc + 64 <= D; dc += 64) pv_tile<R, 4>(p, alpha, vrow, nk, dc, acc, D);
+  switch ((D - dc) / 16) {
+    case 3: pv_tile<R, 3>(p, alpha, vrow, nk, dc, acc, D); break;
+    case 2: pv_tile<R, 2>(p, alpha, vrow, nk, dc, acc, D); break;
+    case 1: pv_tile<R, 1>(p, alpha, vrow, nk, dc, acc, D); break;
+    default: break;
+  }
 }
 
 void pv_rows(const float* p, const float* alpha, const float* const* vrow, int64_t nk, int64_t M,
              float* acc, int64_t D) {
-  for_row_tiles(M, [&](auto r, int64_t m) {
-    for_col_tiles(D, [&](auto c, int64_t dc) {
-      pv_tile<r, c>(p + m * kKeyBlock, alpha + m, vrow, nk, dc, acc + m * D, D);
-    });
-  });
+  int64_t m = 0;
+  for (; m + kRowBlock <= M; m += kRowBlock) {
+    pv_cols<4>(p + m * kKeyBlock, alpha + m, vrow, nk, acc + m * D, D);
+  }
+  switch (M - m) {
+    case 3: pv_cols<3>(p + m * kKeyBlock, alpha + m, vrow, nk, acc + m * D, D); break;
+    case 2: pv_cols<2>(p + m * kKeyBlock, alpha + m, vrow, nk, acc + m * D, D); break;
+    case 1: pv_cols<1>(p + m * kKeyBlock, alpha + m, vrow, nk, acc + m * D, D); break;
+    default: break;
+  }
 }
 
 struct Scratch {
