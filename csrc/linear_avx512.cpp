@@ -154,10 +154,14 @@ inline __m512 load_bias(const PackedLinearBlock& b, int64_t n, __mmask16 mask) {
 // Software prefetch distance of the packed tiles, in k steps (one 64-byte line of each block per
 // step). At MB >= 4 rows a tile does MB multiply-adds per weight line, and the hardware
 // prefetcher alone leaves the FMA loop waiting on memory: requesting each block's line 4 steps
-// ahead made one SmolLM2 step's weights 3-22% faster at M = 8 and 1-15% at M = 16 (2 cores,
-// same process, interleaved; 8 steps ahead gained as much at M = 8, less at M = 4) and a
-// compiled verify of 8 tokens 4% faster. A single row (decode) streams at bandwidth without it.
-constexpr int64_t kPackPrefetchSteps = 4;
+// ahead made one SmolLM2 step's weights 3-22% faster at M = 8 and 1-15% at M = 16 (Zen 4, 2
+// cores, same process, interleaved; 8 steps ahead gained as much at M = 8, less at M = 4) and
+// a compiled verify of 8 tokens 4% faster. 16 steps (1 KiB of each block) ahead is better
+// still on the AMX Xeon: a one-step harness over SmolLM2's packed step weights (2 threads, the
+// two builds in turns) measured 16 against 4 steps at 1.13x fp32 / 1.17x bf16 for M = 8,
+// 1.07x / 1.19x for M = 4 and 1.10x / 1.08x for M = 16; 8, 24, 32 and 64 steps gained less
+// (1.07-1.11x fp32 at M = 8). A single row (decode) streams at bandwidth without it.
+constexpr int64_t kPackPrefetchSteps = 16;
 constexpr int kPackPrefetchMinRows = 4;
 
 // Blocks [nb0, nb0 + C) times rows [m0, m0 + MB): C * MB accumulators stay in registers; each
