@@ -114,6 +114,8 @@ class PathEngine:
             codes[i] = path_code(seq)
         return (logits.argmax(-1), logits) if aux is None else (logits.argmax(-1), logits, codes)
 
+    decode_step = decode  # what TreeDrafter calls (an eager fake: never compiled)
+
 
 def _fake_trees(topk, depth, n, contexts, allowed=None, with_aux=False, vocab=40):
     eng = PathEngine(vocab, len(contexts) * (1 + topk), 64, allowed)
@@ -395,7 +397,57 @@ def test_compiled_tree_does_not_recompile():
         stats = SpeculativeStats()
         assert spec.generate(ps2, 14, stats=stats) == engine.generate(ps2, 14)
     assert stats.recompiles == 0 and stats.graphs == 0
+    assert spec.proposer._tree.compiled_drafts > 0  # the tree ran as one compiled graph
     _free(engine, draft_engine)
+
+
+def test_compiled_tree_program_equals_eager_with_an_idle_request(tmp_path):
+    """On a compiled draft Engine the whole tree (every draft decode, the top-k work and
+    build_tree) is one graph: TreeDrafter.compiled_drafts counts its runs, an eager Engine's
+    drafter never runs it. Its trees equal the op-by-op eager run over the same draft KV, also
+    for a batch where one request drafts nothing (row None: its beams decode on the padding
+    row and its tree is never used), and drafting leaves the pool consistent."""
+    topk, depth, n = 2, 3, 6
+    target = tiny(2)
+    _, draft, _, spec = _eagle(tmp_path, target, 3, n, topk, depth, compiled=True)
+    drafter = spec.proposer._tree
+    pool = draft.pool
+    ps = prompts(3, seed=5)
+    reqs = pool.admit([len(p) for p in ps], 24)
+    virtual = drafter.reserve_rows(3)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, max(map(len, ps)), HIDDEN, generator=gen)
+    rows = torch.tensor([r.row for r in reqs])
+    draft.prefill(ps, rows, hidden)  # the draft KV of each prompt
+    roots = torch.tensor([p[-1] for p in ps])
+    seq_lens = torch.tensor([len(p) + 5 for p in ps])  # the target's, only the positions use it
+    logits = torch.randn(3, VOCAB, generator=gen)
+    aux = torch.randn(3, HIDDEN, generator=gen)
+    for live in ([True, True, True], [True, False, True]):
+        req_rows = [r.row if ok else None for r, ok in zip(reqs, live)]
+        args = (roots, seq_lens, logits, req_rows, [len(p) for p in ps], virtual, aux)
+        before = drafter.compiled_drafts
+        compiled = drafter.draft(*args)
+        assert drafter.compiled_drafts == before + 1
+        saved, drafter._compiled = drafter._compiled, None
+        drafter.engine.compiled = False  # the op-by-op path, over the same KV
+        try:
+            eager = drafter.draft(*args)
+        finally:
+            drafter._compiled, drafter.engine.compiled = saved, True
+        assert drafter.compiled_drafts == before + 1
+        for b in (b for b in range(3) if live[b]):
+            assert tree_paths(compiled, b) == tree_paths(eager, b), (live, b)
+            assert torch.equal(compiled.tokens[b], eager.tokens[b])
+            assert torch.equal(compiled.positions.view(3, n)[b], eager.positions.view(3, n)[b])
+        if all(live):
+            for got, want in zip(vars(compiled).values(), vars(eager).values()):
+                assert torch.equal(got, want)
+    for rows_ in virtual:
+        drafter.release_rows(rows_)
+    for r in reqs:
+        pool.release(r)
+    _free(draft)
 
 
 def test_cli_flags_reach_the_proposer_and_bad_ones_fail_early():

@@ -56,8 +56,8 @@ def _skip_model_guards(guard_entries) -> List[bool]:
 def _engine_owned(name: str) -> bool:
     """A guard source on the engine's model (its attributes, parameters, and the class dicts of
     its modules: `dict(type(self.model.model.layers[0]))...`) or its KV pool, which the engine
-    creates and never replaces."""
-    for root in ("self.model", "self.pool"):
+    creates and never replaces; reached as `self.engine....` from a compile_program owner."""
+    for root in ("self.model", "self.pool", "self.engine.model", "self.engine.pool"):
         at = name.find(root)
         while at >= 0:
             end = at + len(root)
@@ -220,6 +220,7 @@ class Engine:
             self._layout = _param_layout(model)
             guard_options = ({"guard_filter_fn": _skip_model_guards}
                              if os.environ.get("SPECDEC_MODEL_GUARDS", "0") in ("", "0") else {})
+            self._backend, self._guard_options = backend, guard_options
             self._extend_fn = torch.compile(_own_code(self._extend_step), fullgraph=True,
                                             dynamic=False, backend=backend,
                                             options=dict(guard_options))
@@ -336,6 +337,24 @@ class Engine:
         if hidden is None:
             return logits.argmax(-1), logits
         return logits.argmax(-1), logits, hidden[:, 0]
+
+    def decode_step(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor,
+                    aux: Optional[Tensor] = None):
+        """decode's step function itself, not compiled on its own: for a program that runs
+        several steps and the work between them as one graph (compile_program). Callers that
+        run one step use decode."""
+        return self._decode_step(tokens, req_rows, seq_lens, aux)
+
+    def compile_program(self, method):
+        """`method` (a bound method of an object that holds this Engine as `.engine` and calls
+        its decode_step) compiled as one graph like the steps: this engine's backend and
+        options, fullgraph, static shapes, a private code object (one cache per program), and
+        the guards on the engine's model and pool skipped (_skip_model_guards). Its tensor
+        arguments must be inference tensors (_inference). Needs a compiled Engine."""
+        if not self.compiled:
+            raise ValueError("compile_program needs a compiled Engine (compile=True)")
+        return torch.compile(_own_code(method), fullgraph=True, dynamic=False,
+                             backend=self._backend, options=dict(self._guard_options))
 
     # -- public steps --------------------------------------------------------------------------
     def bucket_for(self, batch_size: int) -> int:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from specdec_inductor import ops
+from specdec_inductor.engine.engine import _inference
 from specdec_inductor.engine.kv_pool import PoolExhaustedError
 from specdec_inductor.ops.tree import TreeMaskMode
 from specdec_inductor.speculative import DraftTree
@@ -102,6 +103,8 @@ class TreeDrafter:
         self.vocab_subset = None if vocab_subset is None else vocab_subset.to(torch.int64)
         # Row positions past a request's committed prefix that drafting writes.
         self.draft_positions = topk * (depth - 1)
+        self._compiled = None  # _tree compiled by the draft Engine, made at the first draft
+        self.compiled_drafts = 0  # draft calls that ran the compiled _tree
 
     def _children(self, logits: Tensor):
         """(scores, target ids) [R, topk] of each row of draft logits [R, V]: top_children of
@@ -145,7 +148,51 @@ class TreeDrafter:
             virtual_rows: the request's topk rows from reserve_rows.
             aux [B, A]: the root's auxiliary output (EAGLE's g), fed to the depth-1 beams; each
                 deeper beam gets its parent's (the draft Engine then returns it from decode).
+
+        The checks and the tables' inputs are made here; the tree itself is `_tree`, one
+        compiled graph on a compiled draft Engine (every draft decode, top-k and the tree
+        build: `compiled_drafts` counts its calls), the same code run op by op otherwise.
         """
+        k, depth = self.topk, self.depth
+        bs = roots.shape[0]
+        pool = self.engine.pool
+        live = [r is not None for r in rows]
+        # A request that drafts nothing reads no prefix (base 0 from the padding row); its
+        # virtual rows, still its own, take harmless table writes that nobody reads.
+        req = torch.tensor([r if r is not None else pool.padding_row for r in rows],
+                           dtype=torch.int64)  # [B]
+        base = torch.tensor([b if ok else 0 for b, ok in zip(bases, live)], dtype=torch.int64)
+        vrows = torch.tensor([r for v in virtual_rows for r in v], dtype=torch.int64)  # [B*k]
+        live_t = torch.tensor(live, dtype=torch.bool)  # [B]
+        own = None
+        if depth > 1:
+            top = max((b for b, ok in zip(bases, live) if ok), default=0)
+            if top + self.draft_positions > pool.max_len:
+                raise ValueError(f"draft engine max_len {pool.max_len}: a request at position "
+                                 f"{top} has no room for its {self.draft_positions} "
+                                 "draft-tree slots; make the draft Engine's max_len larger")
+            own = ops.assign_draft_cache_locs(pool.req_to_token, req, base, k, depth - 1)
+            own = own.view(bs, k, depth - 1)  # [B, k, depth-1] slot of beam k's node per depth
+            if bool((own[live_t] < 0).any()):  # past the slots the request reserved
+                raise ValueError(f"draft engine max_len {pool.max_len}: a request at position "
+                                 f"{top} has no reserved room for its "
+                                 f"{self.draft_positions} draft-tree slots; make the draft "
+                                 "Engine's max_len larger")
+            own = own.masked_fill(~live_t.view(bs, 1, 1), 0)
+        inputs = [_inference(t) for t in (roots.long(), seq_lens.long(), logits, live_t, req,
+                                          base, vrows, own, aux)]
+        if self._compiled is None and getattr(self.engine, "compiled", False):
+            self._compiled = self.engine.compile_program(self._tree)
+        if self._compiled is not None:
+            self.compiled_drafts += 1
+            out = self._compiled(*inputs)
+        else:
+            out = self._tree(*inputs)
+        return DraftTree(*out, torch.full((bs,), self.num_draft_tokens - 1, dtype=torch.int64))
+
+    def _tree(self, roots, seq_lens, logits, live, req, base, vrows, own, aux):
+        """draft's tree as tensors only (traced whole on a compiled Engine): (tokens [B, N],
+        mask, positions, retrieve_index, retrieve_next_token, retrieve_next_sibling)."""
         k, depth, n = self.topk, self.depth, self.num_draft_tokens
         bs = roots.shape[0]
         scores, tokens = self._children(logits)  # [B, k]
@@ -153,8 +200,8 @@ class TreeDrafter:
         parents = [torch.full((bs, 1), -1, dtype=torch.int64),
                    torch.arange(k, dtype=torch.int64).expand(bs, k)]
         if depth > 1:
-            self._expand(scores, tokens, rows, bases, virtual_rows, aux, score_list, token_list,
-                         parents)
+            self._expand(scores, tokens, live, req, base, vrows, own, aux, score_list,
+                         token_list, parents)
         all_scores = torch.cat(score_list, dim=1)  # [B, k + k*k*(depth-1)]
         all_tokens = torch.cat(token_list, dim=1)
         selected = best_first(all_scores, n - 1).sort(dim=1).values  # [B, N-1] ascending ids
@@ -163,60 +210,43 @@ class TreeDrafter:
         mask, positions, ridx, nxt, sib = ops.build_tree(
             parent_list, selected, seq_lens, k, depth, n, TreeMaskMode.QLEN_ONLY)
         draft_tokens = torch.gather(all_tokens, 1, selected)  # [B, N-1]
-        tree_tokens = torch.cat([roots.view(bs, 1).long(), draft_tokens], dim=1)  # [B, N]
-        return DraftTree(tree_tokens, mask, positions, ridx, nxt, sib,
-                         torch.full((bs,), n - 1, dtype=torch.int64))
+        tree_tokens = torch.cat([roots.view(bs, 1), draft_tokens], dim=1)  # [B, N]
+        return tree_tokens, mask, positions, ridx, nxt, sib
 
-    def _expand(self, beam_scores, beam_tokens, rows, bases, virtual_rows, aux, score_list,
+    def _expand(self, beam_scores, beam_tokens, live, req, base, vrows, own, aux, score_list,
                 token_list, parents):
-        """Draft steps 1..depth-1: one batched decode of every kept beam per step."""
+        """Draft steps 1..depth-1: one batched decode of every kept beam per step. Beams of a
+        request that drafts nothing (live False) decode on the padding row."""
         eng, k, depth = self.engine, self.topk, self.depth
         bs = beam_scores.shape[0]
-        pool = eng.pool
-        table = pool.req_to_token
         bucket = eng.bucket_for(bs * k)
-        active = [b for b in range(bs) if rows[b] is not None]
-        act = torch.tensor(active, dtype=torch.int64)  # [A]
-        beam_rows = torch.full((bucket,), pool.padding_row, dtype=torch.int64)  # [Bd]
-        positions = torch.ones(bucket, dtype=torch.int64)  # [Bd]; padding decodes at 1
-        flat = (act.view(-1, 1) * k + torch.arange(k).view(1, k)).flatten()  # [A*k] batch rows
-        if active:
-            req = torch.tensor([rows[b] for b in active], dtype=torch.int64)  # [A]
-            base = torch.tensor([bases[b] for b in active], dtype=torch.int64)  # [A]
-            vrows = torch.tensor([r for b in active for r in virtual_rows[b]],
-                                 dtype=torch.int64)  # [A*k]
-            if int(base.max()) + self.draft_positions > pool.max_len:
-                raise ValueError(f"draft engine max_len {pool.max_len}: a request at position "
-                                 f"{int(base.max())} has no room for its {self.draft_positions} "
-                                 "draft-tree slots; make the draft Engine's max_len larger")
-            # Step 1's tables: prefix + beam k's first draft slot; later steps rewrite the
-            # draft part from the beam's ancestry.
-            table[vrows] = ops.build_draft_decode_table(table, req, base, k, depth - 1)
-            own = ops.assign_draft_cache_locs(table, req, base, k, depth - 1).view(-1, k, depth - 1)
-            if bool((own < 0).any()):  # past the slots the request reserved at admission
-                raise ValueError(f"draft engine max_len {pool.max_len}: a request at position "
-                                 f"{int(base.max())} has no reserved room for its "
-                                 f"{self.draft_positions} draft-tree slots; make the draft "
-                                 "Engine's max_len larger")
-            path = own.clone()  # [A, k, depth-1]: slot of beam k's node at each depth
-            beam_rows[flat] = vrows
-            base_k = base.repeat_interleave(k)  # [A*k]
+        pad = bucket - bs * k
+        table = eng.pool.req_to_token
+        live_k = live.repeat_interleave(k)  # [B*k]
+        # Step 1's tables: prefix + beam k's first draft slot; later steps rewrite the draft
+        # part from the beam's ancestry.
+        fresh = ops.build_draft_decode_table(table, req, base, k, depth - 1)  # [B*k, L]
+        table[vrows] = torch.where(live_k.view(-1, 1), fresh, table[vrows])
+        path = own  # [B, k, depth-1]: slot of beam k's node at each depth
+        padding = torch.full((pad,), eng.pool.padding_row, dtype=torch.int64)
+        beam_rows = torch.cat([torch.where(live_k, vrows, eng.pool.padding_row), padding])  # [Bd]
+        base_k = base.repeat_interleave(k)  # [B*k]
         if aux is not None:
             beam_aux = aux.unsqueeze(1).expand(bs, k, aux.shape[-1])  # [B, k, A]: the root's
         for step in range(1, depth):
-            if step > 1 and active:
+            if step > 1:
                 ops.assign_req_to_token(table, vrows, base_k, base_k + step,
                                         path[:, :, :step].reshape(-1))
-            if active:
-                positions[flat] = base_k + step - 1
-            tok_in = torch.zeros(bucket, dtype=torch.int64)  # [Bd]
-            tok_in[:bs * k] = beam_tokens.reshape(-1)
+            # Padding beams decode at position 1.
+            positions = torch.cat([torch.where(live_k, base_k + step - 1, 1),
+                                   torch.ones(pad, dtype=torch.int64)])  # [Bd]
+            tok_in = torch.cat([beam_tokens.reshape(-1), torch.zeros(pad, dtype=torch.int64)])
             if aux is None:
-                out = eng.decode(tok_in, beam_rows, positions)
+                out = eng.decode_step(tok_in, beam_rows, positions)
             else:
-                aux_in = aux.new_zeros(bucket, aux.shape[-1])  # [Bd, A]
-                aux_in[:bs * k] = beam_aux.reshape(bs * k, -1)
-                out = eng.decode(tok_in, beam_rows, positions, aux_in)
+                aux_in = torch.cat([beam_aux.reshape(bs * k, -1),
+                                    aux.new_zeros(pad, aux.shape[-1])])  # [Bd, A]
+                out = eng.decode_step(tok_in, beam_rows, positions, aux_in)
             child_scores, child_tokens = self._children(out[1][:bs * k])  # [B*k, k]
             child_scores, child_tokens = child_scores.view(bs, k, k), child_tokens.view(bs, k, k)
             child_scores = (beam_scores.unsqueeze(-1) + child_scores).view(bs, k * k)
@@ -233,6 +263,6 @@ class TreeDrafter:
             if aux is not None:
                 g = out[2][:bs * k].view(bs, k, -1)  # [B, k, A] this step's outputs
                 beam_aux = torch.gather(g, 1, parent.unsqueeze(-1).expand_as(g))
-            if active:  # a kept beam inherits its parent's path and adds its own next slot
-                inherited = torch.gather(path, 1, parent[act].unsqueeze(-1).expand_as(path))
-                path = torch.cat([inherited[:, :, :step], own[:, :, step:]], dim=2)
+            # A kept beam inherits its parent's path and adds its own next slot.
+            inherited = torch.gather(path, 1, parent.unsqueeze(-1).expand_as(path))
+            path = torch.cat([inherited[:, :, :step], own[:, :, step:]], dim=2)
