@@ -345,9 +345,16 @@ class Engine:
         run one step use decode."""
         return self._decode_step(tokens, req_rows, seq_lens, aux)
 
+    def extend_step(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor,
+                    prefix_lens: Tensor, extend_lens: Tensor, tree_mask: Optional[Tensor] = None,
+                    aux: Optional[Tensor] = None):
+        """extend's step function itself, for a compile_program program (as decode_step)."""
+        return self._extend_step(input_ids, positions, req_rows, prefix_lens, extend_lens,
+                                 tree_mask, aux)
+
     def compile_program(self, method):
         """`method` (a bound method of an object that holds this Engine as `.engine` and calls
-        its decode_step) compiled as one graph like the steps: this engine's backend and
+        its decode_step / extend_step) compiled as one graph like the steps: this engine's backend and
         options, fullgraph, static shapes, a private code object (one cache per program), and
         the guards on the engine's model and pool skipped (_skip_model_guards). Its tensor
         arguments must be inference tensors (_inference). Needs a compiled Engine."""

@@ -217,45 +217,39 @@ class EagleProposer:
         bs, eng = len(request_ids), self.engine
         states = [self._requests[r] for r in request_ids]
         req_rows = self._rows(states)
-        bucket, chunk = req_rows.shape[0], eng.prefill_chunk
-        hdim, hdtype = states[0].hidden.shape[-1], states[0].hidden.dtype
+        chunk = eng.prefill_chunk
         last_logits = [None] * bs
         last_g = [None] * bs
         # Draft extend over the pending pairs (the prompt at the first step; later the root
-        # and the accepted drafts), chunk by chunk.
-        while any(st.tokens and not st.done for st in states):
-            ids = torch.zeros(bucket, chunk, dtype=torch.int64)  # [B, T]
-            aux = torch.zeros(bucket, chunk, hdim, dtype=hdtype)  # [B, T, H]
-            prefix = torch.zeros(bucket, dtype=torch.int64)  # [B]
-            ext = torch.zeros(bucket, dtype=torch.int64)  # [B]
+        # and the accepted drafts), chunk by chunk. A tree leaves each request's last chunk
+        # (at most `chunk` pairs) to TreeDrafter, which extends it in the tree's own graph.
+        keep = chunk if self._tree is not None else 0
+        while any(len(st.tokens) > keep and not st.done for st in states):
+            take = [0 if st.done else max(0, min(chunk, len(st.tokens) - keep)) for st in states]
+            args = self._extend_inputs(states, take, req_rows)
+            logits, g = eng.extend(*args[:5], None, args[5])
             for b, st in enumerate(states):
-                if st.done or not st.tokens:
-                    continue
-                m = min(chunk, len(st.tokens))
-                ids[b, :m] = torch.tensor(st.tokens[:m], dtype=torch.int64)
-                aux[b, :m] = st.hidden[:m]
-                prefix[b], ext[b] = st.cached, m
-            positions = prefix.view(-1, 1) + torch.arange(chunk).view(1, -1)  # [B, T]
-            logits, g = eng.extend(ids, positions, req_rows, prefix, ext, None, aux)
-            for b, st in enumerate(states):
-                m = int(ext[b])
-                if m == 0:
-                    continue
-                st.cached += m
-                st.tokens, st.hidden = st.tokens[m:], st.hidden[m:]
-                if not st.tokens:
-                    last_logits[b], last_g[b] = logits[b, m - 1], g[b, m - 1]
+                if take[b] and not st.tokens:
+                    last_logits[b], last_g[b] = logits[b, take[b] - 1], g[b, take[b] - 1]
+        if self._tree is not None:
+            take = [0 if st.done else len(st.tokens) for st in states]
+            if any(t == 0 for t, st in zip(take, states) if not st.done):
+                raise RuntimeError("EagleProposer: a live request has no committed pair to "
+                                   "extend (commit after every step)")
+            extend = self._extend_inputs(states, take, req_rows)
+            # beams at depth 1 take the root's g, deeper ones their parent's
+            roots = torch.tensor([st.root for st in states])  # [bs]
+            return self._tree.draft(roots, seq_lens, None,
+                                    [None if st.done else st.request.row for st in states],
+                                    [st.cached for st in states],
+                                    [st.virtual_rows for st in states], None, extend=extend)
+        bucket = req_rows.shape[0]
+        hdim, hdtype = states[0].hidden.shape[-1], states[0].hidden.dtype
         vocab = eng.vocab_size
         for b in range(bs):  # finished requests: placeholders (their drafts are never used)
             if last_logits[b] is None:
                 last_logits[b] = torch.zeros(vocab, dtype=eng.dtype)
                 last_g[b] = torch.zeros(hdim, dtype=hdtype)
-        if self._tree is not None:  # beams at depth 1 take the root's g, deeper ones their parent's
-            roots = torch.tensor([st.root for st in states])  # [bs]
-            return self._tree.draft(roots, seq_lens, torch.stack(last_logits),
-                                    [None if st.done else st.request.row for st in states],
-                                    [st.cached for st in states],
-                                    [st.virtual_rows for st in states], torch.stack(last_g))
         tok = torch.stack(last_logits).argmax(-1)  # [bs] d1
         g = torch.stack(last_g)  # [bs, H]
         drafts = [tok]
@@ -270,6 +264,28 @@ class EagleProposer:
         chain = torch.stack(drafts, dim=1)  # [bs, K]
         roots = torch.tensor([st.root for st in states])  # [bs]
         return chain_tree(roots, chain, seq_lens)
+
+    def _extend_inputs(self, states, take: List[int], req_rows: Tensor):
+        """Engine.extend's inputs for the next take[b] pending pairs of each request, which
+        they leave (the request's `cached` advances): (input_ids [B, T], positions [B, T],
+        req_rows, prefix_lens [B], extend_lens [B], aux [B, T, H]), B the bucket."""
+        bucket, chunk = req_rows.shape[0], self.engine.prefill_chunk
+        hdim, hdtype = states[0].hidden.shape[-1], states[0].hidden.dtype
+        ids = torch.zeros(bucket, chunk, dtype=torch.int64)  # [B, T]
+        aux = torch.zeros(bucket, chunk, hdim, dtype=hdtype)  # [B, T, H]
+        prefix = torch.zeros(bucket, dtype=torch.int64)  # [B]
+        ext = torch.zeros(bucket, dtype=torch.int64)  # [B]
+        for b, st in enumerate(states):
+            m = take[b]
+            if m == 0:
+                continue
+            ids[b, :m] = torch.tensor(st.tokens[:m], dtype=torch.int64)
+            aux[b, :m] = st.hidden[:m]
+            prefix[b], ext[b] = st.cached, m
+            st.cached += m
+            st.tokens, st.hidden = st.tokens[m:], st.hidden[m:]
+        positions = prefix.view(-1, 1) + torch.arange(chunk).view(1, -1)  # [B, T]
+        return ids, positions, req_rows, prefix, ext, aux
 
     def commit(self, request_ids: List[int], emitted: List[List[int]], hidden: List[Tensor]):
         for rid, toks, h in zip(request_ids, emitted, hidden):

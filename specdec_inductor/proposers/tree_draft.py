@@ -136,18 +136,24 @@ class TreeDrafter:
     @torch.inference_mode()
     def draft(self, roots: Tensor, seq_lens: Tensor, logits: Tensor, rows: Sequence[Optional[int]],
               bases: Sequence[int], virtual_rows: Sequence[Sequence[int]],
-              aux: Optional[Tensor] = None) -> DraftTree:
+              aux: Optional[Tensor] = None, extend: Optional[Sequence] = None) -> DraftTree:
         """The tree of every request.
 
         Args:
             roots [B]: each tree's root token; seq_lens [B]: the target's committed tokens (the
-                root's position); logits [B, V]: the draft's logits at the root.
+                root's position); logits [B, V]: the draft's logits at the root, or None with
+                `extend`.
             rows: each request's draft-pool row, None for a request that drafts nothing (its
                 beams decode on the padding row; its tree is never verified).
             bases: draft KV cached per request: the beams' first decode position.
             virtual_rows: the request's topk rows from reserve_rows.
             aux [B, A]: the root's auxiliary output (EAGLE's g), fed to the depth-1 beams; each
                 deeper beam gets its parent's (the draft Engine then returns it from decode).
+            extend: a draft extend to run first, in the same graph, as Engine.extend takes it:
+                (input_ids [Bb, T], positions [Bb, T], req_rows [Bb], prefix_lens [Bb],
+                extend_lens [Bb], aux [Bb, T, A] or None), Bb the draft Engine's bucket. The
+                root's logits (and, when the draft Engine captures hidden, aux) are then those
+                of each request's last extended row; `bases` count the extended rows.
 
         The checks and the tables' inputs are made here; the tree itself is `_tree`, one
         compiled graph on a compiled draft Engine (every draft decode, top-k and the tree
@@ -179,8 +185,15 @@ class TreeDrafter:
                                  f"{self.draft_positions} draft-tree slots; make the draft "
                                  "Engine's max_len larger")
             own = own.masked_fill(~live_t.view(bs, 1, 1), 0)
+        if (logits is None) == (extend is None):
+            raise ValueError("TreeDrafter.draft: pass the root's logits or an extend, not both")
+        if extend is not None and len(extend) != 6:
+            raise ValueError(f"argument 'extend' must hold Engine.extend's 6 inputs (input_ids, "
+                             f"positions, req_rows, prefix_lens, extend_lens, aux), got "
+                             f"{len(extend)}")
         inputs = [_inference(t) for t in (roots.long(), seq_lens.long(), logits, live_t, req,
-                                          base, vrows, own, aux)]
+                                          base, vrows, own, aux,
+                                          *(extend if extend is not None else [None] * 6))]
         if self._compiled is None and getattr(self.engine, "compiled", False):
             self._compiled = self.engine.compile_program(self._tree)
         if self._compiled is not None:
@@ -190,11 +203,21 @@ class TreeDrafter:
             out = self._tree(*inputs)
         return DraftTree(*out, torch.full((bs,), self.num_draft_tokens - 1, dtype=torch.int64))
 
-    def _tree(self, roots, seq_lens, logits, live, req, base, vrows, own, aux):
+    def _tree(self, roots, seq_lens, logits, live, req, base, vrows, own, aux, ext_ids=None,
+              ext_positions=None, ext_rows=None, ext_prefix=None, ext_lens=None, ext_aux=None):
         """draft's tree as tensors only (traced whole on a compiled Engine): (tokens [B, N],
         mask, positions, retrieve_index, retrieve_next_token, retrieve_next_sibling)."""
         k, depth, n = self.topk, self.depth, self.num_draft_tokens
         bs = roots.shape[0]
+        if ext_ids is not None:  # the draft extend; its last row per request is the root's
+            out = self.engine.extend_step(ext_ids, ext_positions, ext_rows, ext_prefix,
+                                          ext_lens, None, ext_aux)
+            ext_logits, g = out if isinstance(out, tuple) else (out, None)  # [Bb, T, V]
+            at = torch.arange(bs)
+            last = (ext_lens[:bs] - 1).clamp(min=0)  # [B]; a request with nothing: row 0
+            logits = ext_logits[at, last]  # [B, V]
+            if g is not None:
+                aux = g[at, last]  # [B, A]
         scores, tokens = self._children(logits)  # [B, k]
         score_list, token_list = [scores], [tokens]
         parents = [torch.full((bs, 1), -1, dtype=torch.int64),
