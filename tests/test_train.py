@@ -65,6 +65,31 @@ def test_data_matches_a_plain_forward(data_and_target):
     assert data.num_generated_tokens == sum(t.numel() for t in data.tokens) - data.num_prompt_tokens
 
 
+def test_data_stops_each_row_at_its_eos(data_and_target):
+    """Rows of one batch that reach eos at different steps keep exactly their own prefix: the
+    prompt and the fed-back continuation up to (not including) eos, with matching hidden rows
+    and labels."""
+    _, target, reference = data_and_target
+    engine = Engine(target, max_batch=1, max_len=64, compile=False)
+    plist = prompts(24)[:8]
+    conts = [engine.generate([p], 20)[0] for p in plist]
+    # The most common id in the middle of the continuations: rows stop at different steps.
+    eos = int(torch.tensor([t for c in conts for t in c[2:-2]]).bincount().argmax())
+    data = build_draft_data(target, plist, [], new_tokens=20, eos_token_id=eos, max_batch=8,
+                            compile=False)
+    stops = set()
+    for i, p in enumerate(plist):
+        cont = engine.generate([p], 20, eos)[0]
+        stops.add(len(cont))
+        assert data.tokens[i].tolist() == p + cont[:-1]
+        with torch.no_grad():
+            out = reference(data.tokens[i].view(1, -1), output_hidden_states=True)
+        torch.testing.assert_close(data.final[i], out.hidden_states[-1][0], atol=2e-5, rtol=1e-4)
+        assert torch.equal(data.label_ids[i][:, 0], out.logits[0].argmax(-1))
+        assert data.label_probs[i].shape == (data.tokens[i].numel(), data.label_ids[i].shape[1])
+    assert len(stops) >= 3, stops  # ragged stops, including rows that never met eos
+
+
 def _acceptance(target, head_dir, plist):
     head = load_eagle_head(str(head_dir), target)
     engine = Engine(target, max_batch=1, max_len=64, compile=False, capture_hidden=[-1])
@@ -140,6 +165,8 @@ def test_bad_arguments_are_refused(tmp_path):
         TrainConfig(epochs=0).validate()
     with pytest.raises(ValueError, match="'lr'"):
         TrainConfig(lr=0.0).validate()
+    with pytest.raises(ValueError, match="'precision'"):
+        TrainConfig(precision="fp16").validate()
     with pytest.raises(ValueError, match="'num_prompts'"):
         corpus.training_prompts(0)
     from specdec_inductor.cli import main
@@ -276,3 +303,69 @@ def test_shipped_heads_draft_for_the_default_model_exactly(method):
     assert spec.generate([ids], 24, None, stats)[0] == engine.generate([ids], 24)[0]
     # A random head accepts ~nothing on SmolLM2 (tests/test_cli.py); a trained one does.
     assert stats.mean_accepted_length > 1.2, stats.summary()
+
+
+def test_train_precision_follows_the_cpu():
+    from specdec_inductor.train.trainer import train_precision
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert train_precision("auto") == ("bf16" if native else "fp32")
+    assert train_precision("fp32") == "fp32" and train_precision("bf16") == "bf16"
+
+
+def test_compiled_soft_cross_entropy_equals_the_eager_one():
+    """The Inductor-compiled loss (dynamic shapes) gives the eager loss and gradients, for fp32
+    and bf16 logits and two sequence lengths, without recompiling for the second length."""
+    from specdec_inductor.train.trainer import _soft_ce, soft_ce_fn
+    compiled = soft_ce_fn(True)
+    assert compiled is not _soft_ce and soft_ce_fn(True) is compiled
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for t in (7, 13):
+            logits = (torch.randn(2, t, 300, generator=gen) * 3).to(dtype)
+            ids = torch.randint(0, 300, (2, t, 5), generator=gen)
+            probs = torch.rand(2, t, 5, generator=gen)
+            probs = probs / probs.sum(-1, keepdim=True)
+            grads = []
+            for fn in (_soft_ce, compiled):
+                x = logits.clone().requires_grad_(True)
+                out = fn(x, ids, probs)
+                out.sum().backward()
+                grads.append((out.detach(), x.grad.float()))
+            torch.testing.assert_close(grads[1][0], grads[0][0], atol=1e-4, rtol=1e-4)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(grads[1][1], grads[0][1], atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="no native bf16 matmuls on this CPU")
+def test_bf16_training_with_the_compiled_loss_learns(data3_and_target, tmp_path):
+    """The CLI's default on a CPU with bf16 matmuls (autocast, compiled loss) trains as fp32
+    does: the loss and top-1 agreement improve by the margins of the fp32 test, and the head
+    drafts exactly."""
+    from specdec_inductor.proposers.eagle3 import Eagle3Proposer
+    from specdec_inductor.train.trainer import eagle3_loss, make_head
+    data, target = data3_and_target
+    cfg = TrainConfig(method="eagle3", epochs=40, batch_size=8, lr=3e-3, ttt_steps=3,
+                      save_every=1000, precision="bf16", compile_loss=True)
+    untrained = make_head(target, data, cfg, draft_vocab_size=64)
+    with torch.no_grad():
+        before = eagle3_loss(untrained, data, list(range(8)), 3)
+    lines = []
+    head = train_head(target, data, str(tmp_path), cfg, draft_vocab_size=64,
+                      progress=lines.append)
+    assert all(p.dtype == torch.float32 for p in head.parameters())  # master weights stay fp32
+    assert lines and all("acc0=" in line for line in lines)
+    with torch.no_grad():
+        after = eagle3_loss(head, data, list(range(8)), 3)
+        # Off the progress lines the loss skips the accuracies (an argmax over the logits).
+        assert not any(k.startswith("acc") for k in
+                       eagle3_loss(head, data, list(range(8)), 3, with_acc=False)[1])
+    assert float(after[0]) < float(before[0]) - 0.2, (before, after)
+    assert after[1]["acc0"] > before[1]["acc0"] + 0.2, (before, after)
+    _, draft = _draft_engine(tmp_path, target)
+    proposer = Eagle3Proposer(draft, 4)
+    engine = Engine(target, max_batch=1, max_len=64, compile=False,
+                    capture_hidden=proposer.target_hidden_layers)
+    spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
+    for p in prompts(16, seed=5)[:3]:
+        assert spec.generate([p], 16, None)[0] == engine.generate([p], 16)[0]

@@ -96,6 +96,10 @@ def generate_with_hidden(engine, prompts: List[List[int]], new_tokens: int,
             labels.append(([ids, li], [probs, lp]))
         tokens = last.argmax(-1)  # [B]
         seq_lens = torch.tensor(lens + [1] * (bucket - bs), dtype=torch.int64)  # [B]
+        # Per step, the whole batch's fed token, hidden and labels; a row stops at its eos, so
+        # its steps are a prefix of the list (steps[b]). Split per row after the loop.
+        fed, step_hid, step_ids, step_probs = [], [], [], []
+        steps = [0] * bs
         done = [False] * bs
         for _ in range(new_tokens - 1):
             for b in range(bs):
@@ -104,21 +108,30 @@ def generate_with_hidden(engine, prompts: List[List[int]], new_tokens: int,
                 break
             nxt, logits, hid = engine.decode(tokens, req_rows, seq_lens)  # [B], [B, V], [B, k*H]
             li, lp = _topk_probs(logits[:bs], LABEL_TOP_K)
+            fed.append(tokens[:bs])
+            step_hid.append(hid[:bs].float())
+            step_ids.append(li)
+            step_probs.append(lp)
             for b in range(bs):
-                if not done[b]:
-                    toks[b].append(int(tokens[b]))
-                    hids[b].append(hid[b:b + 1].float())
-                    labels[b][0].append(li[b:b + 1])
-                    labels[b][1].append(lp[b:b + 1])
+                steps[b] += not done[b]
             tokens, seq_lens = nxt, seq_lens + 1
     finally:
         for r in requests:
             engine.pool.release(r)
+    if fed:
+        fed_t, hid_t = torch.stack(fed, 1), torch.stack(step_hid, 1)  # [bs, S], [bs, S, k*H]
+        ids_t, probs_t = torch.stack(step_ids, 1), torch.stack(step_probs, 1)  # [bs, S, K]
     out = []
     for b in range(bs):
-        h = torch.cat(hids[b])  # [T, k*H]
-        out.append((torch.tensor(toks[b], dtype=torch.int64), h[:, :-width].clone(),
-                    h[:, -width:].clone(), torch.cat(labels[b][0]), torch.cat(labels[b][1])))
+        n = steps[b]
+        tok = torch.tensor(toks[b], dtype=torch.int64)
+        h, ids, probs = hids[b][0], labels[b][0], labels[b][1]
+        if n:
+            tok = torch.cat([tok, fed_t[b, :n]])
+            h = torch.cat([h, hid_t[b, :n]])
+            ids, probs = ids + [ids_t[b, :n]], probs + [probs_t[b, :n]]
+        out.append((tok, h[:, :-width].clone(), h[:, -width:].clone(), torch.cat(ids),
+                    torch.cat(probs)))
     return out
 
 
