@@ -61,6 +61,10 @@ def main():
     parser.add_argument("--depth", type=int, default=None,
                         help="standalone/eagle: draft steps (default N-1, as a chain needs)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--stop-at-eos", action="store_true",
+                        help="stop each generation at the tokenizer's eos, as `specdec generate` "
+                             "does (default: always max-new-tokens, so a chat answer runs on past "
+                             "its end); tok/s then counts the tokens each run produced")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
@@ -193,8 +197,9 @@ def main():
     if args.verify_costs:
         sizes = sorted({1} | {z for spec in methods.values() for z in spec.tree_sizes})
         print_verify_costs(engine, sizes)
+    eos = tokenizer.eos_token_id if args.stop_at_eos else None
     print(f"# {args.model or 'SmolLM2-135M'} {args.dtype}, batch 1, {args.max_new_tokens} new tokens "
-          "(no eos stop), "
+          f"({'stopping at eos' if args.stop_at_eos else 'no eos stop'}), "
           f"{'eager' if args.eager else 'compiled'}; {torch.get_num_threads()} threads, ISA "
           f"{specdec_inductor.active_isa()}, torch {torch.__version__}; medians of {args.repeats}")
     print("| prompt | T | method | tok/s | speedup vs our AR | mean accepted length | acceptance by position | tokens == AR |")
@@ -213,31 +218,33 @@ def main():
         for temp in temperatures:
             # AR and every method take turns within each repeat, so a drift of this shared
             # machine's speed hits them alike instead of whichever ran last.
-            ar_t, sp_t = [], {label: [] for label in methods}
+            # Rates per run (tokens produced / seconds; every run's tokens are max_new_tokens
+            # without --stop-at-eos), medians over the repeats.
+            ar_r, sp_r = [], {label: [] for label in methods}
             runs = {}
             for r in range(args.repeats):
                 sampling = SamplingParams(temp, seed=args.seed + r)
                 t0 = time.perf_counter()
                 if temp == 0:
-                    ar = engine.generate([ids], args.max_new_tokens, None, GenerationStats())
+                    ar = engine.generate([ids], args.max_new_tokens, eos, GenerationStats())
                 else:
-                    ar = ar_loop.generate([ids], args.max_new_tokens, None, SpeculativeStats(), sampling)
-                ar_t.append(time.perf_counter() - t0)
+                    ar = ar_loop.generate([ids], args.max_new_tokens, eos, SpeculativeStats(), sampling)
+                ar_r.append(len(ar[0]) / (time.perf_counter() - t0))
                 for label, spec in methods.items():
                     stats = SpeculativeStats()
                     t0 = time.perf_counter()
-                    sp = spec.generate([ids], args.max_new_tokens, None, stats, sampling)
-                    sp_t[label].append(time.perf_counter() - t0)
+                    sp = spec.generate([ids], args.max_new_tokens, eos, stats, sampling)
+                    sp_r[label].append(len(sp[0]) / (time.perf_counter() - t0))
                     runs[label] = (sp, stats)
-            ar_s = statistics.median(ar_t)
-            print(f"| {kind} | {temp:g} | AR (ours) | {args.max_new_tokens / ar_s:.1f} | 1.00x | 1.00 | - | - |")
+            ar_rate = statistics.median(ar_r)
+            print(f"| {kind} | {temp:g} | AR (ours) | {ar_rate:.1f} | 1.00x | 1.00 | - | - |")
             for label in methods:
                 sp, stats = runs[label]
-                sp_s = statistics.median(sp_t[label])
+                sp_rate = statistics.median(sp_r[label])
                 accept = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
                 same = ("yes" if sp == ar else "NO") if temp == 0 else "- (sampled)"
-                print(f"| {kind} | {temp:g} | {label} | {args.max_new_tokens / sp_s:.1f} | "
-                      f"{ar_s / sp_s:.2f}x | {stats.mean_accepted_length:.2f} | {accept} | {same} |",
+                print(f"| {kind} | {temp:g} | {label} | {sp_rate:.1f} | "
+                      f"{sp_rate / ar_rate:.2f}x | {stats.mean_accepted_length:.2f} | {accept} | {same} |",
                       flush=True)
                 print(f"#   {kind} T={temp:g} {label}: {stats.summary()}")
                 spec = methods[label]
@@ -246,7 +253,7 @@ def main():
                           f"step: verify({spec.proposer.num_draft_tokens}) measured at "
                           f"{spec.verify_cost:.2f} decode steps, a draft at "
                           f"{spec._draft_s / spec._decode_s:.2f}")
-                speedups.setdefault((label, temp), []).append(ar_s / sp_s)
+                speedups.setdefault((label, temp), []).append(sp_rate / ar_rate)
     for (label, temp), values in speedups.items():
         print(f"# median over {len(values)} prompts, T={temp:g}, {label}: "
               f"{statistics.median(values):.2f}x our AR")
