@@ -493,6 +493,33 @@ def test_trees_rank_the_draft_vocabulary_like_the_full_one(tmp_path):
             TreeDrafter(draft, 6, 2, 3, bad)
 
 
+@torch.inference_mode()
+def test_extend_keeps_each_requests_last_row_only_where_asked(tmp_path):
+    # The tree's draft extend needs the logits of each request's last extended row only:
+    # the head's LM head then runs on that row (HF's logits_to_keep), g stays whole.
+    target = tiny_target(2)
+    write_head(tmp_path, target, seed=15)
+    head = load_eagle3_head(str(tmp_path), target)
+    draft = _draft_engine(head, 2)
+    assert draft.keeps_last_rows
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=gen)  # [B, T]
+    feats = torch.randn(2, 8, 3 * HIDDEN, generator=gen)  # [B, T, 3H]
+    reqs = draft.pool.admit([8, 8], 1)
+    rows = torch.tensor([r.row for r in reqs])
+    zero, lens = torch.zeros(2, dtype=torch.int64), torch.tensor([8, 5])  # ragged
+    pos = torch.arange(8).view(1, 8).expand(2, 8)
+    full, g_full = draft.extend_step(ids, pos, rows, zero, lens, None, feats)
+    kept, g_kept = draft.extend_step(ids, pos, rows, zero, lens, None, feats, last_only=True)
+    draft.pool.release(reqs[0])
+    draft.pool.release(reqs[1])
+    assert full.shape == (2, 8, VOCAB) and kept.shape == (2, 1, VOCAB)
+    torch.testing.assert_close(kept[:, 0], full[torch.arange(2), lens - 1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(g_kept, g_full, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="argument 'logits_to_keep'"):
+        head(ids, pos, feats, logits_to_keep=3)
+
+
 def test_default_head_dtype_follows_the_active_isa():
     import specdec_inductor as si
     from specdec_inductor.proposers.eagle3 import default_head_dtype

@@ -477,10 +477,11 @@ def test_cli_flags_reach_the_proposer_and_bad_ones_fail_early():
     assert (args.topk, args.depth) == (3, 4)
     engine = type("E", (), {"max_batch": 2, "max_len": 100})()
     assert cli._draft_engine_size(args, engine) == (8, 112)
-    for method in ("eagle", "eagle3"):  # the measured default tree, when N holds it
+    # the measured default tree, when N holds it: (topk, depth), (draft max_batch, max_len)
+    for method, shape, size in (("eagle", (2, 4), (6, 108)), ("eagle3", (3, 4), (8, 112))):
         default = cli.make_parser().parse_args(["bench", "--method", method])
-        assert cli.tree_shape(default) == (2, 4)
-        assert cli._draft_engine_size(default, engine) == (6, 108)
+        assert cli.tree_shape(default) == shape
+        assert cli._draft_engine_size(default, engine) == size
         short = cli.make_parser().parse_args(["bench", "--method", method,
                                               "--num-draft-tokens", "4"])
         assert cli.tree_shape(short) == (1, None)  # depth 4 does not fit: a chain of 3

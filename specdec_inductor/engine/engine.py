@@ -347,10 +347,18 @@ class Engine:
 
     def extend_step(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor,
                     prefix_lens: Tensor, extend_lens: Tensor, tree_mask: Optional[Tensor] = None,
-                    aux: Optional[Tensor] = None):
-        """extend's step function itself, for a compile_program program (as decode_step)."""
+                    aux: Optional[Tensor] = None, last_only: bool = False):
+        """extend's step function itself, for a compile_program program (as decode_step).
+        last_only: the logits of each request's last row only, [B, 1, V], where the model can
+        keep rows (`keeps_last_rows`); otherwise every row's, as without it."""
         return self._extend_step(input_ids, positions, req_rows, prefix_lens, extend_lens,
-                                 tree_mask, aux)
+                                 tree_mask, aux, last_only and self.keeps_last_rows)
+
+    @property
+    def keeps_last_rows(self) -> bool:
+        """Whether an extend can run the LM head on each request's last row only (the engine
+        runs the decoder itself, or the model takes HF's `logits_to_keep`)."""
+        return self._prefill_last_only
 
     def compile_program(self, method):
         """`method` (a bound method of an object that holds this Engine as `.engine` and calls

@@ -117,8 +117,12 @@ class Eagle3DraftModel(nn.Module):
         self.register_buffer("draft_to_target", torch.arange(draft_vocab, dtype=torch.int64))
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, aux_hidden: Tensor,
-                specdec_batch=None, use_cache: bool = False, output_hidden_states: bool = False):
+                specdec_batch=None, use_cache: bool = False, output_hidden_states: bool = False,
+                logits_to_keep=None):
         from transformers.modeling_outputs import CausalLMOutputWithPast
+        if not isinstance(logits_to_keep, Tensor) and logits_to_keep:
+            raise ValueError(f"argument 'logits_to_keep' must be a tensor of row indices, None "
+                             f"or 0, got {logits_to_keep!r}")
         dtype = self.lm_head.weight.dtype  # the head's (a shared embedding may differ)
         emb = self.embed_tokens(input_ids).to(dtype)  # [B, T, H]
         hidden = aux_hidden.to(dtype)
@@ -133,7 +137,12 @@ class Eagle3DraftModel(nn.Module):
         kwargs = {} if specdec_batch is None else {"specdec_batch": specdec_batch}
         cos_sin = self.rotary_emb(hidden, position_ids=position_ids)
         g = self.midlayer(emb, hidden, cos_sin, **kwargs)  # [B, T, H]
-        draft_logits = self.lm_head(self.norm(g))  # [B, T, Vd]
+        # logits_to_keep, as the Engine passes HF's: a tensor [K] of the rows to keep (each
+        # request's last extended row); None or 0 keeps all. g stays whole for the next step.
+        kept = g
+        if isinstance(logits_to_keep, Tensor):
+            kept = g.index_select(1, logits_to_keep)  # [B, K, H]
+        draft_logits = self.lm_head(self.norm(kept))  # [B, T or K, Vd]
         bs, t, _ = draft_logits.shape
         logits = draft_logits.new_full((bs, t, self.config.vocab_size),
                                        torch.finfo(draft_logits.dtype).min)  # [B, T, V]

@@ -210,12 +210,16 @@ class TreeDrafter:
         k, depth, n = self.topk, self.depth, self.num_draft_tokens
         bs = roots.shape[0]
         if ext_ids is not None:  # the draft extend; its last row per request is the root's
+            # Only each request's last row's logits feed the tree: the LM head runs on that
+            # row alone where the draft model can keep rows (an EAGLE-3 head); g stays whole.
             out = self.engine.extend_step(ext_ids, ext_positions, ext_rows, ext_prefix,
-                                          ext_lens, None, ext_aux)
-            ext_logits, g = out if isinstance(out, tuple) else (out, None)  # [Bb, T, V]
+                                          ext_lens, None, ext_aux, last_only=True)
+            ext_logits, g = out if isinstance(out, tuple) else (out, None)  # [Bb, T or 1, V]
             at = torch.arange(bs)
             last = (ext_lens[:bs] - 1).clamp(min=0)  # [B]; a request with nothing: row 0
-            logits = ext_logits[at, last]  # [B, V]
+            # One row per request when kept (with T = 1 that row is also the last row).
+            logits = (ext_logits[:bs, 0] if ext_logits.shape[1] == 1
+                      else ext_logits[at, last])  # [B, V]
             if g is not None:
                 aux = g[at, last]  # [B, A]
         scores, tokens = self._children(logits)  # [B, k]
