@@ -75,7 +75,7 @@ def test_prefill_runs_the_lm_head_on_last_rows_only(arch):
     try:
         engine = Engine(model, max_batch=2, max_len=32, compile=False, attention="torch",
                         prefill_chunk=8)
-        assert engine._prefill_last_only
+        assert engine.keeps_last_rows
         reqs = engine.pool.admit([len(p) for p in prompts], 1)
         last = engine.prefill(prompts, torch.tensor([r.row for r in reqs]))
     finally:

@@ -183,11 +183,12 @@ class Engine:
         self._capture_layers: Optional[List[Optional[int]]] = None
         if self.capture_hidden is not None:
             self._capture_layers = self._plan_capture(model, self.capture_hidden)
-        # Prefill chunks need the logits of each prompt's last token only: gathered before the
-        # LM head when the engine runs the decoder itself (hidden capture) or the model takes
-        # HF's `logits_to_keep`; otherwise (this package's draft heads) every row's.
-        self._prefill_last_only = (self._capture_layers is not None or
-                                   "logits_to_keep" in inspect.signature(model.forward).parameters)
+        # Prefill chunks (and a draft tree's extend) need the logits of each request's last row
+        # only: gathered before the LM head when the engine runs the decoder itself (hidden
+        # capture) or the model takes HF's `logits_to_keep` (an EAGLE-3 head does); otherwise
+        # (the EAGLE head) every row's.
+        self.keeps_last_rows = (self._capture_layers is not None or
+                                "logits_to_keep" in inspect.signature(model.forward).parameters)
         self.compiled = (not eager_requested()) if compile is None else compile
         self.attention_backend = ab.resolve_backend(attention)
         if self.compiled and not self.attention_backend.traceable:
@@ -354,12 +355,6 @@ class Engine:
         return self._extend_step(input_ids, positions, req_rows, prefix_lens, extend_lens,
                                  tree_mask, aux, last_only and self.keeps_last_rows)
 
-    @property
-    def keeps_last_rows(self) -> bool:
-        """Whether an extend can run the LM head on each request's last row only (the engine
-        runs the decoder itself, or the model takes HF's `logits_to_keep`)."""
-        return self._prefill_last_only
-
     def compile_program(self, method):
         """`method` (a bound method of an object that holds this Engine as `.engine` and calls
         its decode_step / extend_step) compiled as one graph like the steps: this engine's backend and
@@ -459,7 +454,7 @@ class Engine:
             chunk_aux = None if aux is None else aux[:, start:start + chunk].contiguous()
             out = self._extend_fn(*map(_inference, (chunk_ids, positions, req_rows, prefix, ext,
                                                      None, chunk_aux)),
-                                  last_only=self._prefill_last_only)
+                                  last_only=self.keeps_last_rows)
             logits, hidden = out if self.capture_hidden is not None else (out, None)
             ends_here = (ext > 0) & (prefix + ext == prompt_lens)  # [B]
             if logits.shape[1] > 1:  # every row's logits [B, C, V] -> row ext - 1
