@@ -274,18 +274,18 @@ def test_head_forward_equals_plain_torch(tmp_path, own_embedding, bias):
     want_logits, want_g = reference_head(tmp_path, sd, ids[0], _fc(sd, feats[0]))
     torch.testing.assert_close(g[0], want_g, atol=1e-5, rtol=1e-5)
     hot = sd["t2d"].nonzero().flatten()
-    torch.testing.assert_close(logits[0][:, hot], want_logits, atol=1e-5, rtol=1e-5)
-    cold = torch.ones(VOCAB, dtype=torch.bool)
-    cold[hot] = False
-    assert (logits[0][:, cold] == torch.finfo(torch.float32).min).all()
+    # The logits cover the draft vocabulary only (column j: target id draft_to_target[j]).
+    assert torch.equal(head.draft_to_target, hot)
+    assert logits.shape[-1] == hot.numel() == draft.vocab_size
+    torch.testing.assert_close(logits[0], want_logits, atol=1e-5, rtol=1e-5)
     # One decode step fed the head's own output g (H wide: no fc) at position 8.
     tok = torch.tensor([int(hot[3])])
     nxt, step_logits, step_g = draft.decode(tok, rows, torch.full((1,), 8), g[:, -1])
     ref_hidden = torch.cat([_fc(sd, feats[0]), g[0, -1:]])
     want_logits, want_g = reference_head(tmp_path, sd, torch.cat([ids[0], tok]), ref_hidden)
     torch.testing.assert_close(step_g[0], want_g[-1], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(step_logits[0][hot], want_logits[-1], atol=1e-5, rtol=1e-5)
-    assert int(nxt[0]) == int(hot[want_logits[-1].argmax()])
+    torch.testing.assert_close(step_logits[0], want_logits[-1], atol=1e-5, rtol=1e-5)
+    assert int(nxt[0]) == int(want_logits[-1].argmax())  # a draft id (a column)
     draft.pool.release(req)
     with pytest.raises(ValueError, match="aux_hidden.*width 40"):
         draft.decode(tok, rows, torch.full((1,), 8), torch.zeros(1, 40))
@@ -475,7 +475,7 @@ def test_trees_rank_the_draft_vocabulary_like_the_full_one(tmp_path):
     head = load_eagle3_head(str(tmp_path), target)
     draft = _draft_engine(head, 3)
     proposer = Eagle3Proposer(draft, 6, topk=2, depth=3)
-    assert torch.equal(proposer._tree.vocab_subset, head.draft_to_target)
+    assert torch.equal(proposer._tree.token_map, head.draft_to_target)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (1, 8), generator=gen)  # [1, T]
     feats = torch.randn(1, 8, 3 * HIDDEN, generator=gen)  # [1, T, 3H]
@@ -484,13 +484,21 @@ def test_trees_rank_the_draft_vocabulary_like_the_full_one(tmp_path):
     logits, _ = draft.extend(ids, torch.arange(8).view(1, 8), torch.tensor([req.row]), zero,
                              eight, None, feats)
     draft.pool.release(req)
-    full = TreeDrafter(draft, 6, 2, 3)._children(logits[0])  # [T, 2] over all VOCAB ids
+    assert logits.shape[-1] == head.draft_to_target.numel()  # [1, T, Vd] draft columns
+    # The same logits scattered into the whole target vocabulary (-inf elsewhere), ranked by a
+    # tree with no token map, must give the same log-probs and target ids.
+    scattered = torch.full((8, VOCAB), float("-inf")).index_copy(1, head.draft_to_target,
+                                                                 logits[0])  # [T, V]
+    full = TreeDrafter(draft, 6, 2, 3)._children(scattered)  # [T, 2] over all VOCAB ids
     sub = proposer._tree._children(logits[0])
     torch.testing.assert_close(sub[0], full[0], atol=1e-6, rtol=0)  # same log-probs
     assert torch.equal(sub[1], full[1])  # same target ids
+    assert bool((sub[1] != torch.topk(logits[0], 2).indices).any())  # the map really mapped
     for bad in (head.draft_to_target.float(), head.draft_to_target[:1], head.draft_to_target.view(-1, 1)):
-        with pytest.raises(ValueError, match="argument 'vocab_subset'"):
+        with pytest.raises(ValueError, match="argument 'token_map'"):
             TreeDrafter(draft, 6, 2, 3, bad)
+    with pytest.raises(ValueError, match="logits are 30 wide"):
+        proposer._tree._children(logits[0, :, :30])
 
 
 @torch.inference_mode()
@@ -513,7 +521,8 @@ def test_extend_keeps_each_requests_last_row_only_where_asked(tmp_path):
     kept, g_kept = draft.extend_step(ids, pos, rows, zero, lens, None, feats, last_only=True)
     draft.pool.release(reqs[0])
     draft.pool.release(reqs[1])
-    assert full.shape == (2, 8, VOCAB) and kept.shape == (2, 1, VOCAB)
+    vd = head.draft_to_target.numel()  # the logits' columns: the draft vocabulary
+    assert full.shape == (2, 8, vd) and kept.shape == (2, 1, vd)
     torch.testing.assert_close(kept[:, 0], full[torch.arange(2), lens - 1], atol=1e-6, rtol=0)
     torch.testing.assert_close(g_kept, g_full, atol=0, rtol=0)
     with pytest.raises(ValueError, match="argument 'logits_to_keep'"):

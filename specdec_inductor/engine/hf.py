@@ -144,15 +144,19 @@ class ModelShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    vocab_size: int
+    vocab_size: int  # the logits' width
 
 
 def model_shape(model) -> ModelShape:
+    """A model whose logits cover a reduced vocabulary (an EAGLE-3 head) names the target id of
+    each logits column in its `draft_to_target` [Vd]; vocab_size is then Vd."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    columns = getattr(model, "draft_to_target", None)
+    vocab = cfg.vocab_size if columns is None else columns.numel()
     return ModelShape(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads,
-                      head_dim, cfg.vocab_size)
+                      head_dim, vocab)
 
 
 def default_gguf_path() -> str:

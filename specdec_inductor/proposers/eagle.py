@@ -186,9 +186,10 @@ class EagleProposer:
         self.topk, self.depth = topk, depth
         self.num_spec_steps = depth + 1
         self.k = num_draft_tokens - 1
-        # An EAGLE-3 head drafts from its own vocabulary only: trees rank those columns.
-        subset = getattr(getattr(draft_engine, "model", None), "draft_to_target", None)
-        self._tree = (TreeDrafter(draft_engine, num_draft_tokens, topk, depth, subset)
+        # An EAGLE-3 head's logits cover its own vocabulary: column j is target id
+        # _token_map[j] (the draft Engine's argmax ids are columns too).
+        self._token_map = getattr(getattr(draft_engine, "model", None), "draft_to_target", None)
+        self._tree = (TreeDrafter(draft_engine, num_draft_tokens, topk, depth, self._token_map)
                       if topk > 1 else None)
         self._requests: Dict[int, _EagleRequest] = {}
 
@@ -250,7 +251,7 @@ class EagleProposer:
             if last_logits[b] is None:
                 last_logits[b] = torch.zeros(vocab, dtype=eng.dtype)
                 last_g[b] = torch.zeros(hdim, dtype=hdtype)
-        tok = torch.stack(last_logits).argmax(-1)  # [bs] d1
+        tok = self._target_ids(torch.stack(last_logits).argmax(-1))  # [bs] d1
         g = torch.stack(last_g)  # [bs, H]
         drafts = [tok]
         seq = torch.tensor([st.cached for st in states] + [1] * (bucket - bs))  # [B]
@@ -259,11 +260,16 @@ class EagleProposer:
         g = torch.cat([g, g.new_zeros(pad, g.shape[-1])])
         for _ in range(self.k - 1):
             tok, _, g = eng.decode(tok, req_rows, seq, g)
+            tok = self._target_ids(tok)
             seq = seq + 1
             drafts.append(tok[:bs])
         chain = torch.stack(drafts, dim=1)  # [bs, K]
         roots = torch.tensor([st.root for st in states])  # [bs]
         return chain_tree(roots, chain, seq_lens)
+
+    def _target_ids(self, columns: Tensor) -> Tensor:
+        """Target ids of the draft logits' argmax columns."""
+        return columns if self._token_map is None else self._token_map[columns]
 
     def _extend_inputs(self, states, take: List[int], req_rows: Tensor):
         """Engine.extend's inputs for the next take[b] pending pairs of each request, which

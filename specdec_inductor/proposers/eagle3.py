@@ -16,8 +16,10 @@ Forward at position p, with x = the token at p + 1 and f = the feature for p:
       own previous output g, H wide, fed back further down a draft);
   a = h + o_proj(attn(cat(input_layernorm(embed(x)), hidden_norm(h))))   (attention over 2*H)
   g = a + mlp(post_attention_layernorm(a))        (pre-norm output, the next step's feature)
-  logits = lm_head(norm(g)) over the draft vocabulary, scattered into the target's vocabulary
-           through d2t (every other target id gets the dtype's lowest value).
+  logits = lm_head(norm(g)) over the draft vocabulary [Vd]: column j is the target id
+           draft_to_target[j] = j + d2t[j]. The proposers rank these columns and map the ids
+           they keep (scattering them into the target's vocabulary first cost a 49152-wide
+           fill, scatter and column gather per draft step).
 """
 import json
 import os
@@ -93,8 +95,10 @@ class Eagle3Midlayer(nn.Module):
 
 class Eagle3DraftModel(nn.Module):
     """The EAGLE-3 head as a module the Engine can run, with EagleDraftModel's interface:
-    forward(input_ids, position_ids, aux_hidden, specdec_batch) -> .logits [B, T, V] over the
-    target's vocabulary, .hidden_states = (g,) with g [B, T, H] the pre-norm output.
+    forward(input_ids, position_ids, aux_hidden, specdec_batch) -> .logits [B, T, Vd] over the
+    draft vocabulary (column j is target id draft_to_target[j]; an Engine over this model
+    reports vocab_size Vd and its argmax ids are draft ids), .hidden_states = (g,) with g
+    [B, T, H] the pre-norm output.
     aux_hidden is either the target's features [B, T, 3*Ht] (through fc) or g (as is)."""
 
     def __init__(self, config, target, target_hidden: int, draft_vocab: int, fc_bias: bool,
@@ -102,7 +106,7 @@ class Eagle3DraftModel(nn.Module):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
         hidden, vocab = config.hidden_size, config.vocab_size
-        self.config = config  # vocab_size = the target's: the Engine's logits are target-vocab
+        self.config = config  # vocab_size = the target's (embedding, t2d); logits are Vd wide
         self.target_hidden_layers = list(target_hidden_layers)
         self.embed_tokens = (nn.Embedding(vocab, hidden) if own_embedding
                              else target.get_input_embeddings())
@@ -142,11 +146,7 @@ class Eagle3DraftModel(nn.Module):
         kept = g
         if isinstance(logits_to_keep, Tensor):
             kept = g.index_select(1, logits_to_keep)  # [B, K, H]
-        draft_logits = self.lm_head(self.norm(kept))  # [B, T or K, Vd]
-        bs, t, _ = draft_logits.shape
-        logits = draft_logits.new_full((bs, t, self.config.vocab_size),
-                                       torch.finfo(draft_logits.dtype).min)  # [B, T, V]
-        logits = logits.index_copy(2, self.draft_to_target, draft_logits)
+        logits = self.lm_head(self.norm(kept))  # [B, T or K, Vd]: draft ids
         return CausalLMOutputWithPast(logits=logits, hidden_states=(g,))
 
 

@@ -84,23 +84,22 @@ class TreeDrafter:
             and its pool B*(1+topk) rows (the requests plus their virtual rows).
         num_draft_tokens: N, nodes per tree including the root.
         topk: branching; depth: draft steps (the deepest node's depth).
-        vocab_subset: the target ids [Vd] the draft can propose at all (an EAGLE-3 draft
-            vocabulary: its logits elsewhere are the dtype's lowest value). Log-probs and top-k
-            then run over those Vd columns only, which gives the same scores and tokens at a
-            fraction of the full vocabulary's cost.
+        token_map: the target id [Vd] of each column of the draft's logits when they cover a
+            reduced vocabulary (an EAGLE-3 head's draft_to_target); None: the columns are the
+            target's ids. Log-probs and top-k run over the logits' own columns.
     """
 
     def __init__(self, engine, num_draft_tokens: int, topk: int, depth: int,
-                 vocab_subset: Optional[Tensor] = None):
+                 token_map: Optional[Tensor] = None):
         check_tree_shape(num_draft_tokens, topk, depth)
         self.engine = engine
         self.num_draft_tokens, self.topk, self.depth = num_draft_tokens, topk, depth
-        if vocab_subset is not None and (vocab_subset.dim() != 1 or vocab_subset.is_floating_point()
-                                         or vocab_subset.numel() < topk):
-            raise ValueError(f"argument 'vocab_subset' must be a 1-D integer tensor of at least "
-                             f"topk={topk} target ids, got {vocab_subset.dtype} "
-                             f"{tuple(vocab_subset.shape)}")
-        self.vocab_subset = None if vocab_subset is None else vocab_subset.to(torch.int64)
+        if token_map is not None and (token_map.dim() != 1 or token_map.is_floating_point()
+                                      or token_map.numel() < topk):
+            raise ValueError(f"argument 'token_map' must be a 1-D integer tensor of at least "
+                             f"topk={topk} target ids, got {token_map.dtype} "
+                             f"{tuple(token_map.shape)}")
+        self.token_map = None if token_map is None else token_map.to(torch.int64)
         # Row positions past a request's committed prefix that drafting writes.
         self.draft_positions = topk * (depth - 1)
         self._compiled = None  # _tree compiled by the draft Engine, made at the first draft
@@ -108,12 +107,14 @@ class TreeDrafter:
 
     def _children(self, logits: Tensor):
         """(scores, target ids) [R, topk] of each row of draft logits [R, V]: top_children of
-        the draft log-probs, over vocab_subset's columns when there is one."""
-        if self.vocab_subset is None:
-            return top_children(draft_log_probs(logits), self.topk)
-        scores, idx = top_children(draft_log_probs(logits.index_select(-1, self.vocab_subset)),
-                                   self.topk)
-        return scores, self.vocab_subset[idx]
+        the draft log-probs, each kept column mapped through token_map when there is one."""
+        scores, idx = top_children(draft_log_probs(logits), self.topk)
+        if self.token_map is None:
+            return scores, idx
+        if logits.shape[-1] != self.token_map.numel():
+            raise ValueError(f"the draft's logits are {logits.shape[-1]} wide, its token_map "
+                             f"names {self.token_map.numel()} columns")
+        return scores, self.token_map[idx]
 
     def reserve_rows(self, count: int) -> List[List[int]]:
         """topk virtual rows of the draft pool for each of `count` requests."""
