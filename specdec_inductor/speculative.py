@@ -446,14 +446,12 @@ class SpeculativeGenerator:
                         hit_rate = self._update_hit_rate(hit_rate, hits, drafted)
                         shadow = None
                 else:
-                    res = engine.verify(tokens, positions, req_rows, seq_lens, mask)  # [B, N, V]
-                    logits, hidden = res if captures else (res, None)
+                    res = engine.verify(tokens, positions, req_rows, seq_lens, mask)
+                    target, logits = res[0], res[1]  # [B, N] argmax (in the graph), [B, N, V]
+                    hidden = res[2] if captures else None
                     if sampler is None:
-                        # max().indices: argmax's first-index rule at 0.4-0.8x its time
-                        # over [N, V] fp32 on these CPUs (one thread either way)
-                        target = logits[:bs].max(-1).indices  # [bs, N]
                         predicts, accept_index, accept_num = ops.verify_tree_greedy(
-                            tokens[:bs], *linkage, target, min(steps, size))
+                            tokens[:bs], *linkage, target[:bs], min(steps, size))
                     else:
                         predicts, accept_index, accept_num = sampler.verify(
                             tokens[:bs], linkage, logits[:bs], min(steps, size),

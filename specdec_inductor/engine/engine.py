@@ -228,8 +228,12 @@ class Engine:
             self._decode_fn = torch.compile(_own_code(self._decode_step), fullgraph=True,
                                             dynamic=False, backend=backend,
                                             options=dict(guard_options))
+            self._verify_fn = torch.compile(_own_code(self._verify_step), fullgraph=True,
+                                            dynamic=False, backend=backend,
+                                            options=dict(guard_options))
         else:
             self._extend_fn, self._decode_fn = self._extend_step, self._decode_step
+            self._verify_fn = self._verify_step
 
     @staticmethod
     def _plan_capture(model, capture_hidden: List[int]) -> Optional[List[Optional[int]]]:
@@ -339,6 +343,17 @@ class Engine:
             return logits.argmax(-1), logits
         return logits.argmax(-1), logits, hidden[:, 0]
 
+    def _verify_step(self, tokens: Tensor, positions: Tensor, req_rows: Tensor,
+                     seq_lens: Tensor, tree_mask: Tensor, aux: Optional[Tensor] = None):
+        """A verify pass: _extend_step over the tree, plus every node's argmax [B, N] in the
+        same graph (its reduction there, parallel and fused, costs a fraction of an eager
+        one over [B, N, V] after the step)."""
+        extend_lens = torch.full_like(seq_lens, tokens.shape[1])  # [B]
+        out = self._extend_step(tokens, positions, req_rows, seq_lens, extend_lens, tree_mask,
+                                aux)
+        logits = out[0] if isinstance(out, tuple) else out
+        return (logits.argmax(-1), *out) if isinstance(out, tuple) else (logits.argmax(-1), out)
+
     def decode_step(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor,
                     aux: Optional[Tensor] = None):
         """decode's step function itself, not compiled on its own: for a program that runs
@@ -387,10 +402,11 @@ class Engine:
         """Target pass over N draft-tree tokens per request (node 0 = the root), tokens and
         positions [B, N]; tree_mask QLEN_ONLY [B*N*N] bool or bit-packed [B*N]. The nodes' KV
         lands at positions [seq_len, seq_len + N) of each row and the prefix is exactly
-        seq_len (kernels.md section 6). Returns logits [B, N, V]. Its own graph per (bucket, N)."""
-        extend_lens = torch.full_like(seq_lens, tokens.shape[1])  # [B]
-        return self._extend_fn(*map(_inference, (tokens, positions, req_rows, seq_lens,
-                                                 extend_lens, tree_mask, aux)))
+        seq_len (kernels.md section 6). Returns (argmax [B, N], logits [B, N, V]) (+ hidden
+        [B, N, k*H] with capture_hidden), as decode; the argmax is the decode step's own
+        (torch's first index on ties). Its own graph per (bucket, N)."""
+        return self._verify_fn(*map(_inference, (tokens, positions, req_rows, seq_lens,
+                                                 tree_mask, aux)))
 
     @torch.inference_mode()
     def decode(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor,
