@@ -108,13 +108,11 @@ class TreeDrafter:
     def _children(self, logits: Tensor):
         """(scores, target ids) [R, topk] of each row of draft logits [R, V]: top_children of
         the draft log-probs, each kept column mapped through token_map when there is one."""
+        if self.token_map is not None and logits.shape[-1] != self.token_map.numel():
+            raise ValueError(f"argument 'logits': the draft's logits are {logits.shape[-1]} "
+                             f"wide, its token_map names {self.token_map.numel()} columns")
         scores, idx = top_children(draft_log_probs(logits), self.topk)
-        if self.token_map is None:
-            return scores, idx
-        if logits.shape[-1] != self.token_map.numel():
-            raise ValueError(f"the draft's logits are {logits.shape[-1]} wide, its token_map "
-                             f"names {self.token_map.numel()} columns")
-        return scores, self.token_map[idx]
+        return (scores, idx) if self.token_map is None else (scores, self.token_map[idx])
 
     def reserve_rows(self, count: int) -> List[List[int]]:
         """topk virtual rows of the draft pool for each of `count` requests."""
