@@ -351,8 +351,8 @@ class Engine:
         extend_lens = torch.full_like(seq_lens, tokens.shape[1])  # [B]
         out = self._extend_step(tokens, positions, req_rows, seq_lens, extend_lens, tree_mask,
                                 aux)
-        logits = out[0] if isinstance(out, tuple) else out
-        return (logits.argmax(-1), *out) if isinstance(out, tuple) else (logits.argmax(-1), out)
+        logits, hidden = out if isinstance(out, tuple) else (out, None)
+        return (logits.argmax(-1), logits) + (() if hidden is None else (hidden,))
 
     def decode_step(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor,
                     aux: Optional[Tensor] = None):
