@@ -151,19 +151,22 @@ inline __m512 load_bias(const PackedLinearBlock& b, int64_t n, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// Software prefetch distance of the packed tiles, in k steps (one 64-byte line of each block per
-// step). At MB >= 4 rows a tile does MB multiply-adds per weight line, and the hardware
-// prefetcher alone leaves the FMA loop waiting on memory: requesting each block's line 4 steps
-// ahead made one SmolLM2 step's weights 3-22% faster at M = 8 and 1-15% at M = 16 (Zen 4, 2
-// cores, same process, interleaved; 8 steps ahead gained as much at M = 8, less at M = 4) and
-// a compiled verify of 8 tokens 4% faster. 16 steps (1 KiB of each block) ahead is better
-// still on the AMX Xeon: a one-step harness over SmolLM2's packed step weights (2 threads, the
-// two builds in turns) measured 16 against 4 steps at 1.13x fp32 / 1.17x bf16 for M = 8,
-// 1.07x / 1.19x for M = 4 and 1.10x / 1.08x for M = 16; 8, 24, 32 and 64 steps gained less
-// (1.07-1.11x fp32 at M = 8). Tiles of 1-3 rows prefetch too: on Zen 4 a single fp32 row
-// streamed at bandwidth without it, but on the AMX Xeon the same harness measured bf16 M = 1
-// 1.11-1.17x, bf16 M = 2 1.24x and fp32 M = 3 1.12x faster with it, fp32 M = 1 1.00x.
-constexpr int64_t kPackPrefetchSteps = 16;
+// Software prefetch of the packed tiles: each k step requests, for every block of the tile, the
+// line kPackPrefetchSteps steps (one 64-byte line per step) ahead, into L2 (hint T1). At MB >= 4
+// rows a tile does MB multiply-adds per weight line and the hardware prefetcher alone leaves the
+// FMA loop waiting on memory; tiles of 1-3 rows prefetch too.
+// History: 4 steps ahead into L1 (T0) first made one SmolLM2 step's weights 3-22% faster at
+// M = 8 on Zen 4; 16 steps T0 then measured 1.07-1.19x over 4 steps on the AMX Xeon (one-step
+// harness, 2 threads, M = 4/8/16) and 1.11-1.24x at bf16 M = 1-2 there.
+// 64 steps (4 KiB of each block) ahead into L2 is better again on Zen 4 (2 cores, avx512_bf16,
+// same process, the variants in turns, 12 rounds over bench_linear's grouped SmolLM2 step
+// weights): against 16 steps T0, fp32 M = 1 1.03-1.13x, M = 2 1.11-1.18x, M = 4 1.18-1.29x,
+// M = 8 1.23-1.27x; bf16 M = 1 1.13-1.16x, M = 4 1.15-1.23x, M = 8 1.02-1.07x. A compiled
+// decode step went 24.4 -> 23.0 ms and a verify of 8 tokens 28.1 -> 26.4 ms (256-token context),
+// and EAGLE-3 generation over 8 held-out prompts 1.23-1.33x -> 1.35-1.49x median over AR.
+// T2 at 64 steps measured about as T1; T1 at 32 steps less (fp32 M = 8 1.12x). The AMX Xeon has
+// not been measured with T1 / 64 steps (no device lent since).
+constexpr int64_t kPackPrefetchSteps = 64;
 
 // Blocks [nb0, nb0 + C) times rows [m0, m0 + MB): C * MB accumulators stay in registers; each
 // chunk of k ends by adding them into `total` (L1), which keeps the fp32 error of a K-long sum
@@ -186,7 +189,7 @@ void packed_tile(const PackedLinearBlock& b, int64_t nb0, int64_t m0) {
     for (int64_t kk = k0; kk < k1; ++kk) {
       const char* w = wb + kk * Ops::kStepBytes;
       for (int c = 0; c < C; ++c)  // a hint: past the last block it never faults
-        _mm_prefetch(w + c * block_bytes + kPackPrefetchSteps * Ops::kStepBytes, _MM_HINT_T0);
+        _mm_prefetch(w + c * block_bytes + kPackPrefetchSteps * Ops::kStepBytes, _MM_HINT_T1);
       __m512 wv[C];
       for (int c = 0; c < C; ++c) wv[c] = Ops::load(w + c * block_bytes);
       for (int j = 0; j < MB; ++j) {
