@@ -11,6 +11,7 @@ Sampled AR runs through the same loop with no drafts (proposers/autoregressive.p
     python benchmarks/bench_spec.py --model DIR --methods ngram,mtp   # DIR with NextN layers
     python benchmarks/bench_spec.py --methods eagle3 --eagle3-head DIR   # random head if absent
     python benchmarks/bench_spec.py --methods standalone --topk 2 --depth 4 --num-draft-tokens 8
+    python benchmarks/bench_spec.py --methods eagle3 --eagle3-head DIR --trees 8/3/4,6/3/3
 """
 import argparse
 import statistics
@@ -53,6 +54,87 @@ def print_verify_costs(engine, sizes, context=256, rounds=30):
         print(f"| {z} | {1e3 * times[z]:.2f} | {times[z] / times[1]:.2f}x |")
 
 
+def parse_trees(text):
+    """[(N, topk, depth)] of --trees' comma list of N/TOPK/DEPTH."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.split("/")
+        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+            raise SystemExit(f"--trees: {item!r} is not N/TOPK/DEPTH (e.g. 8/3/4)")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
+
+
+def add_method(methods, name, args, model, engine, engine3, n, topk, depth):
+    """Put method `name` with tree shape (n, topk, depth) into `methods` (label -> its
+    SpeculativeGenerator); returns the EAGLE-3 target Engine (made by the first EAGLE-3 shape)."""
+    dtype = DTYPES[args.dtype]
+    # A top-k tree decodes topk beams per request through one virtual row each and writes
+    # topk*(depth-1) slots past the target's positions (proposers/tree_draft.py).
+    tree = topk > 1
+    draft_batch = 1 + topk if tree else 1
+    draft_len = 1024 + (topk * n if tree else 0)
+    shape = f" topk={topk} depth={depth or 'N-1'}" if tree else ""
+    if name == "ngram":
+        breadth = tuple(int(b) for b in args.ngram_breadth.split(","))
+        lo, hi = parse_window(args.ngram_window)
+        methods[f"NGRAM N={n} breadth {breadth} window {lo}-{hi}"] = SpeculativeGenerator(
+            engine, NgramProposer(num_draft_tokens=n, min_window=lo, max_window=hi,
+                                  breadth=breadth))
+    elif name == "standalone":
+        draft = keep_first_layers(load_model(args.model, dtype)[0], args.draft_layers)
+        draft_engine = Engine(draft, max_batch=draft_batch, max_len=draft_len,
+                              compile=not args.eager)
+        k = n if tree else min(n, 5)
+        methods[f"STANDALONE {args.draft_layers}L N={k}{shape}"] = SpeculativeGenerator(
+            engine, StandaloneProposer(draft_engine, k, topk=topk, depth=depth))
+    elif name == "eagle":
+        path = args.eagle_head
+        if path is None:
+            path = tempfile.mkdtemp(prefix="specdec_eagle_")
+            write_random_eagle_checkpoint(path, model.config, scale=0.02)
+        head = load_eagle_head(path, model)
+        draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
+                              compile=not args.eager, prefill_chunk=DRAFT_PREFILL_CHUNK,
+                              capture_hidden=[-1])
+        label = "EAGLE" + ("" if args.eagle_head else " (random head)")
+        methods[f"{label} N={n}{shape}"] = SpeculativeGenerator(
+            engine, EagleProposer(draft_engine, n, topk=topk, depth=depth))
+    elif name == "mtp":
+        if args.model is None:
+            print("# MTP skipped: the default SmolLM2 has no NextN layer; pass --model DIR "
+                  "with num_nextn_predict_layers in its config.json")
+            return engine3
+        try:
+            proposer = MtpProposer.from_model_dir(args.model, engine, n, topk=topk, depth=depth,
+                                                  max_batch=draft_batch, max_len=draft_len)
+        except MtpCheckpointError as exc:
+            print(f"# MTP skipped: {exc}")
+            return engine3
+        methods[f"MTP (NextN layer 0) N={n}{shape}"] = SpeculativeGenerator(engine, proposer)
+    elif name == "eagle3":
+        path = args.eagle3_head
+        if path is None:
+            path = tempfile.mkdtemp(prefix="specdec_eagle3_")
+            write_random_eagle3_checkpoint(path, model.config, scale=0.02)
+        head = load_eagle3_head(path, model, head_dtype(args, model))
+        draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
+                              compile=not args.eager, prefill_chunk=DRAFT_PREFILL_CHUNK,
+                              capture_hidden=[-1])
+        proposer = Eagle3Proposer(draft_engine, n, topk=topk, depth=depth)
+        # Its own target Engine over the same weights: it captures the head's three layers
+        # (the AR baseline and the other methods keep `engine`); every shape shares it.
+        if engine3 is None:
+            engine3 = Engine(model, max_batch=1, max_len=1024, compile=not args.eager,
+                             prefill_chunk=64, capture_hidden=proposer.target_hidden_layers)
+        label = ("EAGLE-3" + ("" if args.eagle3_head else " (random head)") +
+                 f" {str(head.lm_head.weight.dtype)[6:]} head")
+        methods[f"{label} N={n}{shape}"] = SpeculativeGenerator(engine3, proposer)
+    else:
+        raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, eagle, eagle3, mtp)")
+    return engine3
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-draft-tokens", type=int, default=8)
@@ -60,6 +142,10 @@ def main():
                         help="standalone/eagle: branching of the draft tree (1: a chain)")
     parser.add_argument("--depth", type=int, default=None,
                         help="standalone/eagle: draft steps (default N-1, as a chain needs)")
+    parser.add_argument("--trees", default=None,
+                        help="comma list of N/TOPK/DEPTH tree shapes: each tree method runs once "
+                             "per shape, all taking turns in the same repeats (overrides "
+                             "--num-draft-tokens, --topk and --depth)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--stop-at-eos", action="store_true",
                         help="stop each generation at the tokenizer's eos, as `specdec generate` "
@@ -121,75 +207,12 @@ def main():
     engine = Engine(model, max_batch=1, max_len=1024, compile=not args.eager, prefill_chunk=64,
                     capture_hidden=[-1] if eagle else None)
     methods = {}
-    # A top-k tree decodes topk beams per request through one virtual row each and writes
-    # topk*(depth-1) slots past the target's positions (proposers/tree_draft.py).
-    tree = args.topk > 1
-    draft_batch = 1 + args.topk if tree else 1
-    draft_len = 1024 + (args.topk * args.num_draft_tokens if tree else 0)
-    shape = f" topk={args.topk} depth={args.depth or 'N-1'}" if tree else ""
+    shapes = parse_trees(args.trees) if args.trees else [(args.num_draft_tokens, args.topk,
+                                                          args.depth)]
+    engine3 = None  # the EAGLE-3 target Engine, shared by every shape
     for name in args.methods.split(","):
-        if name == "ngram":
-            breadth = tuple(int(b) for b in args.ngram_breadth.split(","))
-            lo, hi = parse_window(args.ngram_window)
-            methods[f"NGRAM N={args.num_draft_tokens} breadth {breadth} window {lo}-{hi}"] = \
-                SpeculativeGenerator(engine, NgramProposer(
-                    num_draft_tokens=args.num_draft_tokens, min_window=lo, max_window=hi,
-                    breadth=breadth))
-        elif name == "standalone":
-            draft = keep_first_layers(load_model(args.model, dtype)[0], args.draft_layers)
-            draft_engine = Engine(draft, max_batch=draft_batch, max_len=draft_len,
-                                  compile=not args.eager)
-            k = args.num_draft_tokens if tree else min(args.num_draft_tokens, 5)
-            methods[f"STANDALONE {args.draft_layers}L N={k}{shape}"] = SpeculativeGenerator(
-                engine, StandaloneProposer(draft_engine, k, topk=args.topk, depth=args.depth))
-        elif name == "eagle":
-            path = args.eagle_head
-            if path is None:
-                path = tempfile.mkdtemp(prefix="specdec_eagle_")
-                write_random_eagle_checkpoint(path, model.config, scale=0.02)
-            head = load_eagle_head(path, model)
-            draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
-                                  compile=not args.eager, prefill_chunk=DRAFT_PREFILL_CHUNK,
-                                  capture_hidden=[-1])
-            label = "EAGLE" + ("" if args.eagle_head else " (random head)")
-            methods[f"{label} N={args.num_draft_tokens}{shape}"] = SpeculativeGenerator(
-                engine, EagleProposer(draft_engine, args.num_draft_tokens, topk=args.topk,
-                                      depth=args.depth))
-        elif name == "mtp":
-            if args.model is None:
-                print("# MTP skipped: the default SmolLM2 has no NextN layer; pass --model DIR "
-                      "with num_nextn_predict_layers in its config.json")
-                continue
-            try:
-                proposer = MtpProposer.from_model_dir(args.model, engine, args.num_draft_tokens,
-                                                      topk=args.topk, depth=args.depth,
-                                                      max_batch=draft_batch, max_len=draft_len)
-            except MtpCheckpointError as exc:
-                print(f"# MTP skipped: {exc}")
-                continue
-            methods[f"MTP (NextN layer 0) N={args.num_draft_tokens}{shape}"] = SpeculativeGenerator(
-                engine, proposer)
-        elif name == "eagle3":
-            path = args.eagle3_head
-            if path is None:
-                path = tempfile.mkdtemp(prefix="specdec_eagle3_")
-                write_random_eagle3_checkpoint(path, model.config, scale=0.02)
-            head = load_eagle3_head(path, model, head_dtype(args, model))
-            draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
-                                  compile=not args.eager, prefill_chunk=DRAFT_PREFILL_CHUNK,
-                                  capture_hidden=[-1])
-            proposer = Eagle3Proposer(draft_engine, args.num_draft_tokens, topk=args.topk,
-                                      depth=args.depth)
-            # Its own target Engine over the same weights: it captures the head's three layers
-            # (the AR baseline and the other methods keep `engine`).
-            engine3 = Engine(model, max_batch=1, max_len=1024, compile=not args.eager,
-                             prefill_chunk=64, capture_hidden=proposer.target_hidden_layers)
-            label = ("EAGLE-3" + ("" if args.eagle3_head else " (random head)") +
-                     f" {str(head.lm_head.weight.dtype)[6:]} head")
-            methods[f"{label} N={args.num_draft_tokens}{shape}"] = SpeculativeGenerator(engine3,
-                                                                                    proposer)
-        else:
-            raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, eagle, eagle3, mtp)")
+        for n, topk, depth in (shapes[:1] if name == "ngram" else shapes):
+            engine3 = add_method(methods, name, args, model, engine, engine3, n, topk, depth)
     if args.min_accepted is not None:
         for spec in methods.values():
             spec.min_accepted = args.min_accepted
@@ -210,7 +233,7 @@ def main():
         engine.generate([ids], 2)  # warm-up / compile
         for label, spec in methods.items():
             spec.compile_verify()
-            spec.generate([ids], args.num_draft_tokens + 2)
+            spec.generate([ids], spec.proposer.num_draft_tokens + 2)
             if spec.adaptive:
                 print(f"# {kind}: {label}: adaptive verify size, probe verify({spec._probe_size()}) "
                       f"measured at {spec.probe_cost:.2f} decode steps")
