@@ -30,6 +30,7 @@ from specdec_inductor.proposers.mtp import MtpCheckpointError, MtpProposer
 from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
 from specdec_inductor.proposers.ngram import RECOMMENDED_WINDOW, NgramProposer, parse_window
 from specdec_inductor.proposers.standalone import StandaloneProposer
+from specdec_inductor.proposers.tree_draft import check_tree_shape
 from specdec_inductor.sampler import SamplingParams
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats, step_times
 from specdec_inductor.testing import write_random_eagle3_checkpoint, write_random_eagle_checkpoint
@@ -61,7 +62,12 @@ def parse_trees(text):
         parts = item.split("/")
         if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
             raise SystemExit(f"--trees: {item!r} is not N/TOPK/DEPTH (e.g. 8/3/4)")
-        shapes.append(tuple(int(p) for p in parts))
+        n, topk, depth = (int(p) for p in parts)
+        try:
+            check_tree_shape(n, topk, depth)
+        except ValueError as exc:
+            raise SystemExit(f"--trees: {item}: {exc}")
+        shapes.append((n, topk, depth))
     return shapes
 
 
