@@ -151,7 +151,8 @@ def main():
     parser.add_argument("--trees", default=None,
                         help="comma list of N/TOPK/DEPTH tree shapes: each tree method runs once "
                              "per shape, all taking turns in the same repeats (overrides "
-                             "--num-draft-tokens, --topk and --depth)")
+                             "--num-draft-tokens, --topk and --depth; NGRAM runs once, with the "
+                             "first shape's N)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--stop-at-eos", action="store_true",
                         help="stop each generation at the tokenizer's eos, as `specdec generate` "
