@@ -71,9 +71,10 @@ def parse_trees(text):
     return shapes
 
 
-def add_method(methods, name, args, model, engine, engine3, n, topk, depth):
+def add_method(methods, name, args, model, engine, shared, n, topk, depth):
     """Put method `name` with tree shape (n, topk, depth) into `methods` (label -> its
-    SpeculativeGenerator); returns the EAGLE-3 target Engine (made by the first EAGLE-3 shape)."""
+    SpeculativeGenerator). `shared` keeps what every shape of a method reuses: the STANDALONE
+    draft model and the EAGLE-3 target Engine, made by the method's first shape."""
     dtype = DTYPES[args.dtype]
     # A top-k tree decodes topk beams per request through one virtual row each and writes
     # topk*(depth-1) slots past the target's positions (proposers/tree_draft.py).
@@ -88,8 +89,10 @@ def add_method(methods, name, args, model, engine, engine3, n, topk, depth):
             engine, NgramProposer(num_draft_tokens=n, min_window=lo, max_window=hi,
                                   breadth=breadth))
     elif name == "standalone":
-        draft = keep_first_layers(load_model(args.model, dtype)[0], args.draft_layers)
-        draft_engine = Engine(draft, max_batch=draft_batch, max_len=draft_len,
+        if "draft" not in shared:
+            shared["draft"] = keep_first_layers(load_model(args.model, dtype)[0],
+                                                args.draft_layers)
+        draft_engine = Engine(shared["draft"], max_batch=draft_batch, max_len=draft_len,
                               compile=not args.eager)
         k = n if tree else min(n, 5)
         methods[f"STANDALONE {args.draft_layers}L N={k}{shape}"] = SpeculativeGenerator(
@@ -110,13 +113,13 @@ def add_method(methods, name, args, model, engine, engine3, n, topk, depth):
         if args.model is None:
             print("# MTP skipped: the default SmolLM2 has no NextN layer; pass --model DIR "
                   "with num_nextn_predict_layers in its config.json")
-            return engine3
+            return
         try:
             proposer = MtpProposer.from_model_dir(args.model, engine, n, topk=topk, depth=depth,
                                                   max_batch=draft_batch, max_len=draft_len)
         except MtpCheckpointError as exc:
             print(f"# MTP skipped: {exc}")
-            return engine3
+            return
         methods[f"MTP (NextN layer 0) N={n}{shape}"] = SpeculativeGenerator(engine, proposer)
     elif name == "eagle3":
         path = args.eagle3_head
@@ -130,15 +133,15 @@ def add_method(methods, name, args, model, engine, engine3, n, topk, depth):
         proposer = Eagle3Proposer(draft_engine, n, topk=topk, depth=depth)
         # Its own target Engine over the same weights: it captures the head's three layers
         # (the AR baseline and the other methods keep `engine`); every shape shares it.
-        if engine3 is None:
-            engine3 = Engine(model, max_batch=1, max_len=1024, compile=not args.eager,
-                             prefill_chunk=64, capture_hidden=proposer.target_hidden_layers)
+        if "engine3" not in shared:
+            shared["engine3"] = Engine(model, max_batch=1, max_len=1024, compile=not args.eager,
+                                       prefill_chunk=64,
+                                       capture_hidden=proposer.target_hidden_layers)
         label = ("EAGLE-3" + ("" if args.eagle3_head else " (random head)") +
                  f" {str(head.lm_head.weight.dtype)[6:]} head")
-        methods[f"{label} N={n}{shape}"] = SpeculativeGenerator(engine3, proposer)
+        methods[f"{label} N={n}{shape}"] = SpeculativeGenerator(shared["engine3"], proposer)
     else:
         raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, eagle, eagle3, mtp)")
-    return engine3
 
 
 def main():
@@ -216,10 +219,10 @@ def main():
     methods = {}
     shapes = parse_trees(args.trees) if args.trees else [(args.num_draft_tokens, args.topk,
                                                           args.depth)]
-    engine3 = None  # the EAGLE-3 target Engine, shared by every shape
+    shared = {}
     for name in args.methods.split(","):
         for n, topk, depth in (shapes[:1] if name == "ngram" else shapes):
-            engine3 = add_method(methods, name, args, model, engine, engine3, n, topk, depth)
+            add_method(methods, name, args, model, engine, shared, n, topk, depth)
     if args.min_accepted is not None:
         for spec in methods.values():
             spec.min_accepted = args.min_accepted
