@@ -67,6 +67,8 @@ def parse_trees(text):
             check_tree_shape(n, topk, depth)
         except ValueError as exc:
             raise SystemExit(f"--trees: {item}: {exc}")
+        if (n, topk, depth) in shapes:  # its label would replace the first one's results
+            raise SystemExit(f"--trees: {item} is given twice")
         shapes.append((n, topk, depth))
     return shapes
 
@@ -74,7 +76,8 @@ def parse_trees(text):
 def add_method(methods, name, args, model, engine, shared, n, topk, depth):
     """Put method `name` with tree shape (n, topk, depth) into `methods` (label -> its
     SpeculativeGenerator). `shared` keeps what every shape of a method reuses: the STANDALONE
-    draft model and the EAGLE-3 target Engine, made by the method's first shape."""
+    draft model, the EAGLE-3 target Engine and a random head's checkpoint, made by the
+    method's first shape."""
     dtype = DTYPES[args.dtype]
     # A top-k tree decodes topk beams per request through one virtual row each and writes
     # topk*(depth-1) slots past the target's positions (proposers/tree_draft.py).
@@ -99,9 +102,11 @@ def add_method(methods, name, args, model, engine, shared, n, topk, depth):
             engine, StandaloneProposer(draft_engine, k, topk=topk, depth=depth))
     elif name == "eagle":
         path = args.eagle_head
-        if path is None:
-            path = tempfile.mkdtemp(prefix="specdec_eagle_")
-            write_random_eagle_checkpoint(path, model.config, scale=0.02)
+        if path is None:  # one random head (seeded) for every shape
+            if "eagle_path" not in shared:
+                shared["eagle_path"] = tempfile.mkdtemp(prefix="specdec_eagle_")
+                write_random_eagle_checkpoint(shared["eagle_path"], model.config, scale=0.02)
+            path = shared["eagle_path"]
         head = load_eagle_head(path, model)
         draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
                               compile=not args.eager, prefill_chunk=DRAFT_PREFILL_CHUNK,
@@ -123,9 +128,11 @@ def add_method(methods, name, args, model, engine, shared, n, topk, depth):
         methods[f"MTP (NextN layer 0) N={n}{shape}"] = SpeculativeGenerator(engine, proposer)
     elif name == "eagle3":
         path = args.eagle3_head
-        if path is None:
-            path = tempfile.mkdtemp(prefix="specdec_eagle3_")
-            write_random_eagle3_checkpoint(path, model.config, scale=0.02)
+        if path is None:  # one random head (seeded) for every shape
+            if "eagle3_path" not in shared:
+                shared["eagle3_path"] = tempfile.mkdtemp(prefix="specdec_eagle3_")
+                write_random_eagle3_checkpoint(shared["eagle3_path"], model.config, scale=0.02)
+            path = shared["eagle3_path"]
         head = load_eagle3_head(path, model, head_dtype(args, model))
         draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
                               compile=not args.eager, prefill_chunk=DRAFT_PREFILL_CHUNK,
