@@ -73,6 +73,15 @@ def parse_trees(text):
     return shapes
 
 
+def random_head(shared, key, write, config):
+    """The directory of one random (seeded) head checkpoint that every shape of a method
+    shares: written by `write` on the first call, kept in `shared[key]`."""
+    if key not in shared:
+        shared[key] = tempfile.mkdtemp(prefix=f"specdec_{key}_")
+        write(shared[key], config, scale=0.02)
+    return shared[key]
+
+
 def add_method(methods, name, args, model, engine, shared, n, topk, depth):
     """Put method `name` with tree shape (n, topk, depth) into `methods` (label -> its
     SpeculativeGenerator). `shared` keeps what every shape of a method reuses: the STANDALONE
@@ -102,11 +111,8 @@ def add_method(methods, name, args, model, engine, shared, n, topk, depth):
             engine, StandaloneProposer(draft_engine, k, topk=topk, depth=depth))
     elif name == "eagle":
         path = args.eagle_head
-        if path is None:  # one random head (seeded) for every shape
-            if "eagle_path" not in shared:
-                shared["eagle_path"] = tempfile.mkdtemp(prefix="specdec_eagle_")
-                write_random_eagle_checkpoint(shared["eagle_path"], model.config, scale=0.02)
-            path = shared["eagle_path"]
+        if path is None:
+            path = random_head(shared, "eagle_path", write_random_eagle_checkpoint, model.config)
         head = load_eagle_head(path, model)
         draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
                               compile=not args.eager, prefill_chunk=DRAFT_PREFILL_CHUNK,
@@ -128,11 +134,8 @@ def add_method(methods, name, args, model, engine, shared, n, topk, depth):
         methods[f"MTP (NextN layer 0) N={n}{shape}"] = SpeculativeGenerator(engine, proposer)
     elif name == "eagle3":
         path = args.eagle3_head
-        if path is None:  # one random head (seeded) for every shape
-            if "eagle3_path" not in shared:
-                shared["eagle3_path"] = tempfile.mkdtemp(prefix="specdec_eagle3_")
-                write_random_eagle3_checkpoint(shared["eagle3_path"], model.config, scale=0.02)
-            path = shared["eagle3_path"]
+        if path is None:
+            path = random_head(shared, "eagle3_path", write_random_eagle3_checkpoint, model.config)
         head = load_eagle3_head(path, model, head_dtype(args, model))
         draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
                               compile=not args.eager, prefill_chunk=DRAFT_PREFILL_CHUNK,
