@@ -176,6 +176,11 @@ def test_bad_arguments_are_refused(tmp_path):
         main(["train-draft", "--method", "eagle", "--num-prompts", "100000", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="max_batch"):
         main(["train-draft", "--method", "eagle", "--max-batch", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):  # argparse refuses the choice, naming the option
+        main(["train-draft", "--method", "eagle", "--data-precision", "fp16", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="'precision'"):
+        build_draft_data(sharp_target(), prompts(2), [], new_tokens=4, eos_token_id=None,
+                         compile=False, precision="fp16")
 
 
 def test_batch_order_covers_every_sequence_and_pads_little():
@@ -215,6 +220,21 @@ def _draft_engine(head_dir, target):
                         prefill_chunk=32)
 
 
+def _eagle3_acceptance(head_dir, target, plist, num_steps):
+    """Mean accepted length of the EAGLE-3 head in head_dir drafting chains of num_steps for
+    `target` over plist, asserting greedy output identical to plain decoding."""
+    from specdec_inductor.proposers.eagle3 import Eagle3Proposer
+    _, draft = _draft_engine(head_dir, target)
+    proposer = Eagle3Proposer(draft, num_steps)
+    engine = Engine(target, max_batch=1, max_len=64, compile=False,
+                    capture_hidden=proposer.target_hidden_layers)
+    spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
+    stats = SpeculativeStats()
+    for p in plist:
+        assert spec.generate([p], 16, None, stats)[0] == engine.generate([p], 16)[0]
+    return stats.mean_accepted_length
+
+
 def test_eagle3_training_time_test_matches_drafting(data3_and_target, tmp_path):
     """The unrolled training forward (step s, index i) equals what the loaded head computes
     while drafting: extend over the committed pairs 0..i, then s decode steps feeding back g."""
@@ -252,7 +272,6 @@ def test_eagle3_training_time_test_matches_drafting(data3_and_target, tmp_path):
 
 
 def test_eagle3_training_lowers_the_loss_and_the_head_drafts_exactly(data3_and_target, tmp_path):
-    from specdec_inductor.proposers.eagle3 import Eagle3Proposer
     from specdec_inductor.train.trainer import eagle3_loss, make_head
     data, target = data3_and_target
     cfg = TrainConfig(method="eagle3", epochs=40, batch_size=8, lr=3e-3, ttt_steps=3,
@@ -271,15 +290,7 @@ def test_eagle3_training_lowers_the_loss_and_the_head_drafts_exactly(data3_and_t
     # The draft vocabulary is the 64 most frequent ids of the data.
     counts = data.token_counts(VOCAB)
     assert counts[head.t2d].min() >= counts[~head.t2d].max()
-    _, draft = _draft_engine(tmp_path, target)
-    proposer = Eagle3Proposer(draft, 4)
-    engine = Engine(target, max_batch=1, max_len=64, compile=False,
-                    capture_hidden=proposer.target_hidden_layers)
-    spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
-    stats = SpeculativeStats()
-    for p in prompts(16, seed=5)[:3]:
-        assert spec.generate([p], 16, None, stats)[0] == engine.generate([p], 16)[0]
-    assert stats.mean_accepted_length > 1.1, stats.summary()
+    assert _eagle3_acceptance(tmp_path, target, prompts(16, seed=5)[:3], 4) > 1.1
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -304,6 +315,61 @@ def test_shipped_heads_draft_for_the_default_model_exactly(method):
     assert spec.generate([ids], 24, None, stats)[0] == engine.generate([ids], 24)[0]
     # A random head accepts ~nothing on SmolLM2 (tests/test_cli.py); a trained one does.
     assert stats.mean_accepted_length > 1.2, stats.summary()
+
+
+def test_data_precision_follows_the_cpu():
+    """bf16 data passes are the default only where AMX tiles run oneDNN's bf16 GEMMs, and only
+    there does the data Engine turn the packed-GEMV pass off (its bf16 path is slower at 64
+    rows than the AMX GEMMs)."""
+    from specdec_inductor import detected_isa
+    from specdec_inductor.train.data import data_engine_options, data_precision
+    amx = detected_isa() == "amx"
+    assert data_precision("auto") == ("bf16" if amx else "fp32")
+    assert data_precision("fp32") == "fp32" and data_precision("bf16") == "bf16"
+    assert data_engine_options("fp32") == {}
+    off = {"specdec.skinny_linear": False, "specdec.pack_weights": False}
+    assert data_engine_options("bf16") == (off if amx else {})
+
+
+def test_bf16_data_pass_leaves_the_target_and_trains_an_exact_head(tmp_path):
+    """precision='bf16' continues the prompts with a bf16 copy of the target (the target itself
+    stays fp32), stores the features in bf16 with the bf16 model's own greedy tokens, hidden
+    states and labels, and a head trained on them in fp32 learns and drafts exactly for the fp32
+    target."""
+    from specdec_inductor.train.trainer import eagle3_loss
+    target = sharp_target(seed=2, num_layers=4, scale=8.0)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    plist = prompts(16, seed=5)
+    data = build_draft_data(target, plist, LAYERS3, new_tokens=16, eos_token_id=None,
+                            max_batch=8, compile=False, precision="bf16")
+    assert all(v.dtype == torch.float32 and torch.equal(v, before[k])
+               for k, v in target.state_dict().items())
+    assert data.precision == "bf16"
+    assert all(f.dtype == torch.bfloat16 for f in data.feats + data.final)
+    low = copy.deepcopy(target).to(torch.bfloat16)
+    engine = Engine(copy.deepcopy(low), max_batch=1, max_len=64, compile=False)
+    for i, p in enumerate(plist[:4]):
+        cont = engine.generate([p], 16)[0]
+        assert data.tokens[i].tolist() == p + cont[:-1]
+        with torch.no_grad():
+            out = low(data.tokens[i].view(1, -1), output_hidden_states=True)
+        torch.testing.assert_close(data.final[i], out.hidden_states[-1][0], atol=0.05, rtol=0.02)
+        torch.testing.assert_close(data.feats[i][:, :32], out.hidden_states[LAYERS3[0]][0],
+                                   atol=0.05, rtol=0.02)
+        # bf16 rounds by the batch's shapes: near-ties may break the other way.
+        same = data.label_ids[i][:, 0] == out.logits[0].float().argmax(-1)
+        assert float(same.float().mean()) >= 0.9, same
+    cfg = TrainConfig(method="eagle3", epochs=40, batch_size=8, lr=3e-3, ttt_steps=3,
+                      save_every=1000, precision="fp32")
+    head = train_head(target, data, str(tmp_path), cfg, draft_vocab_size=64,
+                      progress=lambda s: None)
+    with torch.no_grad():
+        loss = float(eagle3_loss(head, data, list(range(8)), 3)[0])
+    from specdec_inductor.train.trainer import make_head
+    with torch.no_grad():
+        untrained = float(eagle3_loss(make_head(target, data, cfg, 64), data, list(range(8)), 3)[0])
+    assert loss < 0.8 * untrained, (untrained, loss)
+    assert _eagle3_acceptance(tmp_path, target, plist[:4], 3) > 1.1
 
 
 def test_train_precision_follows_the_cpu():
@@ -343,7 +409,6 @@ def test_bf16_training_with_the_compiled_loss_learns(data3_and_target, tmp_path)
     """The CLI's default on a CPU with bf16 matmuls (autocast, compiled loss) trains as fp32
     does: the loss and top-1 agreement improve by the margins of the fp32 test, and the head
     drafts exactly."""
-    from specdec_inductor.proposers.eagle3 import Eagle3Proposer
     from specdec_inductor.train.trainer import eagle3_loss, make_head
     data, target = data3_and_target
     cfg = TrainConfig(method="eagle3", epochs=40, batch_size=8, lr=3e-3, ttt_steps=3,
@@ -363,10 +428,4 @@ def test_bf16_training_with_the_compiled_loss_learns(data3_and_target, tmp_path)
                        eagle3_loss(head, data, list(range(8)), 3, with_acc=False)[1])
     assert float(after[0]) < float(before[0]) - 0.2, (before, after)
     assert after[1]["acc0"] > before[1]["acc0"] + 0.2, (before, after)
-    _, draft = _draft_engine(tmp_path, target)
-    proposer = Eagle3Proposer(draft, 4)
-    engine = Engine(target, max_batch=1, max_len=64, compile=False,
-                    capture_hidden=proposer.target_hidden_layers)
-    spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
-    for p in prompts(16, seed=5)[:3]:
-        assert spec.generate([p], 16, None)[0] == engine.generate([p], 16)[0]
+    _eagle3_acceptance(tmp_path, target, prompts(16, seed=5)[:3], 4)  # asserts exactness

@@ -9,6 +9,15 @@ import torch
 
 DEFAULT_OUT = "draft-heads"
 
+# The defaults of a full run by the data pass's precision (--data-precision), each sized to the
+# 45-minute budget on a 2-core machine of the kind that picks it (README: Training draft heads):
+# fp32 data (no AMX) as the 2400-prompt head was made; bf16 data on an AMX Xeon, whose data pass
+# takes a fraction of the fp32 one's time, spends the rest on more prompts.
+RUN_DEFAULTS = {
+    "fp32": {"num_prompts": 2400, "epochs": 3, "max_batch": 16},
+    "bf16": {"num_prompts": 7000, "epochs": 2, "max_batch": 64},
+}
+
 
 def eagle3_layers(num_layers: int):
     """EAGLE-3's default low / mid / high features: the inputs of decoder layers 2, L//2 and
@@ -23,11 +32,18 @@ def add_parser(sub, common) -> None:
     p.add_argument("--target", dest="model", default=None,
                    help="target model directory or .gguf (default: SmolLM2-135M GGUF)")
     p.add_argument("--out", default=None, help=f"output directory (default {DEFAULT_OUT}/<method>)")
-    p.add_argument("--num-prompts", type=int, default=2400,
-                   help="training prompts (corpus.py holds 2900; 2400 fit the 45-minute budget "
-                        "on 2 cores)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="training prompts (corpus.py holds 11580; default "
+                        f"{RUN_DEFAULTS['fp32']['num_prompts']} with fp32 data, "
+                        f"{RUN_DEFAULTS['bf16']['num_prompts']} with bf16 data: the 45-minute "
+                        "budget on 2 cores)")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy continuation per prompt")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=None,
+                   help=f"default {RUN_DEFAULTS['fp32']['epochs']} with fp32 data, "
+                        f"{RUN_DEFAULTS['bf16']['epochs']} with bf16 data")
+    p.add_argument("--data-precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="the target's dtype while building the data (continuations, features, "
+                        "labels); auto: bf16 where the CPU has AMX tiles, else fp32")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ttt-steps", type=int, default=4, help="EAGLE-3 unrolled draft steps")
@@ -44,10 +60,10 @@ def add_parser(sub, common) -> None:
                    help="continue from --out's trainer state and cached data")
     p.add_argument("--no-eval", dest="eval", action="store_false",
                    help="skip the held-out acceptance evaluation")
-    # --max-batch (a common option): prompts continued together while building the data. Decode
-    # rows are computed independently; a batch's prompts are prefilled together, in GEMMs whose
-    # fp32 rounding may depend on the batch.
-    p.set_defaults(func=run, max_batch=16, max_len=512)
+    # --max-batch (a common option): prompts continued together while building the data (default
+    # 16 with fp32 data, 64 with bf16). Decode rows are computed independently; a batch's prompts
+    # are prefilled together, in GEMMs whose rounding may depend on the batch.
+    p.set_defaults(func=run, max_batch=None, max_len=512)
 
 
 def _log(msg: str) -> None:
@@ -59,9 +75,13 @@ def run(args) -> int:
     from specdec_inductor.engine.engine import eager_requested
     from specdec_inductor.engine.hf import load_model
     from specdec_inductor.train.corpus import training_prompts
-    from specdec_inductor.train.data import DraftData, build_draft_data
+    from specdec_inductor.train.data import DraftData, build_draft_data, data_precision
     from specdec_inductor.train.trainer import TrainConfig, train_head, train_precision
     torch.manual_seed(args.seed)
+    precision = data_precision(args.data_precision)
+    for name, value in RUN_DEFAULTS[precision].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     cfg = TrainConfig(method=args.method, epochs=args.epochs, batch_size=args.batch_size,
                       lr=args.lr, seed=args.seed, ttt_steps=args.ttt_steps,
                       save_every=args.save_every, precision=train_precision(args.precision),
@@ -81,7 +101,8 @@ def run(args) -> int:
     target, tokenizer = load_model(args.model, DTYPES[args.dtype])
     layers = eagle3_layers(target.config.num_hidden_layers) if args.method == "eagle3" else []
     meta = {"prompts": args.num_prompts, "new_tokens": args.new_tokens, "seed": args.seed,
-            "layers": layers, "model": args.model, "dtype": args.dtype, "chat": args.chat}
+            "layers": layers, "model": args.model, "dtype": args.dtype, "chat": args.chat,
+            "data_precision": precision}
     data_path = args.data or os.path.join(out, "data.pt")
     meta_path = data_path + ".json"
     data = None
@@ -102,13 +123,14 @@ def run(args) -> int:
         prompts = [encode(tokenizer, t, args.chat) for t in texts]
         data = build_draft_data(target, prompts, layers, new_tokens=args.new_tokens,
                                 eos_token_id=tokenizer.eos_token_id, max_batch=args.max_batch,
-                                compile=False if args.eager else None, progress=_log)
+                                compile=False if args.eager else None, precision=precision,
+                                progress=_log)
         data.save(data_path)
         with open(meta_path, "w") as f:
             json.dump(meta, f)
     t_data = time.perf_counter() - t_start
-    _log(f"[train-draft] data: {len(data)} sequences, {data.num_tokens()} tokens "
-         f"({data.num_generated_tokens} generated) in {t_data:.0f} s")
+    _log(f"[train-draft] data ({data.precision} target): {len(data)} sequences, "
+         f"{data.num_tokens()} tokens ({data.num_generated_tokens} generated) in {t_data:.0f} s")
     _log(f"[train-draft] training in {cfg.precision}"
          f"{'' if cfg.compile_loss else ' (eager loss)'}")
     t0 = time.perf_counter()

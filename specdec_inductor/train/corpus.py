@@ -18,6 +18,19 @@ TEMPLATES = [
     "What is a common misconception about {t}?",
     "Compare {t} with something similar and explain the difference.",
     "Give step-by-step advice for someone who wants to learn about {t}.",
+    # added with the 7000-prompt corpus
+    "Why is {t} important?",
+    "Explain how {t} works, step by step.",
+    "Write a dialogue between a teacher and a student about {t}.",
+    "What would the world be like without {t}?",
+    "Write a short blog post about {t}.",
+    "What are some fun facts about {t}?",
+    "Describe the future of {t} in the next fifty years.",
+    "Explain {t} using an everyday analogy.",
+    "Write a short poem about {t}.",
+    "Write an email to a friend describing what you learned about {t}.",
+    "Create a quiz with three multiple-choice questions about {t}.",
+    "What should everyone know about {t}?",
 ]
 
 CODE_TEMPLATES = [
@@ -26,6 +39,12 @@ CODE_TEMPLATES = [
     "Explain how to {c} in Python, with a code example.",
     "Write a JavaScript function that {c}.",
     "Write unit tests in Python for a function that {c}.",
+    # added with the 7000-prompt corpus
+    "Write a C function that {c}.",
+    "Write a Java method that {c}.",
+    "Write a Rust function that {c}.",
+    "Write an efficient Python function that {c}, and state its time complexity.",
+    "Show a short Python snippet that {c}, and explain how it works.",
 ]
 
 TOPICS = [
@@ -66,6 +85,42 @@ TOPICS = [
     "cybersecurity", "cloud computing", "open source software", "programming languages",
     "databases", "laughter", "friendship", "time zones", "calendars", "clocks",
     "the metric system", "prime numbers", "geometry", "probability",
+    # added with the 7000-prompt corpus
+    "the Moon", "sunflowers", "polar bears", "the Sahara", "fireworks", "umbrellas",
+    "windmills", "the human skin", "hearing", "dreams",
+    "memory", "habits", "exercise", "nutrition", "water purification", "plastic pollution",
+    "electric grids", "hydrogen fuel", "geothermal energy", "tidal power", "the Panama Canal",
+    "the Suez Canal", "the Colosseum", "the pyramids of Giza", "Stonehenge",
+    "the Inca Empire", "the Ottoman Empire", "the Mongol Empire", "samurai", "knights",
+    "pirates", "explorers", "the compass", "telescopes", "thermometers", "penicillin", "X-rays", "anesthesia", "first aid", "dentists", "nurses", "firefighters",
+    "farmers markets", "supermarkets", "restaurants", "coffee shops", "board games", "puzzles",
+    "kites", "skateboarding", "surfing", "swimming", "tennis", "cricket", "baseball",
+    "the Tour de France", "cooking pasta", "baking cookies", "fermentation", "yogurt",
+    "apples", "bananas", "potatoes", "corn", "wheat", "cotton", "silk", "wool", "glass",
+    "steel", "concrete", "wood", "rubber", "gold", "diamonds", "salt", "sand dunes",
+    "the rain", "fog", "snow", "thunderstorms", "the aurora borealis", "eclipses",
+    "meteor showers", "exoplanets", "Venus", "Mercury", "Neptune", "the Sun", "neutron stars",
+    "dark matter", "atoms", "molecules", "chemical reactions", "acids and bases", "electricity",
+    "magnetism", "heat", "energy", "motion", "levers", "pulleys", "wheels", "engines",
+    "the bicycle chain", "elevators", "escalators", "tunnels", "dams", "canals", "ports",
+    "airports", "highways", "traffic lights", "postal services", "museums",
+    "zoos", "national parks", "forests", "grasslands", "mangroves", "kelp forests", "jellyfish",
+    "sea turtles", "crabs", "salmon", "eagles", "parrots", "hummingbirds", "crows", "bats",
+    "horses", "cows", "sheep", "goats", "cats", "dogs", "rabbits", "hedgehogs", "squirrels",
+    "beavers", "bears", "lions", "cheetahs", "gorillas", "chimpanzees", "pandas", "koalas",
+    "rhinos", "hippos", "crocodiles", "snakes", "lizards", "spiders", "earthworms", "mosquitoes",
+    "spreadsheets", "email", "passwords", "search engines", "online shopping", "podcasts",
+    "streaming services", "digital cameras", "virtual reality", "self-driving cars", "drones",
+    "machine learning", "algorithms", "computer networks", "operating systems", "compilers",
+    "web browsers", "the World Wide Web", "encryption", "data privacy", "budgeting",
+    "saving money", "credit cards", "interest rates", "small businesses", "teamwork",
+    "public speaking", "leadership", "negotiation", "time management", "learning a language",
+    "reading books", "writing essays", "note taking", "studying for exams", "kindness",
+    "gratitude", "curiosity", "patience", "happiness", "stress", "cities", "villages",
+    "architecture", "bridges", "gardens", "parks", "festivals", "holidays", "birthdays",
+    "weddings", "traditions", "folk tales", "fairy tales", "myths and legends", "theater",
+    "film making", "animation", "comics", "cartoons", "drawing", "calligraphy", "typography",
+    "fashion", "textiles", "jewelry", "perfume", "soap", "candles",
 ]
 
 CODE_TASKS = [
@@ -121,6 +176,26 @@ CODE_TASKS = [
     "finds the longest palindromic substring", "removes punctuation from a string",
     "sorts a list of strings by length", "finds the common elements of three lists",
     "converts hours and minutes to seconds",
+    # added with the 7000-prompt corpus
+    "counts how many times a substring occurs in a string", "finds the mode of a list",
+    "checks whether a string is a valid IPv4 address", "reverses a linked list",
+    "computes the sum of a list of numbers without using sum", "rounds a float to n decimals",
+    "converts a dictionary to a list of key-value pairs", "merges two dictionaries",
+    "finds the largest product of two numbers in a list", "squares every number in a list",
+    "filters the even numbers from a list", "computes the Collatz sequence of a number",
+    "checks whether a string starts with a vowel", "finds the longest run of equal elements",
+    "computes the distance between two points", "converts kilometers to miles",
+    "returns the last n elements of a list", "checks whether a list contains duplicates",
+    "computes the nth power of a number without using the power operator",
+    "builds a multiplication table", "counts the digits of an integer",
+    "returns a list of the first n prime numbers", "finds the minimum and maximum of a list",
+    "interleaves two strings", "converts a string to a list of characters",
+    "checks whether a word is an isogram", "computes the sum of the squares of the first n numbers",
+    "replaces every vowel in a string with a star", "removes empty strings from a list",
+    "sorts a dictionary by its values", "finds the most frequent word in a sentence",
+    "converts a temperature from Fahrenheit to Celsius", "checks whether a triangle is valid",
+    "computes the perimeter of a rectangle", "generates a list of random integers",
+    "returns the unique characters of a string", "checks whether a number is a power of two", "finds the longest common subsequence of two strings",
 ]
 
 HELDOUT_TOPICS = [
@@ -149,9 +224,15 @@ def training_prompts(num_prompts: int, seed: int = 0) -> List[str]:
     return pool[:num_prompts]
 
 
+# The held-out prompts cycle through the first templates only (those of the 2400-prompt corpus),
+# so they stay the same prompts as templates are added and results stay comparable.
+HELDOUT_TEMPLATES, HELDOUT_CODE_TEMPLATES = TEMPLATES[:12], CODE_TEMPLATES[:5]
+
+
 def heldout_prompts() -> List[str]:
     """Prompts for evaluation: topics and code tasks the training prompts never use."""
-    prose = [TEMPLATES[i % len(TEMPLATES)].format(t=t) for i, t in enumerate(HELDOUT_TOPICS)]
-    code = [CODE_TEMPLATES[i % len(CODE_TEMPLATES)].format(c=c)
+    prose = [HELDOUT_TEMPLATES[i % len(HELDOUT_TEMPLATES)].format(t=t)
+             for i, t in enumerate(HELDOUT_TOPICS)]
+    code = [HELDOUT_CODE_TEMPLATES[i % len(HELDOUT_CODE_TEMPLATES)].format(c=c)
             for i, c in enumerate(HELDOUT_CODE_TASKS)]
     return prose + code

@@ -7,7 +7,14 @@ A `DraftData` holds, per sequence: tokens [T], feats [T, k*H] (the captured laye
 Engine's capture_hidden order), final [T, H] (the final normed hidden state: EAGLE's input
 and regression target, and what the labels are computed from), label_ids / label_probs
 [T, LABEL_TOP_K] (row t = the target's distribution of token t+1).
+
+The data pass may run the target in bf16 (`precision`, `data_precision()`): on a CPU with AMX
+tiles oneDNN's bf16 GEMMs make it several times faster than fp32 (README: Training draft
+heads), and feats / final are then stored in bf16. The head still drafts from the fp32 target's
+features at inference; bf16 rounding (~3 significant digits) is far below the feature noise
+EAGLE trains with on purpose.
 """
+import copy
 import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional
@@ -28,6 +35,7 @@ class DraftData:
     layers: List[int]  # the captured HF hidden_states indices behind feats
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    precision: str = "fp32"  # the target's dtype in the data pass (feats / final are stored in it)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -48,6 +56,31 @@ class DraftData:
         for t in self.tokens:
             counts += torch.bincount(t, minlength=vocab_size)
         return counts
+
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def data_precision(choice: str = "auto") -> str:
+    """'auto' -> 'bf16' where the CPU has AMX tiles (the data pass's GEMMs run on oneDNN's AMX
+    kernels), else 'fp32' (without AMX a bf16 pass gains too little to change the data)."""
+    if choice == "auto":
+        from specdec_inductor import detected_isa
+        return "bf16" if detected_isa() == "amx" else "fp32"
+    if choice not in PRECISIONS:
+        raise ValueError(f"argument 'precision' must be 'auto', 'fp32' or 'bf16', got {choice!r}")
+    return choice
+
+
+def data_engine_options(precision: str) -> dict:
+    """Backend options of the data pass's Engine. In bf16 on AMX its decode steps (16-64 rows) and
+    prefill chunks run faster through oneDNN's AMX GEMMs than through the packed GEMV, whose bf16
+    path is vdpbf16ps (SmolLM2, 64 rows, 2-core AMX Xeon: 51.5 against 103.9 ms a decode step),
+    so the skinny_linear pass and the packed copies are off there."""
+    from specdec_inductor import detected_isa
+    if precision == "bf16" and detected_isa() == "amx":
+        return {"specdec.skinny_linear": False, "specdec.pack_weights": False}
+    return {}
 
 
 def _topk_probs(logits: Tensor, top_k: int):
@@ -88,7 +121,7 @@ def generate_with_hidden(engine, prompts: List[List[int]], new_tokens: int,
         last, hidden = engine.prefill_with_hidden(prompts, req_rows)  # [B, V], [B, P, k*H]
         width = hidden.shape[-1] // len(engine.capture_hidden)
         toks = [list(p) for p in prompts]
-        hids = [[hidden[b, :lens[b]].float()] for b in range(bs)]
+        hids = [[hidden[b, :lens[b]]] for b in range(bs)]
         labels = []
         for b in range(bs):
             ids, probs = soft_labels(lm_head, hidden[b, :lens[b] - 1, -width:])
@@ -109,7 +142,7 @@ def generate_with_hidden(engine, prompts: List[List[int]], new_tokens: int,
             nxt, logits, hid = engine.decode(tokens, req_rows, seq_lens)  # [B], [B, V], [B, k*H]
             li, lp = _topk_probs(logits[:bs], LABEL_TOP_K)
             fed.append(tokens[:bs])
-            step_hid.append(hid[:bs].float())
+            step_hid.append(hid[:bs])
             step_ids.append(li)
             step_probs.append(lp)
             for b in range(bs):
@@ -137,15 +170,23 @@ def generate_with_hidden(engine, prompts: List[List[int]], new_tokens: int,
 
 def build_draft_data(target, prompts: List[List[int]], layers: List[int], *, new_tokens: int,
                      eos_token_id: Optional[int], max_batch: int = 8, compile: Optional[bool] = None,
+                     precision: str = "fp32",
                      progress: Callable[[str], None] = lambda s: None) -> DraftData:
     """Greedy continuations of `prompts` (token ids) by `target` (a HF causal LM) through one
     Engine that captures `layers` (HF hidden_states indices, may be empty) and the final
-    hidden in the same pass."""
+    hidden in the same pass. precision 'bf16' runs a bf16 copy of the target (`target` itself
+    is left as it is)."""
     from specdec_inductor.engine.engine import Engine
+    precision = data_precision(precision)
+    dtype = PRECISIONS[precision]
+    model = target
+    if next(target.parameters()).dtype != dtype:
+        model = copy.deepcopy(target).to(dtype)
     longest = max(len(p) for p in prompts) + new_tokens
-    engine = Engine(target, max_batch=max_batch, max_len=longest + 1, compile=compile,
-                    capture_hidden=list(layers) + [-1])
-    data = DraftData([], [], [], [], [], list(layers))
+    engine = Engine(model, max_batch=max_batch, max_len=longest + 1, compile=compile,
+                    capture_hidden=list(layers) + [-1],
+                    compile_options=data_engine_options(precision))
+    data = DraftData([], [], [], [], [], list(layers), precision=precision)
     t0 = time.perf_counter()
     for i in range(0, len(prompts), max_batch):
         batch = prompts[i:i + max_batch]

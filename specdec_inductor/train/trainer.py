@@ -126,8 +126,9 @@ def eagle_loss(head: EagleHead, data: DraftData, idx: List[int], noise: float,
     lens = [int(data.tokens[i].numel()) - 1 for i in idx]  # pairs (x_{p+1}, h_p) per sequence
     t = max(lens)
     nxt = _pad([data.tokens[i][1:] for i in idx], t)  # [B, T]
-    feats = _pad([data.final[i][:-1] for i in idx], t)  # [B, T, H]
-    want = _pad([data.final[i][1:] for i in idx], t)  # [B, T, H]
+    # Features may be stored in bf16 (DraftData.precision); the losses work in fp32.
+    feats = _pad([data.final[i][:-1] for i in idx], t).float()  # [B, T, H]
+    want = _pad([data.final[i][1:] for i in idx], t).float()  # [B, T, H]
     ids = _pad([data.label_ids[i][1:] for i in idx], t)  # [B, T, K]
     probs = _pad([data.label_probs[i][1:] for i in idx], t)  # [B, T, K]
     valid = torch.arange(t).view(1, t) < torch.tensor(lens).view(-1, 1)  # [B, T]
@@ -151,7 +152,7 @@ def eagle3_loss(head: Eagle3Head, data: DraftData, idx: List[int], steps: int,
     lens = [int(data.tokens[i].numel()) for i in idx]
     t = max(lens)
     tokens = _pad([data.tokens[i] for i in idx], t)  # [B, T]
-    feats = _pad([data.feats[i] for i in idx], t)  # [B, T, 3H]
+    feats = _pad([data.feats[i] for i in idx], t).float()  # [B, T, 3H] (bf16 data: fp32 here)
     ids_t = _pad([data.label_ids[i] for i in idx], t)  # [B, T, K] target ids
     probs = _pad([data.label_probs[i] for i in idx], t)  # [B, T, K]
     ids_d = head.target_to_draft[ids_t]  # [B, T, K] draft ids, -1 outside the draft vocab
