@@ -225,7 +225,9 @@ def make_proposer(args, engine=None):
                                                       load_eagle_head)
         args.draft_model = draft_head_dir(args)
         head = load_eagle_head(args.draft_model, engine.model)
-        _log(f"[specdec] EAGLE head: {args.draft_model}")
+        vocab = getattr(head, "draft_to_target", None)
+        _log(f"[specdec] EAGLE head: {args.draft_model}"
+             f"{'' if vocab is None else f' (draft vocabulary {vocab.numel()})'}")
         max_batch, max_len = _draft_engine_size(args, engine)
         draft_engine = Engine(head, max_batch=max_batch, max_len=max_len,
                               compile=engine.compiled, attention=args.attention,

@@ -188,6 +188,87 @@ def test_bad_checkpoints_are_refused(tmp_path):
         load_eagle_head(str(tmp_path), target)
 
 
+def _recorded(spec, ps, max_new):
+    """(output, the proposer's draft trees' tokens step by step) of spec.generate(ps)."""
+    proposer, trees = spec.proposer, []
+    propose = proposer.propose
+
+    def record(*args, **kwargs):
+        tree = propose(*args, **kwargs)
+        trees.append(tree.tokens.clone())
+        return tree
+    proposer.propose = record
+    try:
+        return spec.generate(ps, max_new), trees
+    finally:
+        proposer.propose = propose
+
+
+@pytest.mark.parametrize("topk,depth,n", [(1, None, 5), (2, 3, 6)])
+def test_draft_vocabulary_narrows_the_lm_head_and_stays_exact(tmp_path, topk, depth, n):
+    """A draft_vocab.safetensors beside the checkpoint gives the head an LM head over those
+    target rows only: its logits are the full head's logits at those columns, an Engine over it
+    reports the narrow vocabulary, and its chains and trees, mapped back to target ids, are
+    exactly those of the full head with every other id masked out (which a column / id mix-up
+    would break); greedy output equals plain decoding; full_vocab=True ignores the file."""
+    from specdec_inductor.engine.hf import model_shape
+    from specdec_inductor.proposers.eagle import write_draft_vocab
+    target = tiny_target(1)
+    write_eagle_checkpoint(tmp_path, seed=4)
+    vocab = torch.tensor([i for i in range(VOCAB) if i % 3 != 1])
+    write_draft_vocab(str(tmp_path), vocab)
+    head = load_eagle_head(str(tmp_path), target)
+    assert torch.equal(head.draft_to_target, vocab) and head.lm_head.weight.shape[0] == vocab.numel()
+    assert model_shape(head).vocab_size == vocab.numel()
+    masked = load_eagle_head(str(tmp_path), target, full_vocab=True)
+    assert not hasattr(masked, "draft_to_target")
+    x, pos, aux = torch.tensor([prompts(1)[0][1:4]]), torch.arange(3).view(1, -1), torch.randn(1, 3, HIDDEN)
+    with torch.no_grad():
+        narrow = head(input_ids=x, position_ids=pos, aux_hidden=aux).logits
+        wide = masked(input_ids=x, position_ids=pos, aux_hidden=aux).logits
+    torch.testing.assert_close(narrow, wide[..., vocab])
+    # The full head with the ids outside the vocabulary pushed to -1e4: the same drafts.
+    lm = torch.nn.Linear(HIDDEN, VOCAB, bias=True)
+    with torch.no_grad():
+        lm.weight.copy_(target.lm_head.weight)
+        lm.bias.fill_(-1e4)
+        lm.bias[vocab] = 0.0
+    masked.lm_head = lm
+    runs = []
+    for h in (head, masked):
+        engine = Engine(target, max_batch=2, max_len=128, compile=False, prefill_chunk=16,
+                        capture_hidden=[-1])
+        draft = Engine(h, max_batch=2 * (1 + topk), max_len=128 + topk * (depth or 0),
+                       compile=False, prefill_chunk=8, capture_hidden=[-1])
+        spec = SpeculativeGenerator(engine, EagleProposer(draft, n, topk=topk, depth=depth),
+                                    min_accepted=0.0)
+        ps = prompts(2)
+        out, trees = _recorded(spec, ps, 20)
+        assert out == engine.generate(ps, 20)
+        runs.append(trees)
+        _free(engine, draft)
+    assert len(runs[0]) == len(runs[1]) > 3
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+        assert bool(torch.isin(a[:, 1:], vocab).all())  # drafts are target ids of the vocabulary
+
+
+def test_bad_draft_vocabularies_are_refused(tmp_path):
+    from safetensors.torch import save_file
+    from specdec_inductor.proposers.eagle import DRAFT_VOCAB_FILE
+    target = tiny_target()
+    write_eagle_checkpoint(tmp_path)
+    for bad in [{"draft_to_target": torch.tensor([3, 1, 2])},  # not ascending
+                {"draft_to_target": torch.tensor([1, 1, 2])},  # repeated
+                {"draft_to_target": torch.tensor([0, VOCAB])},  # out of range
+                {"draft_to_target": torch.tensor([0.0, 1.0])},  # not ids
+                {"draft_to_target": torch.zeros(0, dtype=torch.int64)},  # empty
+                {"d2t": torch.tensor([0, 1])}]:  # wrong name
+        save_file(bad, str(tmp_path / DRAFT_VOCAB_FILE))
+        with pytest.raises(EagleCheckpointError, match="draft_to_target"):
+            load_eagle_head(str(tmp_path), target)
+
+
 def test_loop_refuses_a_target_without_hidden_capture(tmp_path):
     target = tiny_target()
     write_eagle_checkpoint(tmp_path)

@@ -118,6 +118,11 @@ def test_eagle_training_lowers_the_loss_and_the_head_drafts_exactly(data_and_tar
     with torch.no_grad():
         after = float(eagle_loss(head, data, list(range(8)), 0.0, gen)[0])
     assert after < 0.8 * before, (before, after)
+    # The head's draft vocabulary: the data's most frequent ids (all 96 of this tiny vocabulary).
+    from specdec_inductor.proposers.eagle import read_draft_vocab
+    from specdec_inductor.train.trainer import draft_vocabulary
+    assert torch.equal(read_draft_vocab(str(tmp_path / "trained"), VOCAB),
+                       draft_vocabulary(target, data, 8192))
     trained = _acceptance(target, tmp_path / "trained", prompts(24)[:4])
     baseline = _acceptance(target, tmp_path / "untrained", prompts(24)[:4])
     assert trained > baseline + 0.1, (trained, baseline)

@@ -14,6 +14,13 @@ With topk > 1 the head drafts EAGLE-2 top-k trees instead (proposers/tree_draft.
 beam decodes through its own virtual row with its parent's g as aux input; the KV bookkeeping
 is unchanged (tree nodes only write past the committed positions). EAGLE-3 checkpoints are
 refused here.
+
+Draft vocabulary (FR-Spec-style, optional): a checkpoint directory may hold, beside the
+published layout, `draft_vocab.safetensors` with `draft_to_target` [Vd] (target ids, e.g. the
+most frequent ones in the training data; `specdec train-draft` writes it). The head then runs
+its LM head over those rows of the target's only -- a copy of Vd x H instead of reading all V x H
+every draft step -- and its logits are Vd wide (column j is target id draft_to_target[j], as an
+EAGLE-3 head's). Drafts only change which tokens are proposed; verification stays exact.
 """
 import json
 import os
@@ -34,6 +41,8 @@ from specdec_inductor.speculative import DraftTree
 # 9.2-11.2 -> 8.3-8.8 ms). A longer prompt or a deep chain takes more than one chunk.
 DRAFT_PREFILL_CHUNK = 8
 
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+
 _LAYER_KEYS = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                "mlp.down_proj.weight", "post_attention_layernorm.weight"]
@@ -47,7 +56,9 @@ class EagleDraftModel(nn.Module):
     """The EAGLE head as a module the Engine can run: forward(input_ids, position_ids,
     specdec_batch, aux_hidden=h) -> .logits, .hidden_states = (g,)."""
 
-    def __init__(self, config, target, fc_bias: bool):
+    def __init__(self, config, target, fc_bias: bool, draft_vocab: Optional[Tensor] = None):
+        """draft_vocab: target ids [Vd] the LM head keeps (see the module docstring); None: the
+        target's whole LM head, shared."""
         super().__init__()
         from transformers import LlamaModel
         hidden = config.hidden_size
@@ -61,6 +72,14 @@ class EagleDraftModel(nn.Module):
         self.model.norm = nn.Identity()
         self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
         self.lm_head = target.get_output_embeddings()
+        if draft_vocab is not None:
+            full = self.lm_head
+            self.lm_head = nn.Linear(hidden, draft_vocab.numel(), bias=full.bias is not None)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(full.weight[draft_vocab])
+                if full.bias is not None:
+                    self.lm_head.bias.copy_(full.bias[draft_vocab])
+            self.register_buffer("draft_to_target", draft_vocab.to(torch.int64).clone())
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, aux_hidden: Tensor,
                 specdec_batch=None, use_cache: bool = False, output_hidden_states: bool = False):
@@ -94,9 +113,36 @@ def set_head_rope(config, raw: dict, target_config) -> None:
         config.rope_parameters = dict(target_config.rope_parameters)
 
 
-def load_eagle_head(path: str, target) -> EagleDraftModel:
+def read_draft_vocab(path: str, vocab_size: int) -> Optional[Tensor]:
+    """The draft vocabulary [Vd] int64 of the checkpoint directory `path` (DRAFT_VOCAB_FILE), or
+    None when it has none; refused unless 1-D, distinct, sorted ids in [0, vocab_size)."""
+    file = os.path.join(path, DRAFT_VOCAB_FILE)
+    if not os.path.exists(file):
+        return None
+    from safetensors.torch import load_file
+    sd = load_file(file)
+    ids = sd.get("draft_to_target")
+    if (ids is None or ids.dim() != 1 or ids.is_floating_point() or ids.numel() < 1
+            or int(ids.min()) < 0 or int(ids.max()) >= vocab_size
+            or (ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()))):
+        raise EagleCheckpointError(
+            f"{file!r}: draft_to_target must be a 1-D tensor of distinct ascending target ids "
+            f"in [0, {vocab_size}), got "
+            f"{None if ids is None else (ids.dtype, tuple(ids.shape))}")
+    return ids.to(torch.int64)
+
+
+def write_draft_vocab(path: str, draft_to_target: Tensor) -> None:
+    """Write `draft_to_target` [Vd] (ascending target ids) as the draft vocabulary of `path`."""
+    from safetensors.torch import save_file
+    save_file({"draft_to_target": draft_to_target.to(torch.int64).contiguous()},
+              os.path.join(path, DRAFT_VOCAB_FILE))
+
+
+def load_eagle_head(path: str, target, full_vocab: bool = False) -> EagleDraftModel:
     """An EAGLE head from a checkpoint directory (config.json + one state dict) for `target`
-    (a HF causal LM, whose embedding and LM head the head shares)."""
+    (a HF causal LM, whose embedding and LM head the head shares). A draft vocabulary beside
+    the checkpoint (DRAFT_VOCAB_FILE) narrows its LM head to those rows unless full_vocab."""
     from transformers import LlamaConfig
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
@@ -129,7 +175,8 @@ def load_eagle_head(path: str, target) -> EagleDraftModel:
         max_position_embeddings=raw.get("max_position_embeddings", tcfg.max_position_embeddings),
         hidden_act=raw.get("hidden_act", "silu"))
     set_head_rope(config, raw, tcfg)
-    head = EagleDraftModel(config, target, fc_bias="fc.bias" in sd)
+    draft_vocab = None if full_vocab else read_draft_vocab(path, tcfg.vocab_size)
+    head = EagleDraftModel(config, target, fc_bias="fc.bias" in sd, draft_vocab=draft_vocab)
     own = {"fc.weight": sd["fc.weight"]}
     if "fc.bias" in sd:
         own["fc.bias"] = sd["fc.bias"]
@@ -141,7 +188,7 @@ def load_eagle_head(path: str, target) -> EagleDraftModel:
         raise EagleCheckpointError(f"{path!r}: unexpected keys for an EAGLE head: {unknown[:5]}")
     result = head.load_state_dict(own, strict=False)
     bad = [k for k in result.missing_keys if not k.startswith(("model.embed_tokens", "lm_head"))
-           and "rotary" not in k]
+           and "rotary" not in k and k != "draft_to_target"]
     if bad:
         raise EagleCheckpointError(f"{path!r}: weights not loaded: {bad}")
     dtype = next(target.parameters()).dtype

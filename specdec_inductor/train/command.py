@@ -47,7 +47,8 @@ def add_parser(sub, common) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ttt-steps", type=int, default=4, help="EAGLE-3 unrolled draft steps")
-    p.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 draft vocabulary")
+    p.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="draft vocabulary: EAGLE-3's d2t; EAGLE's draft_vocab.safetensors")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                    help="the head's training matmuls: bf16 autocast (fp32 weights, optimizer and "

@@ -185,14 +185,18 @@ def eagle3_loss(head: Eagle3Head, data: DraftData, idx: List[int], steps: int,
     return loss / total_w, stats
 
 
+def draft_vocabulary(target, data: DraftData, draft_vocab_size: int) -> Tensor:
+    """The draft_vocab_size most frequent target ids of the data, ascending [Vd]."""
+    counts = data.token_counts(target.config.vocab_size)
+    size = min(draft_vocab_size, target.config.vocab_size)
+    return counts.topk(size).indices.sort().values
+
+
 def make_head(target, data: DraftData, cfg: TrainConfig, draft_vocab_size: int):
     torch.manual_seed(cfg.seed)
     if cfg.method == "eagle":
         return EagleHead(target)
-    counts = data.token_counts(target.config.vocab_size)
-    size = min(draft_vocab_size, target.config.vocab_size)
-    vocab = counts.topk(size).indices.sort().values  # the most frequent ids, ascending
-    return Eagle3Head(target, vocab, data.layers)
+    return Eagle3Head(target, draft_vocabulary(target, data, draft_vocab_size), data.layers)
 
 
 def train_head(target, data: DraftData, out_dir: str, cfg: TrainConfig, *,
@@ -276,4 +280,9 @@ def train_head(target, data: DraftData, out_dir: str, cfg: TrainConfig, *,
             save_state()
     head.eval()
     write_checkpoint(head, out_dir)
+    if cfg.method == "eagle":
+        # The head's draft vocabulary (proposers/eagle.py): the data's most frequent ids, as an
+        # EAGLE-3 head's; the published layout itself stays the full-vocabulary one.
+        from specdec_inductor.proposers.eagle import write_draft_vocab
+        write_draft_vocab(out_dir, draft_vocabulary(target, data, draft_vocab_size))
     return head
