@@ -341,7 +341,7 @@ def test_bf16_data_pass_leaves_the_target_and_trains_an_exact_head(tmp_path):
     stays fp32), stores the features in bf16 with the bf16 model's own greedy tokens, hidden
     states and labels, and a head trained on them in fp32 learns and drafts exactly for the fp32
     target."""
-    from specdec_inductor.train.trainer import eagle3_loss
+    from specdec_inductor.train.trainer import eagle3_loss, make_head
     target = sharp_target(seed=2, num_layers=4, scale=8.0)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     plist = prompts(16, seed=5)
@@ -370,7 +370,6 @@ def test_bf16_data_pass_leaves_the_target_and_trains_an_exact_head(tmp_path):
                       progress=lambda s: None)
     with torch.no_grad():
         loss = float(eagle3_loss(head, data, list(range(8)), 3)[0])
-    from specdec_inductor.train.trainer import make_head
     with torch.no_grad():
         untrained = float(eagle3_loss(make_head(target, data, cfg, 64), data, list(range(8)), 3)[0])
     assert loss < 0.8 * untrained, (untrained, loss)
