@@ -571,9 +571,17 @@ void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const
   SPECDEC_RECORD_PATH("store_kv", Isa::PORTABLE);
 }
 
+// specdec::_probe_throw: always raises ValueError("specdec exception probe"). Run once per build,
+// in a subprocess, by specdec_inductor.cpp_exceptions_work(): with some compiler / torch pairings
+// (seen: Ubuntu g++ 13.3 with torch 2.11.0+cu130) a C++ exception thrown by an extension aborts
+// the process instead of reaching Python, and every bad-input check of this library is one.
+// It sits here, beside the attention checks, only because an op family file must hold it.
+void probe_throw() { TORCH_CHECK_VALUE(false, "specdec exception probe"); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("_probe_throw() -> ()", &probe_throw);
   m.def("store_kv(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor k, Tensor v, Tensor slots) -> ()");
   m.def("extend_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor req_to_token, "
         "Tensor req_rows, Tensor prefix_lens, Tensor extend_lens, Tensor? tree_mask, float scale, "
