@@ -451,6 +451,38 @@ def test_sliding_window_model_verify_equals_stock_paths():
     assert (deep - stock[5]).abs().max() > 1e-3
 
 
+def test_sliding_window_model_speculative_greedy_equals_plain():
+    """End to end: n-gram speculation (tree drafts, depths beyond the window) on a tiny random
+    Mistral with sliding_window=3 gives exactly the engine's plain greedy tokens, and those are
+    the stock model's greedy tokens (transformers' generate with its own window mask). Eager
+    only: the compiled engine runs the same op (it also passed, at 90 s more per run)."""
+    transformers = pytest.importorskip("transformers")
+    from specdec_inductor.engine.engine import Engine
+    from specdec_inductor.proposers.ngram import NgramProposer
+    from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+    torch.manual_seed(11)
+    config = transformers.MistralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        sliding_window=3)
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    phrase = [5, 17, 42, 8, 61]
+    prompts = [phrase + [3, 9, 70] + phrase + phrase[:2], [11, 12] + phrase * 3]
+    with torch.no_grad():  # before the engine switches the model to our attention
+        stock = [model.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24,
+                                do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                 for p in prompts]
+    engine = Engine(model, max_batch=2, max_len=128, compile=False, prefill_chunk=16)
+    plain = engine.generate(prompts, 24)
+    assert plain == stock
+    stats = SpeculativeStats()
+    spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=6, breadth=(2, 1)))
+    assert spec.generate(prompts, 24, stats=stats) == plain
+    assert stats.verify_steps > 0 and stats.mean_accepted_length > 1.0, stats.summary()
+    engine.pool.check_consistent()
+
+
 # ---- decode -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("isa", ISAS)
