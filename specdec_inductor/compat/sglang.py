@@ -312,12 +312,11 @@ def rotate_input_ids_cpu(input_ids: Tensor, extend_start_loc: Tensor, extend_seq
     if bs and (int((start + lens).max()) > input_ids.numel() or int(start.min()) < 0
                or int(lens.min()) < 0):
         raise ValueError("argument 'extend_start_loc' / 'extend_seq_lens' reach outside input_ids")
-    idx = torch.repeat_interleave(start, (lens - 1).clamp(min=0))  # segment starts, per moved token
-    offs = torch.arange(idx.numel()) - torch.repeat_interleave(
-        torch.cumsum((lens - 1).clamp(min=0), 0) - (lens - 1).clamp(min=0), (lens - 1).clamp(min=0))
-    dst = idx + offs  # [moved]: positions start .. start + len - 2 of every segment
-    moved = input_ids[dst + 1].clone()  # read every source before writing
-    input_ids[dst] = moved
+    shifted = (lens - 1).clamp(min=0)  # [B] tokens that move left in each segment
+    seg_start = torch.repeat_interleave(start, shifted)  # [M]
+    seg_first = torch.repeat_interleave(torch.cumsum(shifted, 0) - shifted, shifted)  # [M]
+    dst = seg_start + torch.arange(seg_start.numel()) - seg_first  # [M]: start .. start+len-2
+    input_ids[dst] = input_ids[dst + 1].clone()  # every source read before any write
     has = lens > 0
     where = select_index.reshape(-1).long() if select_index is not None else start + lens - 1
     input_ids[where[has]] = topk_index.reshape(-1).long()[has]

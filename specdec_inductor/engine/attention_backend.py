@@ -108,7 +108,8 @@ def _torch_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_le
             # rule, csrc/attention.cpp tree_depths). Padding rows' depths are never used.
             depth = (tree.sum(-1) - 1).clamp(min=0)  # [B, T]
             qpos = prefix + depth.unsqueeze(-1)  # [B, T, 1]
-            kpos = torch.where(j < prefix, j, prefix + torch.gather(depth, 1, rel[:, 0]).unsqueeze(1))
+            key_depth = torch.gather(depth, 1, rel[:, 0]).unsqueeze(1)  # [B, 1, L]
+            kpos = torch.where(j < prefix, j, prefix + key_depth)  # [B, 1, L]
     if sliding_window > 0:
         mask = mask & (kpos > qpos - sliding_window)
     valid_row = t < extend_lens.long().view(bs, 1, 1)  # [B, T, 1]
