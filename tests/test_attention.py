@@ -483,6 +483,38 @@ def test_sliding_window_model_speculative_greedy_equals_plain():
     engine.pool.check_consistent()
 
 
+def test_gemma2_window_and_softcap_speculative_greedy_equals_stock():
+    """Gemma-2 style (sliding-window layers alternating with full ones, attention soft cap 5):
+    n-gram speculation equals the engine's plain greedy, which equals the stock model's greedy
+    by full forwards without a cache (transformers' own generate is not the yardstick here: its
+    cached path disagrees with its uncached one for this tiny window)."""
+    transformers = pytest.importorskip("transformers")
+    from specdec_inductor.engine.engine import Engine
+    from specdec_inductor.proposers.ngram import NgramProposer
+    from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+    torch.manual_seed(11)
+    config = transformers.Gemma2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        sliding_window=3, attn_logit_softcapping=5.0, final_logit_softcapping=None)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert "sliding_attention" in config.layer_types
+    phrase = [5, 17, 42, 8, 61]
+    prompt = phrase + [3, 9, 70] + phrase + phrase[:2]
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(16):
+            seq.append(int(model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    engine = Engine(model, max_batch=1, max_len=128, compile=False, prefill_chunk=16)
+    plain = engine.generate([prompt], 16)
+    assert plain == [seq[len(prompt):]]
+    stats = SpeculativeStats()
+    spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=6, breadth=(2, 1)))
+    assert spec.generate([prompt], 16, stats=stats) == plain
+    assert stats.verify_steps > 0 and stats.mean_accepted_length > 1.0, stats.summary()
+
+
 # ---- decode -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("isa", ISAS)
