@@ -311,3 +311,32 @@ def test_rotate_input_ids_cpu():
     assert ids.tolist() == [6, 7]
     with pytest.raises(ValueError, match="'topk_index'"):
         sglang.rotate_input_ids_cpu(ids, T([0]), T([2]), T([7, 8]))
+
+
+def test_sglang_cpu_names():
+    """sgl_kernel's `*_cpu` spellings, with their pool_len / accept_stride arguments."""
+    table = _table()
+    predicts = torch.full((12,), SENTINEL, dtype=torch.int32)
+    accept_index = torch.full((2, 4), -1, dtype=torch.int32)
+    accept_num = torch.zeros(2, dtype=torch.int32)
+    sglang.verify_tree_greedy_cpu(predicts, accept_index, accept_num, *example_d().values())
+    assert accept_index.tolist() == [[0, 3, 4, 5], [6, 10, 11, -1]]
+    out = torch.full((13,), SENTINEL, dtype=torch.int64)
+    sglang.assign_draft_cache_locs_contiguous_cpu(T([4, 1]), table, T([3, 0]), out, 20, 2, 3)
+    assert out[:12].tolist() == ops.assign_draft_cache_locs(table, T([4, 1]), T([3, 0]), 2, 3).tolist()
+    assert int(out[12]) == SENTINEL
+    dense = torch.full((7,), SENTINEL, dtype=torch.int64)
+    sglang.assign_extend_cache_locs_cpu(T([2, 5]), table, T([4, 0]), T([8, 2]), dense, 20)
+    assert dense.tolist() == table[2, 4:8].tolist() + table[5, 0:2].tolist() + [SENTINEL]
+    t2 = table.clone()
+    sglang.assign_req_to_token_pool_cpu(T([0]), t2, T([2]), T([4]), T([100, 101]), 20)
+    assert t2[0, 2:4].tolist() == [100, 101]
+    with pytest.raises(ValueError, match="'pool_len'"):
+        sglang.assign_req_to_token_pool_cpu(T([0]), t2, T([2]), T([4]), T([100, 101]), 21)
+    bonus = torch.zeros(2, dtype=torch.int32)
+    sglang.fill_bonus_tokens_cpu(T([1, 2, 3, 4, 5, 6], dtype=torch.int32), T([3, 1], dtype=torch.int32),
+                                 bonus, 3)
+    assert bonus.tolist() == [3, 4]
+    acc = torch.full((8,), SENTINEL, dtype=torch.int64)
+    sglang.fill_accept_out_cache_loc_cpu(T([[0, 2, -1], [3, -1, -1]]), T([10, 11, 12, 13]), acc)
+    assert acc.tolist() == [10, 12, 13] + [SENTINEL] * 5

@@ -2,8 +2,9 @@
 in the argument order of SGLang's speculative CPU kernels (sgl_kernel's
 build_tree_kernel_efficient, verify_tree_greedy, reconstruct_indices_from_tree_mask,
 tree_speculative_sampling_target_only, extend_attention_cpu, build_draft_decode_metadata_cpu,
-copy_all_layer_kv_cache_cpu, rotate_input_ids_cpu and the slot helpers of its EAGLE worker), so
-a worker written for SGLang's CPU backend can swap these in.
+copy_all_layer_kv_cache_cpu, rotate_input_ids_cpu and the slot helpers of its EAGLE worker,
+also under sgl_kernel's `*_cpu` names at the end of this file), so a worker written for
+SGLang's CPU backend can swap these in.
 
 Conventions, and where they differ from SGLang's:
 - Spelling: our argument names are `retrieve_*`; SGLang's keyword spelling `retrive_*` is
@@ -376,3 +377,57 @@ def extend_attention_cpu(q_extend: Tensor, k_extend: Tensor, v_extend: Tensor, o
                                int(sliding_window_size) if sliding_window_size > 0 else -1,
                                float(logit_cap))
     o_extend[flat] = out[valid].to(o_extend.dtype)
+
+
+# ---- SGLang's `*_cpu` names ---------------------------------------------------------------------
+# sgl_kernel also exports the CPU kernels under their own names, some with a redundant pool_len /
+# accept_stride argument (checked against the tensors here, then dropped).
+
+verify_tree_greedy_cpu = verify_tree_greedy
+build_tree_kernel_efficient_cpu = build_tree_kernel_efficient
+reconstruct_indices_from_tree_mask_cpu = reconstruct_indices_from_tree_mask
+
+
+def _check_pool_len(req_to_token: Tensor, pool_len: int) -> None:
+    if req_to_token.dim() != 2 or req_to_token.shape[1] != pool_len:
+        raise ValueError(f"argument 'pool_len' = {pool_len} must equal req_to_token's width, got "
+                         f"shape {tuple(req_to_token.shape)}")
+
+
+def assign_req_to_token_pool_cpu(req_pool_indices: Tensor, req_to_token: Tensor,
+                                 start_offset: Tensor, end_offset: Tensor, out_cache_loc: Tensor,
+                                 pool_len: int) -> None:
+    _check_pool_len(req_to_token, pool_len)
+    assign_req_to_token(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc)
+
+
+def assign_draft_cache_locs_contiguous_cpu(req_pool_indices: Tensor, req_to_token: Tensor,
+                                           seq_lens: Tensor, out_cache_loc: Tensor, pool_len: int,
+                                           topk: int, num_steps: int) -> None:
+    _check_pool_len(req_to_token, pool_len)
+    assign_draft_cache_locs(req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk,
+                            num_steps)
+
+
+def assign_extend_cache_locs_cpu(req_pool_indices: Tensor, req_to_token: Tensor,
+                                 start_offset: Tensor, end_offset: Tensor, out_cache_loc: Tensor,
+                                 pool_len: int) -> None:
+    _check_pool_len(req_to_token, pool_len)
+    get_target_cache_loc(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc)
+
+
+def fill_bonus_tokens_cpu(accept_tokens: Tensor, accept_lens: Tensor, bonus_tokens: Tensor,
+                          accept_stride: int) -> None:
+    """bonus_tokens[b] = accept_tokens[b, accept_lens[b] - 1] over rows of accept_stride."""
+    bs = accept_lens.numel()
+    if accept_tokens.numel() != bs * accept_stride:
+        raise ValueError(f"argument 'accept_stride' = {accept_stride}: accept_tokens has "
+                         f"{accept_tokens.numel()} elements for {bs} requests")
+    fill_new_verified_id(accept_tokens.reshape(bs, accept_stride), accept_lens, bonus_tokens)
+
+
+def fill_accept_out_cache_loc_cpu(accept_index: Tensor, out_cache_loc: Tensor,
+                                  accept_out_cache_loc: Tensor) -> None:
+    """Accepted slots out_cache_loc[accept_index[i] >= 0] compacted to the front of
+    accept_out_cache_loc (its tail untouched)."""
+    filter_finished_cache_loc(out_cache_loc, accept_index.reshape(-1), accept_out_cache_loc)
