@@ -11,6 +11,9 @@
 // active_isa() >= AVX2 and D % 8 == 0; else the portable kernel below. The
 // path that ran is recorded per op. When there are fewer (request, head, row-block) items than
 // 2x the threads, key ranges are split (flash-decoding) and merged here.
+// Sliding window with a tree mask: a draft's token position is prefix + its depth in the tree
+// (derived from the mask: tree_depths), not its row; every kernel applies the same rule through
+// query_pos / key_pos (attention_isa.h).
 // store_kv is a row copy (portable path only; it converts k/v to the pool's dtype).
 #include <torch/library.h>
 
@@ -49,7 +52,7 @@ void load_row(const void* base, int64_t offset, AttnDtype dtype, int64_t D, floa
 }
 
 bool visible(const AttnChunk& c, int64_t t, int64_t p) {
-  if (c.window > 0 && p <= c.prefix + t - c.window) return false;
+  if (c.window > 0 && key_pos(c, p) <= query_pos(c, t) - c.window) return false;
   if (p < c.prefix) return true;
   const int64_t e = p - c.prefix;
   return c.tree == nullptr ? e <= t : c.tree[t * c.tree_stride + e] != 0;
@@ -156,6 +159,28 @@ const uint8_t* tree_visibility(const at::Tensor& tree_mask, int64_t bs, int64_t 
   return storage.data();
 }
 
+// Depth of every new token of a tree draft, [B*T]: the number of new tokens its mask row shows,
+// minus one (itself). Positions must not run ahead of rows -- depth(e) <= e, which holds for a
+// tree whose parents precede their children (SGLang's and ours) -- since the kernels' windowed
+// key ranges are cut by index; a mask that breaks this raises.
+std::vector<int32_t> tree_depths(const uint8_t* tree, int64_t bs, int64_t T,
+                                 const std::vector<int64_t>& extend) {
+  std::vector<int32_t> depth(bs * T, 0);
+  for (int64_t b = 0; b < bs; ++b) {
+    for (int64_t e = 0; e < extend[b]; ++e) {
+      const uint8_t* row = tree + (b * T + e) * T;
+      int64_t shown = 0;
+      for (int64_t j = 0; j < extend[b]; ++j) shown += row[j] != 0;
+      TORCH_CHECK_VALUE(shown - 1 <= e, "argument 'tree_mask': with sliding_window, row ", e,
+                        " of request ", b, " shows ", shown, " new tokens, but a draft's depth "
+                        "(tokens shown minus itself) must not exceed its row index (parents "
+                        "before children)");
+      depth[b * T + e] = static_cast<int32_t>(std::max<int64_t>(0, shown - 1));
+    }
+  }
+  return depth;
+}
+
 // Writes rows normalised by their softmax sums into out [B, T, H, D] (contiguous); rows that saw
 // no key are zero.
 void write_rows(const WorkItem& it, const float* acc, const float* sum, int64_t hpg, int64_t T,
@@ -205,9 +230,6 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
   TORCH_CHECK_VALUE(std::isfinite(scale), "argument 'scale' must be finite, got ", scale);
   TORCH_CHECK_VALUE(std::isfinite(logit_cap) && logit_cap >= 0, "argument 'logit_cap' must be "
                     ">= 0 (0 disables the soft cap), got ", logit_cap);
-  TORCH_CHECK_VALUE(!(sliding_window > 0 && tree_mask.has_value()), "argument 'sliding_window' "
-                    "(", sliding_window, ") is not supported together with a tree_mask: tree "
-                    "drafts' positions are their depths, not their rows");
   const int64_t R = req_to_token.size(0), L = req_to_token.size(1);
   const int32_t* table = req_to_token.const_data_ptr<int32_t>();
   const int64_t ts0 = req_to_token.stride(0), ts1 = req_to_token.stride(1);
@@ -228,6 +250,9 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
   std::vector<uint8_t> tree_storage;
   const uint8_t* tree = tree_mask.has_value()
       ? tree_visibility(*tree_mask, B, T, tree_holder, tree_storage) : nullptr;
+  // With a window, a tree draft's token position is prefix + its depth (kernels.md section 6).
+  const std::vector<int32_t> depth =
+      tree != nullptr && sliding_window > 0 ? tree_depths(tree, B, T, extend) : std::vector<int32_t>();
 
   // q rows must be dense in D for the kernels; any other strides are read in place.
   const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
@@ -268,8 +293,15 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
       for (int64_t r0 = 0; r0 < extend[b]; r0 += rows_per_item) {
         const int64_t nr = std::min(rows_per_item, extend[b] - r0);
         const int64_t kend = tree ? prefix[b] + extend[b] : prefix[b] + r0 + nr;
+        // Keys before the block's first in-window position are skipped (a key's position never
+        // exceeds its index, so the cut by index is safe). Tree rows: the block's least depth.
+        int64_t first_pos = prefix[b] + r0;
+        if (!depth.empty()) {
+          first_pos = prefix[b] + *std::min_element(depth.begin() + b * T + r0,
+                                                    depth.begin() + b * T + r0 + nr);
+        }
         const int64_t kbeg = sliding_window > 0
-            ? std::max<int64_t>(0, prefix[b] + r0 - sliding_window + 1) : 0;
+            ? std::max<int64_t>(0, first_pos - sliding_window + 1) : 0;
         items.push_back({b, g, r0, nr, kbeg, kend, 1, 0});
       }
     }
@@ -340,6 +372,7 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
       c.prefix = prefix[it.b];
       c.tree = tree ? tree + it.b * T * T : nullptr;
       c.tree_stride = T;
+      c.depth = depth.empty() ? nullptr : depth.data() + it.b * T;
       c.window = sliding_window;
       c.scale = static_cast<float>(scale);
       c.logit_cap = static_cast<float>(logit_cap);
@@ -538,9 +571,17 @@ void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const
   SPECDEC_RECORD_PATH("store_kv", Isa::PORTABLE);
 }
 
+// specdec::_probe_throw: always raises ValueError("specdec exception probe"). Run once per build,
+// in a subprocess, by specdec_inductor.cpp_exceptions_work(): with some compiler / torch pairings
+// (seen: Ubuntu g++ 13.3 with torch 2.11.0+cu130) a C++ exception thrown by an extension aborts
+// the process instead of reaching Python, and every bad-input check of this library is one.
+// It sits here, beside the attention checks, only because an op family file must hold it.
+void probe_throw() { TORCH_CHECK_VALUE(false, "specdec exception probe"); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("_probe_throw() -> ()", &probe_throw);
   m.def("store_kv(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor k, Tensor v, Tensor slots) -> ()");
   m.def("extend_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor req_to_token, "
         "Tensor req_rows, Tensor prefix_lens, Tensor extend_lens, Tensor? tree_mask, float scale, "

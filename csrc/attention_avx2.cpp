@@ -65,7 +65,7 @@ inline __m256 reduce8(const __m256 a[8]) {
 }
 
 inline bool visible(const AttnChunk& c, int64_t t, int64_t p) {
-  if (c.window > 0 && p <= c.prefix + t - c.window) return false;
+  if (c.window > 0 && key_pos(c, p) <= query_pos(c, t) - c.window) return false;
   if (p < c.prefix) return true;
   const int64_t e = p - c.prefix;
   return c.tree == nullptr ? e <= t : c.tree[t * c.tree_stride + e] != 0;

@@ -13,9 +13,13 @@ enum class AttnDtype : int { FLOAT32 = 0, BFLOAT16 = 1 };
 // i.e. query row t = row0 + r and query head g * heads + hh, all of which share KV head g.
 // Keys: positions [key_begin, key_end) of one request's req_to_token row; position p lives in pool
 // slot slots[p * slot_stride] (validated by the dispatcher). Positions < prefix are the committed
-// prefix (always visible); position prefix + e is new token e, visible to row t when
-// tree == nullptr ? e <= t : tree[t * tree_stride + e] != 0. With window > 0 a key is visible
-// only if p > prefix + t - window.
+// prefix; position prefix + e is new token e, visible to row t when
+// tree == nullptr ? e <= t : tree[t * tree_stride + e] != 0 (prefix keys are always visible).
+// Sliding window (window > 0), transformers' rule kv_pos > q_pos - window on token positions:
+// new token e sits at token position prefix + depth(e), depth(e) = depth[e] when depth is set
+// (a tree draft's depth) and e otherwise (causal rows); a prefix key's token position is its
+// index. A key is visible only if it passes the window as well as the tree / causal rule.
+// query_pos / key_pos below are the definitions every kernel uses.
 struct AttnChunk {
   AttnDtype dtype;
   int64_t head_dim;  // D
@@ -30,6 +34,7 @@ struct AttnChunk {
   int64_t key_begin, key_end, prefix;
   const uint8_t* tree;  // [T, T] visibility of new keys for this request, or nullptr (causal)
   int64_t tree_stride;
+  const int32_t* depth;  // [T] token-position offsets of this request's new tokens, or nullptr
   int64_t window;   // <= 0: none
   float scale;      // applied to q.k before the cap
   float logit_cap;  // <= 0: none; else s = cap * tanh(s / cap)
@@ -39,6 +44,17 @@ struct AttnChunk {
   float* max;
   float* sum;
 };
+
+// Token position of query row t and of key index p (see the struct comment). In an anonymous
+// namespace so that each translation unit keeps its own copy, compiled with its own ISA flags.
+namespace {
+inline int64_t query_pos(const AttnChunk& c, int64_t t) {
+  return c.prefix + (c.depth != nullptr ? c.depth[t] : t);
+}
+inline int64_t key_pos(const AttnChunk& c, int64_t p) {
+  return p < c.prefix || c.depth == nullptr ? p : c.prefix + c.depth[p - c.prefix];
+}
+}  // namespace
 
 // Plain C++ (attention.cpp); any head_dim.
 void attention_chunk_portable(const AttnChunk& c);

@@ -111,8 +111,11 @@ inline __m512 exp2_bf16(__m512 t) {
 // Visibility of the block's keys [kb0, kb0 + nk) for query row t, bit j = key kb0 + j.
 uint64_t visible_bits(const AttnChunk& c, int64_t t, int64_t kb0, int64_t nk) {
   uint64_t bits = nk >= 64 ? ~0ull : ((1ull << nk) - 1);
+  const int64_t lo_pos = query_pos(c, t) - c.window + 1;  // first position inside the window
   if (c.window > 0) {
-    const int64_t lo = c.prefix + t - c.window + 1 - kb0;  // first visible j
+    // Key indices below lo_pos are outside the window: a key's position never exceeds its
+    // index (prefix keys: equal; tree keys: prefix + depth(e) <= prefix + e).
+    const int64_t lo = lo_pos - kb0;  // first j not excluded by index
     if (lo >= 64) return 0;
     if (lo > 0) bits &= ~((1ull << lo) - 1);
   }
@@ -126,7 +129,9 @@ uint64_t visible_bits(const AttnChunk& c, int64_t t, int64_t kb0, int64_t nk) {
   }
   const uint8_t* row = c.tree + t * c.tree_stride;
   for (int64_t j = first_new < 0 ? 0 : first_new; j < nk; ++j) {
-    if (!row[kb0 + j - c.prefix]) bits &= ~(1ull << j);
+    if (!row[kb0 + j - c.prefix] || (c.window > 0 && key_pos(c, kb0 + j) < lo_pos)) {
+      bits &= ~(1ull << j);
+    }
   }
   return bits;
 }

@@ -7,6 +7,8 @@ fake kernels; a load failure raises with the build command instead of leaving th
 from specdec_inductor._library import (  # noqa: F401  (re-exported API)
     active_isa,
     built_isas,
+    cpp_exceptions_cause,
+    cpp_exceptions_work,
     detected_isa,
     forced_isa,
     kernel_path_counts,

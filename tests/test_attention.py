@@ -288,6 +288,233 @@ def test_extend_consecutive_slots_and_growing_scores(isa, dtype):
                  torch.tensor([n] * 3), random_tree(3, n, seed=5))
 
 
+# ---- sliding window with a tree mask ------------------------------------------------------------
+# Token positions (kernels.md section 6): draft i of a request with prefix P sits at P + depth(i);
+# prefix key p at p. transformers' sliding window keeps key k for query q iff pos(k) > pos(q) - w
+# (masking_utils.sliding_window_overlay), on top of the tree (or causal) rule.
+
+def tree_with_depths(bs, n, seed, kind):
+    """QLEN_ONLY bool [B*N*N] ancestor-set masks and the nodes' depths [B, N], taken from the
+    parent links (not from the mask): a random tree (parent of i: a random earlier node), a
+    chain (depth = row), or a wide tree (every node a child of the root)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(bs, n, n, dtype=torch.bool)  # [B, N, N]
+    depth = torch.zeros(bs, n, dtype=torch.long)  # [B, N]
+    for b in range(bs):
+        for i in range(n):
+            mask[b, i, i] = True
+            if i == 0:
+                continue
+            parent = {"chain": i - 1, "wide": 0}.get(kind)
+            if parent is None:
+                parent = int(torch.randint(0, i, (1,), generator=g))
+            mask[b, i] |= mask[b, parent]
+            depth[b, i] = depth[b, parent] + 1
+    return mask.reshape(-1), depth
+
+
+def windowed_attention(q, k_pool, v_pool, table, rows, prefixes, tree, depth, scale, window,
+                       logit_cap, dtype):
+    """The combined explicit mask -- (prefix key or tree-visible draft) and in the window by
+    token positions -- applied by SDPA (no cap) or a plain softmax (cap) computed in `dtype`."""
+    bs, n, h, d = q.shape
+    h_kv = k_pool.shape[1]
+    tree = tree.view(bs, n, n)
+    out = torch.zeros(bs, n, h, d, dtype=dtype)  # [B, N, H, D]
+    for b in range(bs):
+        p = prefixes[b]
+        slots = table[int(rows[b]), :p + n].long()
+        k = k_pool[slots].to(dtype).transpose(0, 1)  # [Hkv, K, D]
+        v = v_pool[slots].to(dtype).transpose(0, 1)  # [Hkv, K, D]
+        qpos = (p + depth[b]).view(n, 1)  # [N, 1]
+        kpos = torch.cat([torch.arange(p), p + depth[b]]).view(1, -1)  # [1, K]
+        mask = torch.cat([torch.ones(n, p, dtype=torch.bool), tree[b]], dim=1)  # [N, K]
+        mask &= kpos > qpos - window
+        qb = q[b].to(dtype).transpose(0, 1)  # [H, N, D]
+        if logit_cap > 0:
+            kr = k.repeat_interleave(h // h_kv, dim=0)
+            vr = v.repeat_interleave(h // h_kv, dim=0)
+            scores = logit_cap * torch.tanh((qb @ kr.transpose(1, 2)) * scale / logit_cap)
+            o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vr  # [H, N, D]
+        else:
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=h != h_kv)  # [H, N, D]
+        out[b] = o.transpose(0, 1)
+    return out
+
+
+# (prefixes, N, H, Hkv, D, tree kind, windows): windows below the tree depth, around the
+# prefix/draft boundary and wide enough to split the key range (4000 keys, one request).
+WINDOW_CASES = [
+    ([20], 8, 4, 2, 64, "chain", [1, 2, 3, 9]),
+    ([37, 0, 90], 16, 6, 3, 64, "random", [1, 3, 5, 40]),
+    ([130], 64, 8, 2, 64, "random", [2, 7, 30]),  # two query-row blocks per KV head
+    ([300, 5], 12, 4, 4, 128, "wide", [1, 2, 6]),
+    ([4000], 8, 4, 1, 64, "random", [3, 1500]),
+]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"p{c[0]}-n{c[1]}-h{c[2]}x{c[3]}-d{c[4]}-{c[5]}")
+@pytest.mark.parametrize("packed", [False, True], ids=["bool", "bits"])
+def test_tree_verify_with_sliding_window_matches_sdpa(isa, dtype, case, packed):
+    prefixes, n, h, h_kv, d, kind, windows = case
+    bs = len(prefixes)
+    q, k_pool, v_pool, table, rows = make_batch(prefixes, n, h, h_kv, d, dtype, seed=n + d)
+    q = q * 3  # scores large enough for the soft cap to matter
+    tree, depth = tree_with_depths(bs, n, seed=h, kind=kind)
+    mask = bitpack(tree, bs, n) if packed else tree
+    scale = 1.0 / math.sqrt(d)
+    prefix_lens, extend_lens = torch.tensor(prefixes), torch.full((bs,), n)
+    for window in windows:
+        for cap in (0.0, 3.0):
+            out = run_extend(isa, q, k_pool, v_pool, table, rows, prefix_lens, extend_lens, mask,
+                             scale, sliding_window=window, logit_cap=cap)
+            ref32 = windowed_attention(q.float(), k_pool.float(), v_pool.float(), table, rows,
+                                       prefixes, tree, depth, scale, window, cap, torch.float32)
+            plain = windowed_attention(q, k_pool, v_pool, table, rows, prefixes, tree, depth,
+                                       scale, window, cap, dtype)
+            check_2x(out, ref32, plain, dtype)
+            if window < n:  # the window really cut drafts: rows' positions, not their indices
+                unwindowed = windowed_attention(q.float(), k_pool.float(), v_pool.float(), table,
+                                                rows, prefixes, tree, depth, scale, 10**9, cap,
+                                                torch.float32)
+                assert (ref32 - unwindowed).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_torch_backend_tree_window_matches_sdpa(dtype):
+    """The engine's TORCH attention backend applies the same positions (depths) as the ops."""
+    from specdec_inductor.engine import attention_backend as ab
+    prefixes, n = [9, 40], 10
+    q, k_pool, v_pool, table, rows = make_batch(prefixes, n, 4, 2, 64, dtype, seed=1)
+    tree, depth = tree_with_depths(2, n, seed=3, kind="random")
+    for window in (1, 3, 12):
+        out = ab.extend_attention(ab.AttentionBackend.TORCH, q, k_pool, v_pool, table, rows,
+                                  torch.tensor(prefixes), torch.full((2,), n), tree, 0.125, window)
+        ref32 = windowed_attention(q.float(), k_pool.float(), v_pool.float(), table, rows,
+                                   prefixes, tree, depth, 0.125, window, 0.0, torch.float32)
+        plain = windowed_attention(q, k_pool, v_pool, table, rows, prefixes, tree, depth, 0.125,
+                                   window, 0.0, dtype)
+        check_2x(out, ref32, plain, dtype)
+
+
+def test_sliding_window_model_verify_equals_stock_paths():
+    """End to end: a tiny random Mistral with sliding_window=4 (prompt and tree both longer than
+    the window) through Engine.verify on the OPS backend; every tree node's logits equal the
+    stock model's (SDPA with transformers' own sliding-window mask) on its root-to-node path, so
+    speculative verify accepts exactly the plain greedy tokens."""
+    transformers = pytest.importorskip("transformers")
+    from specdec_inductor.engine.engine import Engine
+    torch.manual_seed(5)
+    config = transformers.MistralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        sliding_window=4)
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32]
+    parents = [-1, 0, 1, 2, 3, 4, 0, 6, 1, 8]  # a depth-5 chain, a side branch and a short one
+    tokens = [7, 21, 40, 99, 5, 61, 12, 33, 70, 2]
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)  # [N, N]
+    depths, paths = [], []
+    for i in range(n):
+        path, j = [], i
+        while j >= 0:
+            mask[i, j] = True
+            path.append(tokens[j])
+            j = parents[j]
+        depths.append(len(path) - 1)
+        paths.append(path[::-1])
+    with torch.no_grad():
+        stock = [model(torch.tensor([prompt + paths[i]])).logits[0, -1] for i in range(n)]
+    engine = Engine(model, max_batch=1, max_len=64, compile=False, prefill_chunk=4)
+    (req,) = engine.pool.admit([len(prompt)], max_new_tokens=16)
+    row = torch.tensor([req.row])
+    engine.prefill([prompt], row)
+    seq_lens = torch.tensor([len(prompt)])
+    positions = seq_lens.view(1, 1) + torch.tensor([depths])  # [1, N]
+    argmax, logits = engine.verify(torch.tensor([tokens]), positions, row, seq_lens, mask.flatten())
+    for i in range(n):
+        torch.testing.assert_close(logits[0, i], stock[i], atol=1e-4, rtol=1e-4)
+    assert torch.equal(argmax[0], torch.stack(stock).argmax(-1))  # verify's greedy picks
+    engine.pool.release(req)
+    # The window mattered: the same weights without it give other logits on the deep nodes.
+    full = transformers.MistralConfig(**{**config.to_dict(), "sliding_window": None})
+    full._attn_implementation = "sdpa"
+    unwindowed = transformers.AutoModelForCausalLM.from_config(full).eval()
+    unwindowed.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        deep = unwindowed(torch.tensor([prompt + paths[5]])).logits[0, -1]
+    assert (deep - stock[5]).abs().max() > 1e-3
+
+
+def test_sliding_window_model_speculative_greedy_equals_plain():
+    """End to end: n-gram speculation (tree drafts, depths beyond the window) on a tiny random
+    Mistral with sliding_window=3 gives exactly the engine's plain greedy tokens, and those are
+    the stock model's greedy tokens (transformers' generate with its own window mask). Eager
+    only: the compiled engine runs the same op (it also passed, at 90 s more per run)."""
+    transformers = pytest.importorskip("transformers")
+    from specdec_inductor.engine.engine import Engine
+    from specdec_inductor.proposers.ngram import NgramProposer
+    from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+    torch.manual_seed(11)
+    config = transformers.MistralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        sliding_window=3)
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    phrase = [5, 17, 42, 8, 61]
+    prompts = [phrase + [3, 9, 70] + phrase + phrase[:2], [11, 12] + phrase * 3]
+    with torch.no_grad():  # before the engine switches the model to our attention
+        stock = [model.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24,
+                                do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                 for p in prompts]
+    engine = Engine(model, max_batch=2, max_len=128, compile=False, prefill_chunk=16)
+    plain = engine.generate(prompts, 24)
+    assert plain == stock
+    stats = SpeculativeStats()
+    spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=6, breadth=(2, 1)))
+    assert spec.generate(prompts, 24, stats=stats) == plain
+    assert stats.verify_steps > 0 and stats.mean_accepted_length > 1.0, stats.summary()
+    engine.pool.check_consistent()
+
+
+def test_gemma2_window_and_softcap_speculative_greedy_equals_stock():
+    """Gemma-2 style (sliding-window layers alternating with full ones, attention soft cap 5):
+    n-gram speculation equals the engine's plain greedy, which equals the stock model's greedy
+    by full forwards without a cache (transformers' own generate is not the yardstick here: its
+    cached path disagrees with its uncached one for this tiny window)."""
+    transformers = pytest.importorskip("transformers")
+    from specdec_inductor.engine.engine import Engine
+    from specdec_inductor.proposers.ngram import NgramProposer
+    from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+    torch.manual_seed(11)
+    config = transformers.Gemma2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        sliding_window=3, attn_logit_softcapping=5.0, final_logit_softcapping=None)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert "sliding_attention" in config.layer_types
+    phrase = [5, 17, 42, 8, 61]
+    prompt = phrase + [3, 9, 70] + phrase + phrase[:2]
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(16):
+            seq.append(int(model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    engine = Engine(model, max_batch=1, max_len=128, compile=False, prefill_chunk=16)
+    plain = engine.generate([prompt], 16)
+    assert plain == [seq[len(prompt):]]
+    stats = SpeculativeStats()
+    spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=6, breadth=(2, 1)))
+    assert spec.generate([prompt], 16, stats=stats) == plain
+    assert stats.verify_steps > 0 and stats.mean_accepted_length > 1.0, stats.summary()
+
+
 # ---- decode -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -402,9 +629,11 @@ int main() {
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
   int fails = 0;
-  struct Case { int64_t D, rows, heads, prefix, ext; bool tree; };
-  for (Case cs : {Case{64, 8, 4, 300, 8, true}, Case{128, 16, 3, 130, 16, true}, Case{96, 1, 4, 1000, 1, false},
-                  Case{64, 5, 7, 70, 5, false}, Case{128, 64, 1, 0, 64, true}, Case{32, 3, 2, 10, 3, false}}) {
+  struct Case { int64_t D, rows, heads, prefix, ext; bool tree; int64_t window; };
+  for (Case cs : {Case{64, 8, 4, 300, 8, true, -1}, Case{128, 16, 3, 130, 16, true, -1}, Case{96, 1, 4, 1000, 1, false, -1},
+                  Case{64, 5, 7, 70, 5, false, -1}, Case{128, 64, 1, 0, 64, true, -1}, Case{32, 3, 2, 10, 3, false, -1},
+                  Case{64, 16, 4, 300, 16, true, 5}, Case{128, 64, 1, 40, 64, true, 3}, Case{64, 5, 7, 70, 5, false, 9},
+                  Case{64, 32, 2, 100, 32, true, 70}}) {
     const int64_t S = cs.prefix + cs.ext + 10, D = cs.D;
     std::vector<uint16_t> k(S * D), v(S * D), q(cs.rows * cs.heads * D);
     for (auto& x : k) x = to_bf(nd(rng)); for (auto& x : v) x = to_bf(nd(rng)); for (auto& x : q) x = to_bf(nd(rng));
@@ -412,6 +641,11 @@ int main() {
     for (size_t i = 0; i < slots.size(); ++i) slots[i] = (i * 7 + 3) % S;
     std::vector<uint8_t> tree(cs.ext * cs.ext);
     for (int64_t t = 0; t < cs.ext; ++t) for (int64_t j = 0; j < cs.ext; ++j) tree[t * cs.ext + j] = (j == t) || (j < t && (rng() & 1));
+    // With a window, drafts' token positions are prefix + depth (depth = drafts shown - 1).
+    std::vector<int32_t> depth(cs.ext);
+    for (int64_t t = 0; t < cs.ext; ++t) { int32_t n = 0; for (int64_t j = 0; j < cs.ext; ++j) n += tree[t * cs.ext + j]; depth[t] = n - 1; }
+    const bool use_depth = cs.tree && cs.window > 0;
+    auto pos = [&](int64_t p) { return p < cs.prefix ? p : cs.prefix + (use_depth ? depth[p - cs.prefix] : p - cs.prefix); };
     const int64_t M = cs.rows * cs.heads;
     std::vector<float> out[2];
     for (int which = 0; which < 2; ++which) {
@@ -420,7 +654,7 @@ int main() {
       c.dtype = AttnDtype::BFLOAT16; c.head_dim = D; c.q = q.data(); c.q_stride_row = cs.heads * D; c.q_stride_head = D;
       c.rows = cs.rows; c.heads = cs.heads; c.row0 = 0; c.k = k.data(); c.v = v.data(); c.k_stride_slot = D; c.v_stride_slot = D;
       c.slots = slots.data(); c.slot_stride = 1; c.key_begin = 0; c.key_end = cs.prefix + cs.ext; c.prefix = cs.prefix;
-      c.tree = cs.tree ? tree.data() : nullptr; c.tree_stride = cs.ext; c.window = -1; c.scale = 0.125f; c.logit_cap = 0;
+      c.tree = cs.tree ? tree.data() : nullptr; c.tree_stride = cs.ext; c.depth = use_depth ? depth.data() : nullptr; c.window = cs.window; c.scale = 0.125f; c.logit_cap = 0;
       c.acc = acc.data(); c.max = mx.data(); c.sum = sm.data();
       if (which == 0) attention_chunk_amx(c); else attention_chunk_avx512(c);
       out[which].resize(M * D);
@@ -435,6 +669,7 @@ int main() {
       for (int64_t p = 0; p < cs.prefix + cs.ext; ++p) {
         const int64_t e = p - cs.prefix;
         if (e >= 0 && (cs.tree ? !tree[t * cs.ext + e] : e > t)) { w[p] = -1e300; continue; }
+        if (cs.window > 0 && pos(p) <= pos(cs.prefix + t) - cs.window) { w[p] = -1e300; continue; }
         double dot = 0;
         for (int64_t d = 0; d < D; ++d) dot += (double)emu::bf(q[m * D + d]) * emu::bf(k[slots[p] * D + d]);
         w[p] = dot * 0.125; mx = std::fmax(mx, w[p]);
@@ -446,7 +681,7 @@ int main() {
     double err[2] = {0, 0};
     for (int which = 0; which < 2; ++which)
       for (size_t i = 0; i < ref.size(); ++i) err[which] = std::fmax(err[which], std::fabs(out[which][i] - ref[i]));
-    std::printf("D=%ld rows=%ld heads=%ld prefix=%ld tree=%d: max error vs fp64: amx_emu %.3g, avx512 %.3g\n", (long)D, (long)cs.rows, (long)cs.heads, (long)cs.prefix, (int)cs.tree, err[0], err[1]);
+    std::printf("D=%ld rows=%ld heads=%ld prefix=%ld tree=%d window=%ld: max error vs fp64: amx_emu %.3g, avx512 %.3g\n", (long)D, (long)cs.rows, (long)cs.heads, (long)cs.prefix, (int)cs.tree, (long)cs.window, err[0], err[1]);
     if (!(err[0] <= 2 * err[1] + 1e-3)) ++fails;
   }
   std::printf(fails ? "FAIL\n" : "OK\n");
@@ -459,8 +694,8 @@ int main() {
 @pytest.mark.skipif("avx512" not in ISAS, reason="the harness compares with the AVX-512 kernel")
 def test_amx_kernel_matches_avx512_with_emulated_tiles(tmp_path):
     """The AMX kernel with software-emulated tile instructions is as close to an fp64 reference
-    as the AVX-512 kernel (bf16; 2x rule): checks its tile shapes, strides and padding without
-    AMX hardware (not the hardware itself; test_amx_path_is_tested_where_available and every
+    as the AVX-512 kernel (bf16; 2x rule), sliding windows over tree drafts included: checks its
+    tile shapes, strides, padding and visibility masks without AMX hardware (not the hardware itself; test_amx_path_is_tested_where_available and every
     amx-parametrized test do that where the CPU has AMX)."""
     csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
     src, exe = tmp_path / "harness.cpp", tmp_path / "harness"
@@ -602,7 +837,10 @@ def test_bad_inputs_name_the_argument():
         (lambda: ext_call(req_to_token=bad_table), IndexError, "'req_to_token'"),
         (lambda: ext_call(tree_mask=torch.ones(15, dtype=torch.bool)), ValueError, "'tree_mask'"),
         (lambda: ext_call(tree_mask=torch.ones(4, dtype=torch.float32)), TypeError, "'tree_mask'"),
-        (lambda: ext_call(tree_mask=random_tree(1, 4), sliding_window=8), ValueError, "'sliding_window'"),
+        # with a window, drafts' positions are depths: a row may not show more drafts than its
+        # index + 1 (parents before children)
+        (lambda: ext_call(tree_mask=torch.ones(16, dtype=torch.bool), sliding_window=8),
+         ValueError, "'tree_mask'"),
         (lambda: ext_call(logit_cap=-1.0), ValueError, "'logit_cap'"),
         (lambda: decode_attention(q[:, 0], k_pool, v_pool, table, rows, torch.tensor([0]), 0.1),
          ValueError, "'kv_lens'"),

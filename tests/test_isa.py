@@ -1,4 +1,5 @@
 """ISA path selection: detection, the SPECDEC_ISA override, and the per-path counters."""
+import json
 import os
 import subprocess
 import sys
@@ -104,3 +105,58 @@ def test_peak_probe_counts_its_multiply_adds_and_needs_simd():
     with specdec_inductor.forced_isa("portable"):
         assert _C.peak_multiply_adds(False, 10) == 0
         assert _C.peak_probe_isa(True) == ""
+
+
+# ---- C++ exceptions across the extension boundary (conftest.py's cpp_raises marker) ------------
+
+def test_cpp_exceptions_reach_python_here():
+    """This build's throws reach Python (the probe says so, and so does a real throw)."""
+    assert specdec_inductor.cpp_exceptions_work(), specdec_inductor.cpp_exceptions_cause()
+    with pytest.raises(ValueError, match="specdec exception probe"):
+        torch.ops.specdec._probe_throw()
+
+
+def test_exception_probe_runs_and_is_cached(tmp_path):
+    """A fresh probe (empty cache) succeeds and writes the answer keyed by the library's path,
+    mtime and size; a stored False answer is then honoured without probing: importing warns
+    with its cause."""
+    from specdec_inductor import _library
+    code = "import specdec_inductor as s; print(s.cpp_exceptions_work(), s.cpp_exceptions_cause())"
+    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_CPP_EXCEPTIONS"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("True"), run.stdout
+    cache_file = tmp_path / "specdec_inductor" / "cpp_exceptions.json"
+    cache = json.loads(cache_file.read_text())
+    library = os.path.realpath(_library._C.__file__)
+    st = os.stat(library)
+    key = f"{library}:{st.st_mtime_ns}:{st.st_size}"
+    assert cache[key][0] is True
+    cache[key] = [False, "a stored probe failure"]
+    cache_file.write_text(json.dumps(cache))
+    run = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("False a stored probe failure"), run.stdout
+    assert "RuntimeWarning" in run.stderr and "a stored probe failure" in run.stderr
+
+
+def test_cpp_raises_tests_skip_where_exceptions_abort():
+    """With SPECDEC_CPP_EXCEPTIONS=0 (as the probe answers on a broken toolchain) the tests that
+    make the library throw are skipped with the cause, the others still run."""
+    env = {**os.environ, "SPECDEC_CPP_EXCEPTIONS": "0"}
+    tests = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+         os.path.join(tests, "test_isa.py") + "::test_isa_selection_errors_raise",
+         os.path.join(tests, "test_isa.py") + "::test_default_path_is_best_runnable"],
+        env=env, capture_output=True, text=True, cwd=os.path.dirname(tests))
+    assert "1 passed, 1 skipped" in run.stdout, run.stdout + run.stderr
+    assert "SPECDEC_CPP_EXCEPTIONS=0" in run.stdout
+
+
+def test_isa_selection_errors_raise():
+    """A bad path name raises through pybind11 (named for the cpp_raises rule in conftest.py)."""
+    with pytest.raises(ValueError):
+        specdec_inductor.set_active_isa("no-such-path")

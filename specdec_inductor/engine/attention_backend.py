@@ -95,6 +95,7 @@ def _torch_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_le
     t = torch.arange(t_max).view(1, t_max, 1)
     j = torch.arange(width).view(1, 1, width)
     qpos = prefix + t  # [B, T, 1]
+    kpos = j  # [1, 1, L]: token positions of the keys (a tree draft's is prefix + its depth)
     if tree_mask is None:
         mask = j <= qpos  # [B, T, L]
     else:
@@ -102,8 +103,15 @@ def _torch_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_le
         rel = (j - prefix).clamp(0, t_max - 1).expand(bs, t_max, width)  # [B, T, L]
         in_tree = torch.gather(tree, 2, rel) & (j >= prefix) & (j < prefix + t_max)
         mask = (j < prefix) | in_tree
+        if sliding_window > 0:
+            # Depth of draft e = the drafts its ancestor row shows, minus itself (the kernels'
+            # rule, csrc/attention.cpp tree_depths). Padding rows' depths are never used.
+            depth = (tree.sum(-1) - 1).clamp(min=0)  # [B, T]
+            qpos = prefix + depth.unsqueeze(-1)  # [B, T, 1]
+            key_depth = torch.gather(depth, 1, rel[:, 0]).unsqueeze(1)  # [B, 1, L]
+            kpos = torch.where(j < prefix, j, prefix + key_depth)  # [B, 1, L]
     if sliding_window > 0:
-        mask = mask & (j > qpos - sliding_window)
+        mask = mask & (kpos > qpos - sliding_window)
     valid_row = t < extend_lens.long().view(bs, 1, 1)  # [B, T, 1]
     # Padding rows see key 0 only, so softmax stays finite; their output is zeroed below.
     mask = torch.where(valid_row, mask, j == 0)

@@ -49,8 +49,12 @@ def extend_attention(
     token j when tree_mask allows it -- QLEN_ONLY bool [B*T*T] (row t, column j) or bit-packed
     integers [B*T] (bit j) -- or, without a mask, when j <= t (causal). In verify, drafts sit at
     positions [seq_len, seq_len + N) and prefix_lens must be exactly seq_len.
-    sliding_window > 0 (causal only; with a tree_mask it raises) keeps keys at positions
-    p > prefix + t - window; logit_cap > 0 maps scores s -> cap * tanh(s / cap).
+    sliding_window > 0 keeps a key only if its token position is > the query's - window
+    (transformers' rule), on top of the causal / tree rule. Token positions: prefix key p sits
+    at p; without a mask new token t at prefix + t; with a tree_mask draft t sits at prefix +
+    depth(t), depth(t) = the new tokens its mask row shows minus itself (a tree whose parents
+    precede their children, so depth(t) <= t; a row showing more raises ValueError).
+    logit_cap > 0 maps scores s -> cap * tanh(s / cap).
     Returns out [B, T, H, D] contiguous in q's dtype; rows t >= extend_lens[b] are zero, and so
     is a row that sees no key (a tree row with no visible token and no prefix)."""
     return torch.ops.specdec.extend_attention.default(
