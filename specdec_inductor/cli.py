@@ -95,9 +95,13 @@ def load_checked(path: Optional[str], dtype: torch.dtype):
         if "safetensor" not in type(exc).__name__.lower() + type(exc).__module__.lower() + str(exc).lower():
             raise
         directory = _weights_dir(path)
-        raise SystemExit(f"specdec: cannot read the model weights in {directory} ({exc}): the "
-                         f"file is damaged or truncated; delete {directory} and run again"
-                         f"{' (the GGUF conversion is rebuilt)' if _is_cache(directory) else ''}")
+        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")) \
+            if os.path.isdir(directory) else []
+        named = ", ".join(os.path.join(directory, f) for f in files) or directory
+        fix = (f"delete {directory} and run again (the GGUF conversion is rebuilt)"
+               if _is_cache(directory) else "download or save the model again")
+        raise SystemExit(f"specdec: cannot read the model weights {named} ({exc}): a file is "
+                         f"damaged or truncated; {fix}")
 
 
 def _weights_dir(path: Optional[str]) -> str:
@@ -190,7 +194,10 @@ def warm_up_tokens(args, room: int) -> int:
 def check_room(args, prompt_lens: List[int]) -> None:
     """The run's requests fit --max-len: prompt + --max-new-tokens (+ --num-draft-tokens, the
     positions a draft tree is verified at, with a --method)."""
-    extra = args.num_draft_tokens if getattr(args, "method", "none") != "none" else 0
+    if getattr(args, "method", "none") != "none":
+        extra = args.num_draft_tokens
+    else:  # sampled plain decoding runs the speculative loop with a one-node "tree"
+        extra = 1 if getattr(args, "temperature", 0.0) > 0 else 0
     longest = max(prompt_lens)
     need = longest + args.max_new_tokens + extra
     if need > args.max_len:
@@ -678,7 +685,7 @@ def check_args(args) -> Optional[str]:
                     return f"arguments --num-draft-tokens/--topk/--depth: {exc}"
             extra = args.num_draft_tokens
         else:
-            extra = 0
+            extra = 1 if getattr(args, "temperature", 0.0) > 0 else 0
         if args.max_new_tokens + extra + 1 > args.max_len:
             return (f"argument --max-len: {args.max_len} cannot hold a prompt + --max-new-tokens "
                     f"{args.max_new_tokens}" + (f" + --num-draft-tokens {extra}" if extra else ""))

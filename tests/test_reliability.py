@@ -134,6 +134,7 @@ def test_compiled_warm_up_fits_a_max_len_that_fits_the_request(fake_model, monke
       "--num-draft-tokens", "4"], {}, "--num-draft-tokens/--topk/--depth"),
     (["generate", "--max-new-tokens", "-5"], {}, "--max-new-tokens"),
     (["generate", "--method", "ngram", "--max-new-tokens", "600"], {}, "--max-len"),
+    (["generate", "--temperature", "1", "--max-new-tokens", "511"], {}, "--max-len"),
     (["generate", "--max-batch", "0"], {}, "--max-batch"),
     (["generate", "--seed", str(2 ** 70), "--temperature", "1"], {}, "--seed"),
     (["generate", "--model", "no/such/model-dir"], {}, "--model"),
@@ -184,7 +185,11 @@ def test_truncated_safetensors_names_the_file_and_the_fix(tmp_path, monkeypatch)
     with pytest.raises(SystemExit) as info:
         cli.load_checked(str(tmp_path), torch.float32)
     msg = str(info.value)
-    assert str(tmp_path) in msg and "delete" in msg
+    assert str(weights) in msg and "download or save the model again" in msg
+    # A damaged GGUF conversion in the cache: the hint is to delete the cache entry.
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path.parent))
+    with pytest.raises(SystemExit, match=f"delete {tmp_path} and run again"):
+        cli.load_checked(str(tmp_path), torch.float32)
 
 
 def test_eager_env_accepts_only_booleans(monkeypatch):
