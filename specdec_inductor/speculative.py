@@ -379,15 +379,15 @@ class SpeculativeGenerator:
             for pool in pools.values():
                 scopes.enter_context(pool.generation())
             return self._generate(prompts, max_new_tokens, eos_token_id, stats, sampler,
-                                  wants_hidden, captures, out, graphs0=_dynamo_counts())
+                                  wants_hidden, captures, out, _dynamo_counts())
 
     def _generate(self, prompts, max_new_tokens, eos_token_id, stats, sampler, wants_hidden,
-                  captures, out, graphs0):
+                  captures, out, counts0):
         engine, proposer = self.engine, self.proposer
         n, steps = proposer.num_draft_tokens, proposer.num_spec_steps
         bs = len(prompts)
         bucket = engine.bucket_for(bs)
-        graphs0, recompiles0 = graphs0
+        graphs0, recompiles0 = counts0
         # The tree needs N positions past the last committed token: reserve them up front.
         requests = engine.pool.admit([len(p) for p in prompts], max_new_tokens + n)
         ids = [r.row for r in requests]

@@ -366,3 +366,21 @@ def test_standalone_draft_with_another_vocabulary_is_named(monkeypatch, tmp_path
         cli.main(["generate", "--prompt", "abc", "--raw", "--max-new-tokens", "4", "--eager",
                   "--method", "standalone", "--draft-model", str(tmp_path),
                   "--num-draft-tokens", "3"])
+
+
+def test_ngram_start_failing_midway_is_finished_without_masking_the_error(monkeypatch):
+    engine = Engine(tiny_model(), max_batch=2, max_len=64, compile=False)
+    proposer = NgramProposer(num_draft_tokens=4)
+    spec = SpeculativeGenerator(engine, proposer)
+    real_add = proposer.add_request
+
+    def add_request(rid, prompt):
+        if proposer.num_requests() == 1:
+            raise RuntimeError("second request refused")
+        real_add(rid, prompt)
+    monkeypatch.setattr(proposer, "add_request", add_request)
+    with pytest.raises(RuntimeError, match="second request refused"):
+        spec.generate([[1, 2, 3], [4, 5, 6]], 4)
+    assert proposer.num_requests() == 0
+    engine.pool.check_consistent()
+    assert engine.pool.num_free_rows == engine.pool.max_reqs
