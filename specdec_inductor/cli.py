@@ -667,6 +667,12 @@ def check_args(args) -> Optional[str]:
         except ValueError as exc:
             return re.sub(r"argument '(\w+)'", lambda m: f"argument --{m[1].replace('_', '-')}:",
                           str(exc))
+        drafting = ("standalone", "eagle", "eagle3", "mtp")
+        if args.method not in drafting and (args.topk not in (None, 1) or args.depth is not None):
+            return f"arguments --topk/--depth: apply to --method {'/'.join(drafting)}, not {args.method}"
+        if args.method in ("eagle", "eagle3") and args.draft_model is None and args.model is not None:
+            return (f"argument --draft-model: --method {args.method} needs a head checkpoint "
+                    "directory for a --model other than the default (heads ship for it only)")
         if args.method != "none":
             for name in ("topk", "depth"):
                 error = _positive(args, [name])
@@ -687,8 +693,10 @@ def check_args(args) -> Optional[str]:
         else:
             extra = 1 if getattr(args, "temperature", 0.0) > 0 else 0
         if args.max_new_tokens + extra + 1 > args.max_len:
+            tail = ("" if not extra else f" + --num-draft-tokens {extra}" if args.method != "none"
+                    else " + 1 (sampled decoding verifies one position ahead)")
             return (f"argument --max-len: {args.max_len} cannot hold a prompt + --max-new-tokens "
-                    f"{args.max_new_tokens}" + (f" + --num-draft-tokens {extra}" if extra else ""))
+                    f"{args.max_new_tokens}{tail}")
     if args.command == "train-draft" and not (math.isfinite(args.lr) and args.lr > 0):
         return f"argument --lr: must be a finite number > 0, got {args.lr}"
     return None
