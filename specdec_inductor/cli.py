@@ -673,6 +673,12 @@ def check_args(args) -> Optional[str]:
         if args.method in ("eagle", "eagle3") and args.draft_model is None and args.model is not None:
             return (f"argument --draft-model: --method {args.method} needs a head checkpoint "
                     "directory for a --model other than the default (heads ship for it only)")
+        if args.method == "ngram":
+            from specdec_inductor.proposers.ngram import parse_window
+            try:
+                parse_window(args.ngram_window)
+            except ValueError as exc:
+                return f"argument --ngram-window: {exc}"
         if args.method != "none":
             for name in ("topk", "depth"):
                 error = _positive(args, [name])

@@ -136,6 +136,7 @@ def test_compiled_warm_up_fits_a_max_len_that_fits_the_request(fake_model, monke
     (["generate", "--method", "ngram", "--max-new-tokens", "600"], {}, "--max-len"),
     (["generate", "--temperature", "1", "--max-new-tokens", "511"], {}, "--max-len"),
     (["generate", "--max-batch", "0"], {}, "--max-batch"),
+    (["generate", "--method", "ngram", "--ngram-window", "4,2"], {}, "--ngram-window"),
     (["generate", "--method", "ngram", "--topk", "2"], {}, "--topk/--depth"),
     (["generate", "--method", "eagle", "--model", "."], {}, "--draft-model"),
     (["generate", "--seed", str(2 ** 70), "--temperature", "1"], {}, "--seed"),
