@@ -387,3 +387,17 @@ def test_ngram_start_failing_midway_is_finished_without_masking_the_error(monkey
     assert proposer.num_requests() == 0
     engine.pool.check_consistent()
     assert engine.pool.num_free_rows == engine.pool.max_reqs
+
+
+def test_text_stream_with_the_default_tokenizer():
+    """SmolLM2's byte-level BPE splits these characters over several tokens; each token decoded
+    with the ones before it used to print U+FFFD."""
+    from specdec_inductor.engine.hf import convert_gguf, default_gguf_path
+    tok = transformers.AutoTokenizer.from_pretrained(convert_gguf(default_gguf_path()))
+    text = "Ça coûte 5 €; 日本語で 🙂 — ok"
+    ids = tok(text)["input_ids"]
+    assert any("\ufffd" in tok.decode(ids[:k]) for k in range(1, len(ids)))  # really split
+    stream = cli.TextStream(tok)
+    pieces = [stream.push(i) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    assert not any("\ufffd" in p for p in pieces)
