@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "checked_math.h"
 #include "common.h"
 #include "kv_slots_isa.h"
 
@@ -88,15 +89,21 @@ at::Tensor assign_draft_cache_locs(const at::Tensor& req_to_token, const at::Ten
   check_size(seq_lens, 0, bs, "seq_lens");
   TORCH_CHECK_VALUE(topk >= 1, "argument 'topk' must be >= 1, got ", topk);
   TORCH_CHECK_VALUE(steps >= 1, "argument 'steps' must be >= 1, got ", steps);
-  const int64_t R = req_to_token.size(0), L = req_to_token.size(1), per_req = topk * steps;
+  const int64_t R = req_to_token.size(0), L = req_to_token.size(1);
+  const int64_t per_req = checked_mul(topk, steps, "argument 'topk' * argument 'steps'");
+  TORCH_CHECK_VALUE(per_req <= L, "arguments 'topk' * 'steps' = ", per_req,
+                    " draft slots per request exceed req_to_token's width ", L);
   const IndexView rows(req_rows), lens(seq_lens);
   check_rows(rows, bs, R, "req_rows");
   for (int64_t b = 0; b < bs; ++b) {
-    TORCH_CHECK_INDEX(lens(b) >= 0 && lens(b) + per_req <= L, "argument 'seq_lens' [", b,
+    // lens(b) <= L - per_req, not lens(b) + per_req <= L: the sum may overflow.
+    TORCH_CHECK_INDEX(lens(b) >= 0 && lens(b) <= L - per_req, "argument 'seq_lens' [", b,
                       "] = ", lens(b), ": the ", per_req, " draft slots after it exceed "
                       "req_to_token's width ", L);
   }
-  at::Tensor out = at::empty({bs * per_req}, at::kLong);  // [B*topk*steps], candidate-major
+  const int64_t total = checked_mul(bs, per_req, "batch * topk * steps");
+  check_alloc(total, "the draft cache locations");
+  at::Tensor out = at::empty({total}, at::kLong);  // [B*topk*steps], candidate-major
   int64_t* o = out.data_ptr<int64_t>();
   const int32_t* table = req_to_token.const_data_ptr<int32_t>();
   const int64_t ts0 = req_to_token.stride(0), ts1 = req_to_token.stride(1);
@@ -152,19 +159,26 @@ at::Tensor build_draft_decode_table(const at::Tensor& req_to_token, const at::Te
   TORCH_CHECK_VALUE(topk >= 1, "argument 'topk' must be >= 1, got ", topk);
   TORCH_CHECK_VALUE(steps >= 1, "argument 'steps' must be >= 1, got ", steps);
   const int64_t R = req_to_token.size(0), L = req_to_token.size(1);
+  const int64_t per_req = checked_mul(topk, steps, "argument 'topk' * argument 'steps'");
+  TORCH_CHECK_VALUE(per_req <= L, "arguments 'topk' * 'steps' = ", per_req,
+                    " draft slots per request exceed req_to_token's width ", L);
   const IndexView rows(req_rows), lens(seq_lens);
   check_rows(rows, bs, R, "req_rows");
   for (int64_t b = 0; b < bs; ++b) {
-    TORCH_CHECK_INDEX(lens(b) >= 0 && lens(b) + topk * steps <= L, "argument 'seq_lens' [", b,
-                      "] = ", lens(b), ": the ", topk * steps, " draft slots after it exceed "
+    // lens(b) <= L - per_req, not lens(b) + per_req <= L: the sum may overflow.
+    TORCH_CHECK_INDEX(lens(b) >= 0 && lens(b) <= L - per_req, "argument 'seq_lens' [", b,
+                      "] = ", lens(b), ": the ", per_req, " draft slots after it exceed "
                       "req_to_token's width ", L);
   }
+  const int64_t rows_out = checked_mul(bs, topk, "batch * argument 'topk'");
+  check_alloc(checked_mul(rows_out, L, "batch * topk * req_to_token's width"),
+              "the draft decode table");
   // Row b*topk+k: request b's prefix slots, then candidate k's `steps` draft slots, then -1.
-  at::Tensor table_out = at::empty({bs * topk, L}, at::kInt);  // [B*topk, L]
+  at::Tensor table_out = at::empty({rows_out, L}, at::kInt);  // [B*topk, L]
   int32_t* out = table_out.data_ptr<int32_t>();
   const int32_t* table = req_to_token.const_data_ptr<int32_t>();
   const int64_t ts0 = req_to_token.stride(0), ts1 = req_to_token.stride(1);
-  at::parallel_for(0, bs * topk, grain_for(L), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows_out, grain_for(L), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / topk, k = r % topk, len = lens(b);
       const int32_t* src = table + rows(b) * ts0;

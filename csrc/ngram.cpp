@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "checked_math.h"
 #include "cpu_features.h"
 
 namespace specdec {
@@ -133,8 +134,11 @@ class NgramIndex {
     TORCH_CHECK_VALUE(max_window >= min_window, "argument 'max_window' must be >= min_window (",
                       min_window, "), got ", max_window);
     TORCH_CHECK_VALUE(max_depth >= 1, "argument 'max_depth' must be >= 1, got ", max_depth);
-    TORCH_CHECK_VALUE(max_nodes_per_request >= 64 * (max_window + max_depth),
-                      "argument 'max_nodes_per_request' must be >= ", 64 * (max_window + max_depth),
+    const int64_t min_nodes = checked_mul(
+        64, checked_add(max_window, max_depth, "argument 'max_window' + argument 'max_depth'"),
+        "64 * (max_window + max_depth)");
+    TORCH_CHECK_VALUE(max_nodes_per_request >= min_nodes,
+                      "argument 'max_nodes_per_request' must be >= ", min_nodes,
                       ", got ", max_nodes_per_request);
   }
 
@@ -179,6 +183,8 @@ class NgramIndex {
     for (int64_t b : breadth) {
       TORCH_CHECK_VALUE(b >= 1, "argument 'breadth' entries must be >= 1, got ", b);
     }
+    check_alloc(checked_mul(checked_mul(bs, N, "batch * argument 'num_draft_tokens'"), N,
+                            "batch * num_draft_tokens squared"), "the tree mask");
     std::vector<std::shared_ptr<RequestTrie>> tries;
     for (int64_t rid : rids) tries.push_back(get(rid));
     at::Tensor tokens = at::empty({bs, N}, at::kLong);          // [B, N]

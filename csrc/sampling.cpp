@@ -12,6 +12,7 @@
 #include <cstring>
 #include <vector>
 
+#include "checked_math.h"
 #include "common.h"
 #include "sampling_isa.h"
 
@@ -234,6 +235,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
     check_size(*t, 1, N, name);
   }
   TORCH_CHECK_VALUE(S >= 1, "argument 'num_spec_steps' must be >= 1, got ", S);
+  check_alloc(checked_mul(bs, S, "batch * argument 'num_spec_steps'"), "accept_index");
   const auto [us, uf] = checked_uniforms(uniform_samples, uniform_final, bs, N);
   check_probs(target_probs, 3, "target_probs");
   check_size(target_probs, 0, bs, "target_probs");

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "checked_math.h"
 #include "common.h"
 
 namespace specdec {
@@ -40,6 +41,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tre
   TORCH_CHECK_VALUE(topk >= 1, "argument 'topk' must be >= 1, got ", topk);
   TORCH_CHECK_VALUE(depth >= 1, "argument 'depth' must be >= 1, got ", depth);
   TORCH_CHECK_VALUE(N >= 1, "argument 'num_draft_tokens' must be >= 1, got ", N);
+  checked_mul(N, N, "argument 'num_draft_tokens' squared");
   TORCH_CHECK_VALUE(tree_mask_mode >= 0 && tree_mask_mode <= 2,
                     "argument 'tree_mask_mode' must be FULL_MASK (0), QLEN_ONLY (1) or "
                     "QLEN_ONLY_BITPACKING (2), got ", tree_mask_mode);
@@ -53,10 +55,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tre
   check_size(selected_index, 1, N - 1, "selected_index");
   check_index(parent_list, 2, "parent_list");
   check_size(parent_list, 0, bs, "parent_list");
-  const int64_t parent_width = depth == 1 ? 0 : topk * (depth - 1) + 1;
+  // parent_list is a real tensor, so its width bounds topk * (depth - 1) before the products
+  // below are formed (checked anyway: huge topk / depth must be a named error, never a wrap).
+  const int64_t parent_width =
+      depth == 1 ? 0 : checked_add(checked_mul(topk, depth - 1, "argument 'topk' * ('depth' - 1)"),
+                                   1, "the parent_list width");
   check_size(parent_list, 1, parent_width, "parent_list");
   // Global draft ids: topk from step 0, topk*topk from each later step.
-  const int64_t num_ids = topk + topk * topk * (depth - 1);
+  const int64_t num_ids = checked_add(
+      topk, checked_mul(checked_mul(topk, topk, "argument 'topk' squared"), depth - 1,
+                        "argument 'topk' squared * ('depth' - 1)"), "the draft candidate count");
   TORCH_CHECK_VALUE(N - 1 <= num_ids, "argument 'num_draft_tokens' (", N,
                     ") exceeds 1 + the number of draft candidates (", num_ids, ")");
 
@@ -66,8 +74,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tre
   for (int64_t b = 0; b < bs; ++b) {
     const int64_t len = lens(b);
     TORCH_CHECK_VALUE(len >= 0, "argument 'seq_lens' must be >= 0, got ", len, " at row ", b);
-    mask_offset[b + 1] = mask_offset[b] + len * N + N * N;
+    const int64_t block = checked_add(checked_mul(len, N, "seq_lens * num_draft_tokens"),
+                                      checked_mul(N, N, "num_draft_tokens squared"),
+                                      "a FULL_MASK block");
+    mask_offset[b + 1] = checked_add(mask_offset[b], block, "the FULL_MASK size");
   }
+  const int64_t bsN = checked_mul(bs, N, "batch * argument 'num_draft_tokens'");
+  check_alloc(checked_mul(bsN, N, "batch * num_draft_tokens squared"), "the tree mask");
+  check_alloc(mask_offset[bs], "the FULL_MASK tree mask");
 
   const auto long_opts = at::TensorOptions().dtype(at::kLong);
   at::Tensor positions = at::empty({bs * N}, long_opts);             // [B*N]
@@ -238,6 +252,9 @@ void check_verify_inputs(const at::Tensor& candidates, const at::Tensor& retriev
   }
   TORCH_CHECK_VALUE(num_spec_steps >= 1, "argument 'num_spec_steps' must be >= 1, got ",
                     num_spec_steps);
+  checked_mul(N, num_spec_steps, "candidates' N * argument 'num_spec_steps'");
+  check_alloc(checked_mul(bs, num_spec_steps, "batch * argument 'num_spec_steps'"),
+              "accept_index");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_greedy(
@@ -289,11 +306,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reconstruct_tree_from
     const at::Tensor& tree_mask, const at::Tensor& seq_lens, int64_t num_draft_tokens) {
   const int64_t N = num_draft_tokens;
   TORCH_CHECK_VALUE(N >= 1, "argument 'num_draft_tokens' must be >= 1, got ", N);
+  checked_mul(checked_mul(N, N, "argument 'num_draft_tokens' squared"), 2,
+              "argument 'num_draft_tokens' squared * 2");
   check_index(seq_lens, 1, "seq_lens");
   const int64_t bs = seq_lens.size(0);
   check_dtype(tree_mask, at::kBool, "tree_mask");
   check_dim(tree_mask, 1, "tree_mask");
-  check_size(tree_mask, 0, bs * N * N, "tree_mask");
+  check_size(tree_mask, 0,
+             checked_mul(checked_mul(bs, N, "batch * argument 'num_draft_tokens'"), N,
+                         "batch * num_draft_tokens squared"),
+             "tree_mask");
   const IndexView lens(seq_lens);
   const bool* mask = tree_mask.const_data_ptr<bool>();
   const int64_t ms = tree_mask.stride(0);

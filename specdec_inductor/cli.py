@@ -5,8 +5,10 @@ times a prompt set against HF `generate` and prints a table
 """
 import argparse
 import json
+import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -26,6 +28,95 @@ BENCH_PROMPTS = [
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+class TextStream:
+    """Incremental detokenization: decode the whole generated id list each step and hand out
+    the new suffix only once it no longer ends in an incomplete character (byte-level BPE
+    splits one character over several tokens; decoding a prefix of them gives U+FFFD)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], ""
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        """The text that became complete with `token` ("" while a character is unfinished)."""
+        self.ids.append(int(token))
+        text = self._text()
+        if text.endswith("\ufffd") or not text.startswith(self.printed):
+            return ""  # wait: the tail is a partial character (or the decode is not settled)
+        new, self.printed = text[len(self.printed):], text
+        return new
+
+    def flush(self) -> str:
+        """Whatever is left at the end (a truly invalid byte sequence prints as U+FFFD)."""
+        text = self._text()
+        if text.startswith(self.printed):
+            new = text[len(self.printed):]
+        else:  # the final decode rewrote printed text: print the part after the common prefix
+            common = os.path.commonprefix([text, self.printed])
+            new = text[len(common):]
+        self.printed = text
+        return new
+
+
+# Model names --model accepts besides local paths (None: the default GGUF model). The lead
+# extends this with named models; anything else must be an existing path, so a typo fails at
+# once instead of waiting on the network as a Hub id.
+KNOWN_MODELS: dict = {}
+
+
+def _check_model_arg(value: Optional[str]) -> Optional[str]:
+    """The --model / --target / --draft-model value, checked before anything loads: None, a
+    known model name, or an existing local path (HF model directory or .gguf file); raises
+    ValueError (the message names the value) otherwise."""
+    if value is None or value in KNOWN_MODELS:
+        return value
+    if os.path.isdir(value):
+        return value
+    if os.path.isfile(value):
+        if not value.endswith(".gguf"):
+            raise ValueError(f"{value!r} is a file but not a .gguf file (pass a .gguf file or "
+                             "an HF model directory)")
+        return value
+    raise ValueError(f"{value!r} is neither an existing path (HF model directory or .gguf "
+                     "file) nor a known model name")
+
+
+def load_checked(path: Optional[str], dtype: torch.dtype):
+    """hf.load_model, with a damaged safetensors file (a truncated conversion cache, an
+    interrupted download) reported by name with what to do, not as a raw traceback."""
+    from specdec_inductor.engine.hf import load_model
+    try:
+        return load_model(path, dtype)
+    except Exception as exc:  # noqa: BLE001 -- re-raised unless it is a damaged weights file
+        if "safetensor" not in type(exc).__name__.lower() + type(exc).__module__.lower() + str(exc).lower():
+            raise
+        directory = _weights_dir(path)
+        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")) \
+            if os.path.isdir(directory) else []
+        named = ", ".join(os.path.join(directory, f) for f in files) or directory
+        fix = (f"delete {directory} and run again (the GGUF conversion is rebuilt)"
+               if _is_cache(directory) else "download or save the model again")
+        raise SystemExit(f"specdec: cannot read the model weights {named} ({exc}): a file is "
+                         f"damaged or truncated; {fix}")
+
+
+def _weights_dir(path: Optional[str]) -> str:
+    from specdec_inductor.engine import hf
+    path = path or hf.default_gguf_path()
+    if path.endswith(".gguf"):
+        stat = os.stat(path)
+        return os.path.join(hf._cache_root(),
+                            f"{os.path.basename(path)}-{stat.st_size}-{int(stat.st_mtime)}")
+    return path
+
+
+def _is_cache(directory: str) -> bool:
+    from specdec_inductor.engine import hf
+    return os.path.abspath(directory).startswith(os.path.abspath(hf._cache_root()))
 
 
 def encode(tokenizer, prompt: str, chat: bool) -> List[int]:
@@ -93,45 +184,58 @@ def machine_line() -> str:
             f"ISA {specdec_inductor.active_isa()}, torch {torch.__version__}")
 
 
+def warm_up_tokens(args, room: int) -> int:
+    """New tokens of the compile warm-up: `room` (what the warm-up needs to reach every graph)
+    but never more than the run itself asks for, so a --max-len that holds the request also
+    holds its warm-up."""
+    return max(1, min(room, args.max_new_tokens))
+
+
+def check_room(args, prompt_lens: List[int]) -> None:
+    """The run's requests fit --max-len: prompt + --max-new-tokens (+ --num-draft-tokens, the
+    positions a draft tree is verified at, with a --method)."""
+    if getattr(args, "method", "none") != "none":
+        extra = args.num_draft_tokens
+    else:  # sampled plain decoding runs the speculative loop with a one-node "tree"
+        extra = 1 if getattr(args, "temperature", 0.0) > 0 else 0
+    longest = max(prompt_lens)
+    need = longest + args.max_new_tokens + extra
+    if need > args.max_len:
+        extra_s = f" + --num-draft-tokens {extra}" if extra else ""
+        raise SystemExit(f"specdec: --max-len {args.max_len} is too small: the prompt has "
+                         f"{longest} tokens, + --max-new-tokens {args.max_new_tokens}{extra_s} "
+                         f"= {need} positions")
+
+
 def cmd_generate(args) -> int:
     from specdec_inductor.engine.engine import GenerationStats
-    from specdec_inductor.engine.hf import load_model
-    from specdec_inductor.sampler import SamplingParams
-    try:  # bad sampling flags fail before the model loads
-        SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    except ValueError as exc:
-        raise SystemExit(f"specdec generate: {exc}")
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model, DTYPES[args.dtype])
+    model, tokenizer = load_checked(args.model, DTYPES[args.dtype])
     _log(f"[specdec] loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
          f"{time.perf_counter() - t0:.1f} s ({args.dtype})")
+    prompt_ids = encode(tokenizer, args.prompt, args.chat)
+    check_room(args, [len(prompt_ids)])
     engine = build_engine(args, model)
     _log(f"[specdec] attention backend: {engine.attention_backend.value}; "
          f"{'compiled (' + engine.compile_backend + ')' if engine.compiled else 'eager'}")
-    prompt_ids = encode(tokenizer, args.prompt, args.chat)
     if engine.compiled:
         t0 = time.perf_counter()
         _log("[specdec] compiling prefill and decode graphs (first run only)...")
-        engine.generate([prompt_ids], max_new_tokens=2)
+        engine.generate([prompt_ids], max_new_tokens=warm_up_tokens(args, 2))
         _log(f"[specdec] warm-up/compile {time.perf_counter() - t0:.1f} s")
     eos = tokenizer.eos_token_id
     if args.method != "none" or args.temperature > 0:
         return _generate_speculative(args, engine, tokenizer, prompt_ids, eos)
     stats = GenerationStats()
-    generated: List[int] = []
-    printed = ""
+    stream = TextStream(tokenizer)
+    # The stream stops by itself after eos (generate_stream), so its decode time is recorded.
     for step in engine.generate_stream([prompt_ids], args.max_new_tokens, eos, stats):
-        tok = int(step[0])
-        generated.append(tok)
-        text = tokenizer.decode(generated, skip_special_tokens=True)
-        print(text[len(printed):], end="", flush=True)
-        printed = text
-        if tok == eos:
-            break
-    print()
-    _log(f"[specdec] {len(generated)} tokens; prefill {stats.prefill_s * 1e3:.0f} ms "
-         f"({len(prompt_ids)} prompt tokens); decode {stats.decode_tokens_per_s:.1f} tokens/s "
-         f"over {stats.decode_steps} steps")
+        print(stream.push(int(step[0])), end="", flush=True)
+    print(stream.flush())
+    rate = (f"decode {stats.decode_tokens_per_s:.1f} tokens/s over {stats.decode_steps} steps"
+            if stats.decode_steps else "no decode steps")
+    _log(f"[specdec] {len(stream.ids)} tokens; prefill {stats.prefill_s * 1e3:.0f} ms "
+         f"({len(prompt_ids)} prompt tokens); {rate}")
     return 0
 
 
@@ -208,11 +312,19 @@ def make_proposer(args, engine=None):
         if args.draft_model is None and args.draft_layers is None:
             args.draft_layers = 8  # a draft that is the whole target would never pay
         from specdec_inductor.engine.engine import Engine
-        from specdec_inductor.engine.hf import keep_first_layers, load_model
-        from specdec_inductor.proposers.standalone import StandaloneProposer
-        draft, _ = load_model(args.draft_model or args.model, DTYPES[args.dtype])
-        if args.draft_layers:
-            keep_first_layers(draft, args.draft_layers)
+        from specdec_inductor.engine.hf import keep_first_layers
+        from specdec_inductor.proposers.standalone import (StandaloneProposer,
+                                                           check_draft_vocabulary)
+        draft, _ = load_checked(args.draft_model or args.model, DTYPES[args.dtype])
+        if args.draft_layers is not None:
+            try:
+                keep_first_layers(draft, args.draft_layers)
+            except ValueError as exc:
+                raise SystemExit(f"specdec: --draft-layers: {exc}")
+        try:
+            check_draft_vocabulary(draft, engine.model, args.draft_model or "(the target)")
+        except ValueError as exc:
+            raise SystemExit(f"specdec: --draft-model: {exc}")
         _log(f"[specdec] draft: {args.draft_model or 'the target'}"
              f"{f', first {args.draft_layers} layers' if args.draft_layers else ''}")
         max_batch, max_len = _draft_engine_size(args, engine)
@@ -277,7 +389,7 @@ def _generate_speculative(args, engine, tokenizer, prompt_ids, eos) -> int:
         t0 = time.perf_counter()
         _log("[specdec] compiling the verify graph (first run only)...")
         spec.compile_verify()
-        spec.generate([prompt_ids], max_new_tokens=args.num_draft_tokens + 2)
+        spec.generate([prompt_ids], max_new_tokens=warm_up_tokens(args, args.num_draft_tokens + 2))
         _log(f"[specdec] warm-up/compile {time.perf_counter() - t0:.1f} s")
     stats = SpeculativeStats()
     tokens = spec.generate([prompt_ids], args.max_new_tokens, eos, stats, sampling)[0]
@@ -300,15 +412,15 @@ def run_bench(args) -> dict:
     """Ours (engine) vs HF generate (sdpa, dynamic cache) on BENCH_PROMPTS, batch 1; both emit
     exactly args.max_new_tokens tokens (no eos stop) so tokens/s compare like for like."""
     from specdec_inductor.engine.engine import GenerationStats
-    from specdec_inductor.engine.hf import load_model
     dtype = DTYPES[args.dtype]
-    model, tokenizer = load_model(args.model, dtype)
-    baseline, _ = load_model(args.model, dtype)
+    model, tokenizer = load_checked(args.model, dtype)
+    baseline, _ = load_checked(args.model, dtype)
     baseline.config._attn_implementation = "sdpa"
-    engine = build_engine(args, model)
     prompts = [encode(tokenizer, p, args.chat) for p in BENCH_PROMPTS[:args.num_prompts]]
+    check_room(args, [len(p) for p in prompts])
+    engine = build_engine(args, model)
     t0 = time.perf_counter()
-    engine.generate([prompts[0]], max_new_tokens=2)  # compile (or warm up) both graphs
+    engine.generate([prompts[0]], max_new_tokens=warm_up_tokens(args, 2))  # compile (or warm up) both graphs
     warmup_s = time.perf_counter() - t0
     _time_hf(baseline, prompts[0], 2)
     rows = []
@@ -366,16 +478,16 @@ def run_method_bench(args) -> dict:
     """--method: the speculative method vs our own compiled AR (same engine) on BENCH_PROMPTS,
     batch 1, greedy, exactly args.max_new_tokens tokens each (no eos stop)."""
     from specdec_inductor.engine.engine import GenerationStats
-    from specdec_inductor.engine.hf import load_model
     from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
-    model, tokenizer = load_model(args.model, DTYPES[args.dtype])
+    model, tokenizer = load_checked(args.model, DTYPES[args.dtype])
+    prompts = [encode(tokenizer, p, args.chat) for p in BENCH_PROMPTS[:args.num_prompts]]
+    check_room(args, [len(p) for p in prompts])
     engine = build_engine(args, model)
     spec = SpeculativeGenerator(engine, make_proposer(args, engine))
-    prompts = [encode(tokenizer, p, args.chat) for p in BENCH_PROMPTS[:args.num_prompts]]
     t0 = time.perf_counter()
-    engine.generate([prompts[0]], max_new_tokens=2)
+    engine.generate([prompts[0]], max_new_tokens=warm_up_tokens(args, 2))
     spec.compile_verify()
-    spec.generate([prompts[0]], max_new_tokens=args.num_draft_tokens + 2)
+    spec.generate([prompts[0]], max_new_tokens=warm_up_tokens(args, args.num_draft_tokens + 2))
     warmup_s = time.perf_counter() - t0
     rows = []
     for i, ids in enumerate(prompts):
@@ -487,7 +599,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0: no limit")
     g.add_argument("--top-p", type=float, default=1.0, help="1: no limit")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, subparser=g)
     b = sub.add_parser("bench", help="tokens/s vs HF generate on a prompt set, or with "
                                      "--method a speculative method vs our AR")
     common(b)
@@ -495,14 +607,113 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-prompts", type=int, default=len(BENCH_PROMPTS))
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--json", action="store_true", help="print the result as JSON")
-    b.set_defaults(func=cmd_bench)
+    b.set_defaults(func=cmd_bench, subparser=b)
     from specdec_inductor.train.command import add_parser as add_train_parser
     add_train_parser(sub, common)
     return parser
 
 
+def _positive(args, names) -> Optional[str]:
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            return f"argument --{name.replace('_', '-')}: must be >= 1, got {value}"
+    return None
+
+
+def check_args(args) -> Optional[str]:
+    """Everything about the flags (and environment) that can be checked before a model loads:
+    the error message naming the flag, or None."""
+    from specdec_inductor.engine import attention_backend as ab
+    from specdec_inductor.engine.engine import eager_requested
+    error = _positive(args, ["max_new_tokens", "max_len", "max_batch", "repeats", "num_prompts",
+                             "draft_layers", "draft_vocab_size", "new_tokens", "epochs",
+                             "batch_size", "ttt_steps", "save_every"])
+    if error:
+        return error
+    for flag in ("model", "draft_model"):
+        value = getattr(args, flag, None)
+        if flag == "draft_model" and getattr(args, "method", None) not in ("standalone",):
+            # eagle / eagle3 heads: a checkpoint directory
+            if value is not None and not os.path.isdir(value):
+                return f"argument --draft-model: {value!r} is not a directory"
+            continue
+        try:
+            _check_model_arg(value)
+        except ValueError as exc:
+            name = "--target" if args.command == "train-draft" and flag == "model" else \
+                f"--{flag.replace('_', '-')}"
+            return f"argument {name}: {exc}"
+    try:
+        eager_requested()
+    except ValueError as exc:
+        return str(exc)
+    env = os.environ.get(ab.ENV_VAR)
+    try:
+        ab.resolve_backend(args.attention)
+    except (ValueError, RuntimeError) as exc:
+        if args.attention is None and env:
+            choices = ", ".join(b.value for b in ab.AttentionBackend)
+            return f"{ab.ENV_VAR}={env!r}: must be one of {choices} (or unset)"
+        return f"argument --attention: {exc}"
+    if args.command == "bench" and args.num_prompts > len(BENCH_PROMPTS):
+        return (f"argument --num-prompts: at most {len(BENCH_PROMPTS)} (the bench prompt set), "
+                f"got {args.num_prompts}")
+    if args.command in ("generate", "bench"):
+        from specdec_inductor.sampler import SamplingParams
+        try:  # bad sampling flags fail before the model loads
+            SamplingParams(getattr(args, "temperature", 0.0), getattr(args, "top_k", 0),
+                           getattr(args, "top_p", 1.0), getattr(args, "seed", None))
+        except ValueError as exc:
+            return re.sub(r"argument '(\w+)'", lambda m: f"argument --{m[1].replace('_', '-')}:",
+                          str(exc))
+        drafting = ("standalone", "eagle", "eagle3", "mtp")
+        if args.method not in drafting and (args.topk not in (None, 1) or args.depth is not None):
+            return f"arguments --topk/--depth: apply to --method {'/'.join(drafting)}, not {args.method}"
+        if args.method in ("eagle", "eagle3") and args.draft_model is None and args.model is not None:
+            return (f"argument --draft-model: --method {args.method} needs a head checkpoint "
+                    "directory for a --model other than the default (heads ship for it only)")
+        if args.method == "ngram":
+            from specdec_inductor.proposers.ngram import parse_window
+            try:
+                parse_window(args.ngram_window)
+            except ValueError as exc:
+                return f"argument --ngram-window: {exc}"
+        if args.method != "none":
+            for name in ("topk", "depth"):
+                error = _positive(args, [name])
+                if error:
+                    return error
+            if args.num_draft_tokens < 2:
+                return (f"argument --num-draft-tokens: must be >= 2 with --method {args.method} "
+                        f"(the root and at least one draft), got {args.num_draft_tokens}")
+            from specdec_inductor.proposers.tree_draft import check_tree_shape
+            topk, depth = tree_shape(args)
+            if args.method in ("standalone", "eagle", "eagle3", "mtp"):
+                try:
+                    check_tree_shape(args.num_draft_tokens, topk,
+                                     depth if depth is not None else args.num_draft_tokens - 1)
+                except ValueError as exc:
+                    return f"arguments --num-draft-tokens/--topk/--depth: {exc}"
+            extra = args.num_draft_tokens
+        else:
+            extra = 1 if getattr(args, "temperature", 0.0) > 0 else 0
+        if args.max_new_tokens + extra + 1 > args.max_len:
+            tail = ("" if not extra else f" + --num-draft-tokens {extra}" if args.method != "none"
+                    else " + 1 (sampled decoding verifies one position ahead)")
+            return (f"argument --max-len: {args.max_len} cannot hold a prompt + --max-new-tokens "
+                    f"{args.max_new_tokens}{tail}")
+    if args.command == "train-draft" and not (math.isfinite(args.lr) and args.lr > 0):
+        return f"argument --lr: must be a finite number > 0, got {args.lr}"
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    error = check_args(args)
+    if error:
+        args.subparser.error(error)
     from specdec_inductor import backend
     saved = backend.SWITCH_DEFAULTS["pack_weights"]
     backend.SWITCH_DEFAULTS["pack_weights"] = args.pack_weights  # every engine of this run

@@ -35,8 +35,10 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
             raise ValueError(f"argument 'top_p' must lie in (0, 1], got {p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"argument 'seed' must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2 ** 64):
+            raise ValueError(f"argument 'seed' must be an int in [0, 2**64) or None, got "
+                             f"{self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -15,6 +15,7 @@ Numeric policy: verify runs N tokens through GEMMs while plain decode runs one t
 so near-tied logits can flip the argmax. The baseline in tests is this engine's own greedy
 decoding in fp32; a mismatch is reported with the logit margin, never hidden by a looser test.
 """
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -166,6 +167,11 @@ class SpeculativeStats:
                 f"({self.decode_steps} plain decode; by tree size {sizes}), mean accepted length {self.mean_accepted_length:.2f}; acceptance by position "
                 f"[{accept}]; time: draft {share(self.draft_s):.0f}% verify {share(self.verify_s):.0f}% "
                 f"commit {share(self.commit_s):.0f}%; graphs {self.graphs}, recompiles {self.recompiles}")
+
+
+def _draft_pool(proposer):
+    """The KV pool of a proposer's draft Engine, if it has one."""
+    return getattr(getattr(proposer, "engine", None), "pool", None)
 
 
 def _dynamo_counts():
@@ -351,6 +357,7 @@ class SpeculativeGenerator:
         (greedy and sampled requests may be mixed). Sampled requests are verified by tree
         rejection sampling (sampler.py), which keeps each token's distribution exactly the
         target's; greedy ones emit exactly the engine's greedy tokens."""
+        self.engine.check_request(prompts, max_new_tokens)
         stats = stats if stats is not None else SpeculativeStats()
         sampler = Sampler.for_batch(sampling, len(prompts))
         wants_hidden = getattr(self.proposer, "needs_target_hidden", False)
@@ -361,17 +368,30 @@ class SpeculativeGenerator:
         out: List[List[int]] = [[] for _ in prompts]
         if max_new_tokens <= 0:
             return out
-        engine, proposer = self.engine, self.proposer
-        n, steps = proposer.num_draft_tokens, proposer.num_spec_steps
+        steps = self.proposer.num_spec_steps
         if len(stats.accepted_at_depth) < steps - 1:
             stats.accepted_at_depth += [0] * (steps - 1 - len(stats.accepted_at_depth))
+        self.engine.bucket_for(len(prompts))  # a batch over max_batch fails before anything
+        # The pools' generation scopes: a request still held when this call ends (a cleanup
+        # that failed) is a leak KVPool.check_consistent reports.
+        pools = {id(p): p for p in (self.engine.pool, _draft_pool(self.proposer)) if p is not None}
+        with contextlib.ExitStack() as scopes:
+            for pool in pools.values():
+                scopes.enter_context(pool.generation())
+            return self._generate(prompts, max_new_tokens, eos_token_id, stats, sampler,
+                                  wants_hidden, captures, out, _dynamo_counts())
+
+    def _generate(self, prompts, max_new_tokens, eos_token_id, stats, sampler, wants_hidden,
+                  captures, out, counts0):
+        engine, proposer = self.engine, self.proposer
+        n, steps = proposer.num_draft_tokens, proposer.num_spec_steps
         bs = len(prompts)
         bucket = engine.bucket_for(bs)
-        graphs0, recompiles0 = _dynamo_counts()
+        graphs0, recompiles0 = counts0
         # The tree needs N positions past the last committed token: reserve them up front.
         requests = engine.pool.admit([len(p) for p in prompts], max_new_tokens + n)
         ids = [r.row for r in requests]
-        started = False
+        started = False  # set before start is called: a start that fails midway is finished
         try:
             rows = ids + [engine.pool.padding_row] * (bucket - bs)
             req_rows = torch.tensor(rows, dtype=torch.int64)  # [B]
@@ -390,11 +410,11 @@ class SpeculativeGenerator:
                 done[b] = max_new_tokens == 1 or out[b][-1] == eos_token_id
             stats.new_tokens += bs
             contexts = [list(p) + [out[b][0]] for b, p in enumerate(prompts)]
+            started = True
             if wants_hidden:
                 proposer.start(ids, contexts, [prompt_hidden[b, :len(p)] for b, p in enumerate(prompts)])
             else:
                 proposer.start(ids, contexts)
-            started = True
             t_loop = time.perf_counter()
             accepted_sum, draft_steps, cooldown, failures = 0.0, 0, 0, 0
             catch_up = True  # the first draft also runs the draft's prompt: not timed
@@ -491,10 +511,13 @@ class SpeculativeGenerator:
                 stats.steps_by_size[size] = stats.steps_by_size.get(size, 0) + 1
             stats.decode_s += time.perf_counter() - t_loop
         finally:
-            if started:
-                proposer.finish(ids)
-            for r in requests:
-                engine.pool.release(r)
+            # The target's rows are released even when the proposer's cleanup raises.
+            try:
+                if started:
+                    proposer.finish(ids)
+            finally:
+                for r in requests:
+                    engine.pool.release(r)
         graphs1, recompiles1 = _dynamo_counts()
         stats.graphs += graphs1 - graphs0
         stats.recompiles += recompiles1 - recompiles0

@@ -159,3 +159,56 @@ def test_isa_selection_errors():
     if specdec_inductor.detected_isa() != "amx":
         with pytest.raises(ValueError, match="cannot run"):
             specdec_inductor.set_active_isa("amx")
+
+
+BIG = 2 ** 63 - 1
+
+
+@pytest.mark.parametrize("path", specdec_inductor.runnable_isas())
+@pytest.mark.parametrize("op", [ops.build_draft_decode_table, ops.assign_draft_cache_locs])
+@pytest.mark.parametrize("topk,steps,lens", [
+    (1, BIG, 0),            # topk * steps fits, its sum with seq_lens does not
+    (2, 2 ** 62, 0),        # topk * steps overflows to a negative number
+    (2 ** 32, 2 ** 32, 0),  # ... to 0, which passed every bound
+    (2, 2, BIG - 1),        # seq_lens + topk * steps overflows
+])
+def test_slot_ops_refuse_overflowing_sizes(path, op, topk, steps, lens):
+    """Sizes whose products or sums overflow int64 are named errors, never a wrapped bound
+    that lets the op write out of bounds (it corrupted the heap on every ISA path)."""
+    table = torch.arange(40, dtype=torch.int32).view(4, 10)
+    before = table.clone()
+    with specdec_inductor.forced_isa(path):
+        with pytest.raises((ValueError, IndexError), match="topk|steps|seq_lens"):
+            op(table, T([0]), T([lens]), topk, steps)
+    assert torch.equal(table, before)
+
+
+def test_slot_ops_fakes_refuse_what_the_kernels_refuse():
+    table = torch.zeros(4, 10, dtype=torch.int32)
+    for op in (ops.build_draft_decode_table, ops.assign_draft_cache_locs):
+        fn = torch.compile(lambda t, r, s, op=op: op(t, r, s, 2, 2 ** 62), backend="eager",
+                           fullgraph=True)
+        with pytest.raises(Exception, match="'topk' \\* 'steps'"):
+            fn(table, T([0]), T([0]))
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda: ops.build_tree(T([[-1, 0, 1]]), T([[0, 1, 2]]), T([5]), 2 ** 32, 2 ** 32, 4),
+     "topk"),
+    (lambda: ops.build_tree(torch.zeros(0, 0, dtype=torch.int64),
+                            torch.zeros(0, 2 ** 32, dtype=torch.int64), T([]).long(), 1, 1,
+                            2 ** 32 + 1), "num_draft_tokens"),
+    (lambda: ops.reconstruct_tree_from_mask(torch.zeros(0, dtype=torch.bool), T([5]), 2 ** 32),
+     "num_draft_tokens"),
+    (lambda: ops.verify_tree_greedy(**{**_verify_args(), "num_spec_steps": 2 ** 62}),
+     "num_spec_steps"),
+])
+def test_tree_ops_refuse_overflowing_sizes(call, needle):
+    with pytest.raises(ValueError, match=needle):
+        call()
+
+
+def test_ngram_refuses_overflowing_windows():
+    from specdec_inductor.proposers.ngram import NgramProposer
+    with pytest.raises((ValueError, RuntimeError), match="max_window"):
+        NgramProposer(num_draft_tokens=4, min_window=1, max_window=2 ** 62)

@@ -53,12 +53,12 @@ def test_generate_sampled_with_seed_repeats(capsys):
     assert capsys.readouterr().out == first and first.strip()
 
 
-@pytest.mark.parametrize("flag,value,name", [("--temperature", "-1", "temperature"),
-                                             ("--top-p", "0", "top_p"),
-                                             ("--top-k", "-3", "top_k")])
-def test_generate_rejects_bad_sampling_flags(flag, value, name):
-    with pytest.raises(SystemExit, match=f"argument '{name}'"):
+@pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "0"),
+                                        ("--top-k", "-3")])
+def test_generate_rejects_bad_sampling_flags(flag, value, capsys):
+    with pytest.raises(SystemExit) as info:
         cli.main(["generate", flag, value, "--eager"])
+    assert info.value.code == 2 and f"argument {flag}:" in capsys.readouterr().err
 
 
 def test_generate_standalone_with_a_layer_cut_draft(capsys):

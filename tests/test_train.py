@@ -163,7 +163,7 @@ def test_heldout_prompts_never_occur_in_training():
     assert corpus.training_prompts(40, seed=3) == corpus.training_prompts(40, seed=3)
 
 
-def test_bad_arguments_are_refused(tmp_path):
+def test_bad_arguments_are_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match="'method'"):
         TrainConfig(method="medusa").validate()
     with pytest.raises(ValueError, match="'epochs'"):
@@ -175,12 +175,14 @@ def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="'num_prompts'"):
         corpus.training_prompts(0)
     from specdec_inductor.cli import main
-    with pytest.raises(SystemExit, match="epochs"):
+    with pytest.raises(SystemExit) as info:  # the CLI's one-line error, before any loading
         main(["train-draft", "--method", "eagle", "--epochs", "0", "--out", str(tmp_path)])
+    assert info.value.code == 2 and "argument --epochs" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="num_prompts"):
         main(["train-draft", "--method", "eagle", "--num-prompts", "100000", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="max_batch"):
+    with pytest.raises(SystemExit) as info:
         main(["train-draft", "--method", "eagle", "--max-batch", "0", "--out", str(tmp_path)])
+    assert info.value.code == 2 and "argument --max-batch" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse refuses the choice, naming the option
         main(["train-draft", "--method", "eagle", "--data-precision", "fp16", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="'precision'"):

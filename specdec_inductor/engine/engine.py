@@ -12,9 +12,11 @@ Eager mode (`compile=False` or SPECDEC_EAGER=1) runs the same step functions unc
 """
 import functools
 import inspect
+import operator
 import os
 import time
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -29,8 +31,19 @@ from specdec_inductor.engine.kv_pool import KVPool
 EAGER_ENV = "SPECDEC_EAGER"
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def eager_requested() -> bool:
-    return os.environ.get(EAGER_ENV, "0") not in ("", "0", "false", "False")
+    """SPECDEC_EAGER as a boolean: 1/true/yes/on or 0/false/no/off (any case; unset = 0);
+    anything else raises rather than silently meaning one of them."""
+    value = os.environ.get(EAGER_ENV, "0").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{EAGER_ENV}={os.environ[EAGER_ENV]!r}: must be 1/true/yes/on or "
+                     "0/false/no/off")
 
 
 def _own_code(method):
@@ -176,6 +189,12 @@ class Engine:
                  compile_options: Optional[dict] = None, prefill_chunk: int = 64,
                  capture_hidden: Optional[Sequence[int]] = None,
                  compile_layers_once: bool = True):
+        for name, value in (("max_batch", max_batch), ("max_len", max_len),
+                            ("prefill_chunk", prefill_chunk), ("num_slots", num_slots)):
+            if value is None and name == "num_slots":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"argument '{name}' must be an int >= 1, got {value!r}")
         self.model = model
         self.capture_hidden = list(capture_hidden) if capture_hidden is not None else None
         # Per capture_hidden entry: the decoder layer whose input it is, None for the final
@@ -203,7 +222,7 @@ class Engine:
         self.max_batch, self.max_len, self.prefill_chunk = max_batch, max_len, prefill_chunk
         self.buckets = batch_buckets(max_batch)
         self.pool = KVPool(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                           num_slots or max_batch * max_len, max_batch, max_len, self.dtype)
+                           max_batch * max_len if num_slots is None else num_slots, max_batch, max_len, self.dtype)
         self.compile_backend = compile_backend
         if self.compiled:
             # Each engine adds graphs to the same step code objects; a hit of the recompile
@@ -481,12 +500,47 @@ class Engine:
                 hiddens.append(hidden)
         return last, (torch.cat(hiddens, dim=1) if hiddens else None)
 
+    def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        """Refuse what would otherwise be silently misread: a max_new_tokens that is not an
+        int, token ids that are not ints (a float id would be truncated) or lie outside the
+        vocabulary; warn when a request runs past the model's max_position_embeddings
+        (positions it was not trained on: the output degrades)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise ValueError(f"argument 'max_new_tokens' must be an int, got {max_new_tokens!r}")
+        if max_new_tokens < 0:
+            raise ValueError(f"argument 'max_new_tokens' must be >= 0, got {max_new_tokens}")
+        for i, p in enumerate(prompts):
+            if isinstance(p, torch.Tensor):
+                if p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:
+                    raise ValueError(f"argument 'prompts': prompt {i} has dtype {p.dtype}, token "
+                                     "ids must be integers")
+                p = p.tolist()
+            for t in p:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    try:
+                        t = operator.index(t)  # numpy ints and 0-d int tensors are fine
+                    except TypeError:
+                        raise ValueError(f"argument 'prompts': prompt {i} holds {t!r}, token ids "
+                                         "must be ints") from None
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"argument 'prompts': token id {t} of prompt {i} lies "
+                                     f"outside the vocabulary [0, {self.vocab_size})")
+        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        if isinstance(limit, int) and prompts:
+            longest = max(len(p) for p in prompts)
+            if longest + max(max_new_tokens, 0) > limit:
+                warnings.warn(f"a request of {longest} prompt tokens + {max_new_tokens} new "
+                              f"tokens runs past the model's max_position_embeddings ({limit}): "
+                              "positions it was not trained on, expect degraded output",
+                              stacklevel=3)
+
     def generate_stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                         eos_token_id: Optional[int] = None,
                         stats: Optional[GenerationStats] = None) -> Iterator[Tensor]:
         """Greedy decoding; yields the next token of every request [len(prompts)] per step.
         A request that emitted eos keeps decoding into its reserved slots (its tokens are
         ignored by callers) until every request is done or max_new_tokens is reached."""
+        self.check_request(prompts, max_new_tokens)
         if max_new_tokens <= 0:
             return
         bs_real = len(prompts)

@@ -9,8 +9,10 @@ Each request reserves its whole budget (prompt + max new tokens) at admission an
 slots into its `req_to_token` row once (`assign_req_to_token`), so a decode step needs no host
 work: the compiled step reads its slot as `req_to_token[row, position]` from tensors.
 """
+import contextlib
+import itertools
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -33,6 +35,7 @@ class Request:
     prompt_len: int
     budget: int  # positions reserved: prompt_len + max_new_tokens
     slots: Tensor  # [budget] int64, the slots written into req_to_token[row, :budget]
+    generation: Optional[int] = None  # the KVPool.generation() it was admitted in, if any
 
 
 class KVPool:
@@ -62,7 +65,12 @@ class KVPool:
         self._free_slots: List[int] = list(range(num_slots - 1, -1, -1))
         self._free_rows: List[int] = list(range(max_reqs - 1, -1, -1))
         self._live: dict = {}  # row -> Request
-        self._bare: set = set()  # rows handed out by take_rows (no slots of their own)
+        self._bare: dict = {}  # row -> generation, rows handed out by take_rows (no slots)
+        # Generation scopes (generation()): the open ones, innermost last, and the ended ones
+        # (a row still held by an ended generation leaked: its cleanup failed).
+        self._open: List[int] = []
+        self._ended: set = set()
+        self._ids = itertools.count()
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -79,6 +87,24 @@ class KVPool:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @contextlib.contextmanager
+    def generation(self):
+        """Scope of one generation call: the requests and bare rows taken inside belong to it.
+        Every one must be given back before the scope ends; one that is not leaked (the
+        caller's cleanup failed) and check_consistent reports it."""
+        gen = next(self._ids)
+        self._open.append(gen)
+        try:
+            yield gen
+        finally:
+            self._open.remove(gen)
+            self._ended.add(gen)
+            held = {r.generation for r in self._live.values()} | set(self._bare.values())
+            self._ended &= held  # remember only generations that still hold rows
+
+    def _current(self) -> Optional[int]:
+        return self._open[-1] if self._open else None
 
     # -- slots -------------------------------------------------------------------------------
     def alloc_slots(self, n: int) -> Tensor:
@@ -133,7 +159,8 @@ class KVPool:
         assign_req_to_token(self.req_to_token, rows_t, start, end, slots)
         requests, offset = [], 0
         for row, p, b in zip(rows, prompt_lens, budgets):
-            req = Request(row=row, prompt_len=int(p), budget=b, slots=slots[offset:offset + b])
+            req = Request(row=row, prompt_len=int(p), budget=b, slots=slots[offset:offset + b],
+                          generation=self._current())
             self._live[row] = req
             requests.append(req)
             offset += b
@@ -158,7 +185,7 @@ class KVPool:
         if n > len(self._free_rows):
             raise PoolExhaustedError(f"no free request rows: {n} needed, {len(self._free_rows)} free")
         rows = [self._free_rows.pop() for _ in range(n)]
-        self._bare.update(rows)
+        self._bare.update((r, self._current()) for r in rows)
         return rows
 
     def return_rows(self, rows: Sequence[int]) -> None:
@@ -168,7 +195,7 @@ class KVPool:
                 raise ValueError(f"rows: {r} is not a row taken with take_rows")
         for r in rows:
             self.req_to_token[r].fill_(-1)
-            self._bare.remove(r)
+            del self._bare[r]
             self._free_rows.append(r)
 
     def release_all(self) -> None:
@@ -176,7 +203,12 @@ class KVPool:
             self.release(req)
 
     def check_consistent(self) -> None:
-        """Raise AssertionError unless free + owned slots partition the pool exactly."""
+        """Raise AssertionError unless free + owned slots partition the pool exactly and no
+        request or bare row is held by a generation that has ended (a leak)."""
+        leaked = sorted([r.row for r in self._live.values() if r.generation in self._ended] +
+                        [row for row, g in self._bare.items() if g in self._ended])
+        assert not leaked, (f"request rows {leaked} are held by no live generation (leaked: "
+                            "their generation ended without releasing them)")
         owned = [s for r in self._live.values() for s in r.slots.tolist()]
         everything = owned + self._free_slots
         assert sorted(everything) == list(range(self.num_slots)), "slots leaked or double-owned"

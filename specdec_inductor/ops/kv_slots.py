@@ -33,7 +33,20 @@ def assign_draft_cache_locs(
 
 @torch.library.register_fake("specdec::assign_draft_cache_locs")
 def _(req_to_token, req_rows, seq_lens, topk, steps):
+    _check_draft_slots(topk, steps, req_to_token.shape[1])
     return req_to_token.new_empty((req_rows.shape[0] * topk * steps,), dtype=torch.int64)
+
+
+def _check_draft_slots(topk: int, steps: int, width: int) -> None:
+    """The kernels' argument checks, in the fakes too (a traced call must fail as the eager one
+    does, not with a negative or overflowing size): topk * steps draft slots fit in a row."""
+    if topk < 1:
+        raise ValueError(f"argument 'topk' must be >= 1, got {topk}")
+    if steps < 1:
+        raise ValueError(f"argument 'steps' must be >= 1, got {steps}")
+    if topk * steps > width:
+        raise ValueError(f"arguments 'topk' * 'steps' = {topk * steps} draft slots per request "
+                         f"exceed req_to_token's width {width}")
 
 
 def gather_extend_cache_locs(
@@ -63,6 +76,7 @@ def build_draft_decode_table(
 
 @torch.library.register_fake("specdec::build_draft_decode_table")
 def _(req_to_token, req_rows, seq_lens, topk, steps):
+    _check_draft_slots(topk, steps, req_to_token.shape[1])
     return req_to_token.new_empty((req_rows.shape[0] * topk, req_to_token.shape[1]), dtype=torch.int32)
 
 

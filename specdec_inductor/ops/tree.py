@@ -59,6 +59,18 @@ def build_tree(
 @torch.library.register_fake("specdec::build_tree")
 def _(parent_list, selected_index, seq_lens, topk, depth, num_draft_tokens, tree_mask_mode):
     bs, n = seq_lens.shape[0], num_draft_tokens
+    # The kernel's checks on the ints (a traced call must fail as the eager one does, not with
+    # a negative or overflowing size); the tensors' shapes bound them.
+    for name, value in (("topk", topk), ("depth", depth), ("num_draft_tokens", n)):
+        if value < 1:
+            raise ValueError(f"argument '{name}' must be >= 1, got {value}")
+    width = 0 if depth == 1 else topk * (depth - 1) + 1
+    if parent_list.shape[1] != width:
+        raise ValueError(f"argument 'parent_list' must have size {width} in dimension 1, got "
+                         f"shape {tuple(parent_list.shape)}")
+    if selected_index.shape[1] != n - 1:
+        raise ValueError(f"argument 'selected_index' must have size {n - 1} in dimension 1, got "
+                         f"shape {tuple(selected_index.shape)}")
     if tree_mask_mode == TreeMaskMode.FULL_MASK:
         # sum(seq_lens) * N + B * N * N depends on the data: an unbacked size.
         tree_mask = seq_lens.new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.bool)

@@ -21,6 +21,27 @@ def admit_draft_requests(pool, contexts: Sequence[Sequence[int]], num_draft_toke
     return pool.admit([len(c) - 1 for c in contexts], budget)
 
 
+def finish_draft_requests(states: dict, request_ids: Sequence[int], pool, tree) -> None:
+    """Release the draft-pool rows of the given requests (their virtual tree rows, then their
+    request), every one of them even when one release raises (the first error is re-raised
+    at the end): a failed cleanup must not leak the others' rows."""
+    first = None
+    for rid in request_ids:
+        st = states.pop(rid, None)
+        if st is None:
+            continue
+        for release in ((lambda: tree.release_rows(st.virtual_rows)) if st.virtual_rows else None,
+                        lambda: pool.release(st.request)):
+            if release is None:
+                continue
+            try:
+                release()
+            except Exception as exc:  # noqa: BLE001 -- re-raised below, after the rest
+                first = first or exc
+    if first is not None:
+        raise first
+
+
 def chain_tree(roots: Tensor, chain: Tensor, seq_lens: Tensor) -> DraftTree:
     """roots [B] and drafts chain [B, K] as a DraftTree of N = K + 1 nodes per request."""
     bs, k = chain.shape

@@ -30,7 +30,8 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
-from specdec_inductor.proposers.chain import admit_draft_requests, chain_tree
+from specdec_inductor.proposers.chain import (admit_draft_requests, chain_tree,
+                                              finish_draft_requests)
 from specdec_inductor.proposers.tree_draft import TreeDrafter, check_tree_shape
 from specdec_inductor.speculative import DraftTree
 
@@ -92,14 +93,24 @@ class EagleDraftModel(nn.Module):
         return CausalLMOutputWithPast(logits=self.lm_head(g), hidden_states=(g,))
 
 
+def check_finite(sd: Dict[str, Tensor], where: str, error=ValueError) -> Dict[str, Tensor]:
+    """sd unchanged, or `error` naming the file and the first tensor holding NaN or inf (a
+    head trained past divergence drafts garbage, silently)."""
+    for name, t in sd.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise error(f"{where}: tensor {name!r} holds NaN or inf values")
+    return sd
+
+
 def _read_state_dict(path: str) -> Dict[str, Tensor]:
     st = os.path.join(path, "model.safetensors")
     if os.path.exists(st):
         from safetensors.torch import load_file
-        return load_file(st)
+        return check_finite(load_file(st), st, EagleCheckpointError)
     pt = os.path.join(path, "pytorch_model.bin")
     if os.path.exists(pt):
-        return torch.load(pt, map_location="cpu", weights_only=True)
+        return check_finite(torch.load(pt, map_location="cpu", weights_only=True), pt,
+                            EagleCheckpointError)
     raise EagleCheckpointError(f"argument 'path': {path!r} has neither model.safetensors nor "
                                "pytorch_model.bin")
 
@@ -353,9 +364,4 @@ class EagleProposer:
             st.root = toks[-1]
 
     def finish(self, request_ids: List[int]) -> None:
-        for rid in request_ids:
-            st = self._requests.pop(rid, None)
-            if st is not None:
-                if st.virtual_rows:
-                    self._tree.release_rows(st.virtual_rows)
-                self.engine.pool.release(st.request)
+        finish_draft_requests(self._requests, request_ids, self.engine.pool, self._tree)

@@ -152,7 +152,8 @@ def load_mtp_head(path: str, target, layer: int = 0) -> MtpDraftModel:
     tcfg = target.config
     num_layers = raw.get("num_hidden_layers", tcfg.num_hidden_layers)
     prefix = f"model.layers.{num_layers + layer}."
-    sd = _select(path, prefix)
+    from specdec_inductor.proposers.eagle import check_finite
+    sd = check_finite(_select(path, prefix), f"{path} ({prefix}*)", MtpCheckpointError)
     hidden, vocab = tcfg.hidden_size, tcfg.vocab_size
 
     config = copy.deepcopy(tcfg)

@@ -63,6 +63,7 @@ class NgramProposer:
         depth = max_depth if max_depth is not None else max(1, num_draft_tokens - 1)
         self.num_spec_steps = depth + 1
         self._index = _C.NgramIndex(min_window, max_window, depth, max_nodes_per_request)
+        self._started: set = set()  # request ids start added (finish removes only those)
 
     def add_request(self, request_id: int, prompt: Iterable[int]) -> None:
         self._index.add_request(request_id)
@@ -79,6 +80,7 @@ class NgramProposer:
     def start(self, request_ids: List[int], contexts: List[List[int]]) -> None:
         for rid, ctx in zip(request_ids, contexts):
             self.add_request(rid, ctx)
+            self._started.add(rid)
 
     def commit(self, request_ids: List[int], emitted: List[List[int]]) -> None:
         for rid, tokens in zip(request_ids, emitted):
@@ -86,8 +88,12 @@ class NgramProposer:
                 self.append(rid, tokens)
 
     def finish(self, request_ids: List[int]) -> None:
+        """Forgets the requests start added (the loop calls this even after a start that failed
+        midway, so requests start never reached are skipped)."""
         for rid in request_ids:
-            self.remove_request(rid)
+            if rid in self._started:
+                self._started.discard(rid)
+                self.remove_request(rid)
 
     def num_requests(self) -> int:
         return self._index.num_requests()

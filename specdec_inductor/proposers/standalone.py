@@ -21,12 +21,26 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
-from specdec_inductor.proposers.chain import admit_draft_requests, chain_tree
+from specdec_inductor.proposers.chain import (admit_draft_requests, chain_tree,
+                                              finish_draft_requests)
 from specdec_inductor.proposers.tree_draft import TreeDrafter, check_tree_shape
 from specdec_inductor.speculative import DraftTree
 
 
 CATCH_UP_TOKENS = 2
+
+
+def check_draft_vocabulary(draft_model, target_model, draft_name: str) -> None:
+    """A STANDALONE draft and its target exchange token ids both ways (the draft reads the
+    target's tokens, the target verifies the draft's), so their vocabularies must be the same
+    size; raises ValueError naming the draft otherwise (else an embedding lookup fails later
+    with a bare IndexError)."""
+    draft_v = draft_model.get_input_embeddings().weight.shape[0]
+    target_v = target_model.get_input_embeddings().weight.shape[0]
+    if draft_v != target_v:
+        raise ValueError(f"the draft model {draft_name} has a vocabulary of {draft_v} tokens, the "
+                         f"target {target_v}: a STANDALONE draft needs the target's tokenizer "
+                         "and vocabulary")
 
 
 @dataclass
@@ -157,9 +171,4 @@ class StandaloneProposer:
             st.tokens.extend(tokens)
 
     def finish(self, request_ids: List[int]) -> None:
-        for rid in request_ids:
-            st = self._requests.pop(rid, None)
-            if st is not None:
-                if st.virtual_rows:
-                    self._tree.release_rows(st.virtual_rows)
-                self.engine.pool.release(st.request)
+        finish_draft_requests(self._requests, request_ids, self.engine.pool, self._tree)

@@ -57,6 +57,9 @@ def add_parser(sub, common) -> None:
     p.add_argument("--data", default=None,
                    help="data cache file (default <out>/data.pt); reused when it was built with "
                         "the same prompts / tokens / seed (EAGLE can reuse EAGLE-3's data)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="let --data replace an existing file that is not a data cache of this "
+                        "run (no FILE.json beside it, or one built with other settings)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --out's trainer state and cached data")
     p.add_argument("--no-eval", dest="eval", action="store_false",
@@ -64,7 +67,7 @@ def add_parser(sub, common) -> None:
     # --max-batch (a common option): prompts continued together while building the data (default
     # 16 with fp32 data, 64 with bf16). Decode rows are computed independently; a batch's prompts
     # are prefilled together, in GEMMs whose rounding may depend on the batch.
-    p.set_defaults(func=run, max_batch=None, max_len=512)
+    p.set_defaults(func=run, max_batch=None, max_len=512, subparser=p)
 
 
 def _log(msg: str) -> None:
@@ -96,6 +99,12 @@ def run(args) -> int:
             raise ValueError(f"argument 'max_batch' must be >= 1, got {args.max_batch}")
     except ValueError as exc:
         raise SystemExit(f"specdec train-draft: {exc}")
+    if (args.data and os.path.exists(args.data) and not os.path.exists(args.data + ".json")
+            and not args.overwrite):
+        # Never overwrite a file the user named unless told to: it is no data cache of ours.
+        raise SystemExit(f"specdec train-draft: --data {args.data} exists and is not a data "
+                         f"cache (no {args.data}.json beside it); pass --overwrite to replace it, "
+                         "or name a new file")
     out = args.out or os.path.join(DEFAULT_OUT, args.method)
     os.makedirs(out, exist_ok=True)
     t_start = time.perf_counter()
@@ -117,9 +126,9 @@ def run(args) -> int:
         if same:
             data = DraftData.load(data_path)
             _log(f"[train-draft] reusing {data_path}: {len(data)} sequences")
-        elif args.data:
+        elif args.data and not args.overwrite:
             raise SystemExit(f"specdec train-draft: --data {data_path} was built with {cached}, "
-                             f"this run needs {meta}")
+                             f"this run needs {meta} (--overwrite rebuilds it)")
     if data is None:
         prompts = [encode(tokenizer, t, args.chat) for t in texts]
         data = build_draft_data(target, prompts, layers, new_tokens=args.new_tokens,

@@ -53,8 +53,8 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "ttt_steps", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"argument '{name}' must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"argument 'lr' must be > 0, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"argument 'lr' must be a finite number > 0, got {self.lr}")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"argument 'precision' must be 'bf16' or 'fp32', got {self.precision!r}")
 
@@ -264,9 +264,15 @@ def train_head(target, data: DraftData, out_dir: str, cfg: TrainConfig, *,
                                          soft_ce=ce)
             else:
                 loss, stats = eagle3_loss(head, data, idx, cfg.ttt_steps, with_acc=log, soft_ce=ce)
+        if not torch.isfinite(loss.detach()):
+            raise FloatingPointError(f"training diverged at step {step}: the loss is "
+                                     f"{loss.item()}; lower --lr (now {cfg.lr})")
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        if not torch.isfinite(norm):
+            raise FloatingPointError(f"training diverged at step {step}: the gradient norm is "
+                                     f"{norm.item()}; lower --lr (now {cfg.lr})")
         opt.step()
         step += 1
         tokens_seen += stats["tokens"]
@@ -279,6 +285,10 @@ def train_head(target, data: DraftData, out_dir: str, cfg: TrainConfig, *,
         if step % cfg.save_every == 0 or step == total:
             save_state()
     head.eval()
+    bad = [name for name, p in head.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:  # never write a head that cannot draft
+        raise FloatingPointError(f"training produced non-finite weights ({', '.join(bad[:3])}); "
+                                 f"lower --lr (now {cfg.lr})")
     write_checkpoint(head, out_dir)
     if cfg.method == "eagle":
         # The head's draft vocabulary (proposers/eagle.py): the data's most frequent ids, as an
