@@ -6,6 +6,11 @@ share of this process's measured memory read bandwidth, and the ratio to aten's 
 dequantized fp32 weight (what the model would run without these kernels; 4-7x the bytes).
 
     python benchmarks/bench_quant.py [--rows 1,8,16] [--repeats 7] [--path avx512] [--no-head]
+                                     [--threads 1]
+
+On a machine shared with other jobs, --threads 1 gives steadier numbers (an OpenMP barrier can
+wait a whole scheduler slice for a descheduled worker); the bandwidth probe then uses one thread
+too.
 """
 import argparse
 import os
@@ -69,7 +74,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--path", default=None, help="force an ISA path (default: the active one)")
     ap.add_argument("--no-head", action="store_true", help="skip the LM-head shapes (N > 40000)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     if args.path:
         specdec_inductor.set_active_isa(args.path)

@@ -30,16 +30,22 @@ inline __m512 to_f32(__m512i v) { return _mm512_cvtepi32_ps(v); }
 
 // Each format's row walker calls f(k, lo, hi) for the weights [k, k + 16) and [k + 16, k + 32)
 // of a row of K weights, in increasing k.
+// 4-bit formats look their weights up: the 16 (or 32) values a block's scale(s) allow are
+// computed once per (sub-)block, exactly as the file defines them, and vpermps picks each
+// weight by its nibble (the index uses the low 4 bits of each int32 lane, so the low nibble needs
+// no mask). One permute per 16 weights instead of mask, convert and multiply-add.
+inline __m512 iota16() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
 struct Q4_0Rows {
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
-    const __m512i nib = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+    const __m512 centred = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f));  // q - 8
     for (int64_t k = 0; k < K; k += 32, p += 18) {
-      const __m512 d = _mm512_set1_ps(load_f16(p));
+      const __m512 table = _mm512_mul_ps(centred, _mm512_set1_ps(load_f16(p)));  // d * (q - 8)
       const __m512i v = bytes16(p + 2);
-      const __m512i ql = _mm512_sub_epi32(_mm512_and_si512(v, nib), eight);
-      const __m512i qh = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight);
-      f(k, _mm512_mul_ps(to_f32(ql), d), _mm512_mul_ps(to_f32(qh), d));
+      f(k, _mm512_permutexvar_ps(v, table), _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
     }
   }
 };
@@ -47,13 +53,12 @@ struct Q4_0Rows {
 struct Q4_1Rows {
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
-    const __m512i nib = _mm512_set1_epi32(15);
+    const __m512 iota = iota16();
     for (int64_t k = 0; k < K; k += 32, p += 20) {
-      const __m512 d = _mm512_set1_ps(load_f16(p)), m = _mm512_set1_ps(load_f16(p + 2));
-      const __m512i v = bytes16(p + 4);
       // d * q is exact, so the fused multiply-add rounds d * q + m once, as the file's fp32 does.
-      f(k, _mm512_fmadd_ps(to_f32(_mm512_and_si512(v, nib)), d, m),
-        _mm512_fmadd_ps(to_f32(_mm512_srli_epi32(v, 4)), d, m));
+      const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(load_f16(p)), _mm512_set1_ps(load_f16(p + 2)));
+      const __m512i v = bytes16(p + 4);
+      f(k, _mm512_permutexvar_ps(v, table), _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
     }
   }
 };
@@ -62,8 +67,11 @@ struct Q5_0Rows {
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
     const __m512i nib = _mm512_set1_epi32(15), sixteen = _mm512_set1_epi32(16);
+    const __m512 low = _mm512_sub_ps(iota16(), _mm512_set1_ps(16.0f));  // q - 16, q < 16
+    const __m512 high = iota16();                                        // q - 16, q >= 16
     for (int64_t k = 0; k < K; k += 32, p += 22) {
       const __m512 d = _mm512_set1_ps(load_f16(p));
+      const __m512 t0 = _mm512_mul_ps(low, d), t1 = _mm512_mul_ps(high, d);
       uint32_t qh;
       std::memcpy(&qh, p + 2, 4);
       const __m512i v = bytes16(p + 6);
@@ -71,8 +79,7 @@ struct Q5_0Rows {
       // Bit j of qh is the fifth bit of weight j: a lane mask straight from the integer.
       ql = _mm512_mask_or_epi32(ql, static_cast<__mmask16>(qh), ql, sixteen);
       qhi = _mm512_mask_or_epi32(qhi, static_cast<__mmask16>(qh >> 16), qhi, sixteen);
-      f(k, _mm512_mul_ps(to_f32(_mm512_sub_epi32(ql, sixteen)), d),
-        _mm512_mul_ps(to_f32(_mm512_sub_epi32(qhi, sixteen)), d));
+      f(k, _mm512_permutex2var_ps(t0, ql, t1), _mm512_permutex2var_ps(t0, qhi, t1));
     }
   }
 };
@@ -90,12 +97,14 @@ struct Q8_0Rows {
 };
 
 // Q4_K and Q5_K: sub-block s of a 256-weight block is (d * sc[s]) * q - dmin * mn[s]; both
-// products are exact, so one fused multiply-add rounds the difference once, as the file's fp32.
+// products are exact, so one fused multiply-add rounds the difference once, as the file's fp32:
+// the sub-block's table of 16 (32) weights, looked up by nibble.
 template <bool kFifthBit>
 struct QK45Rows {
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
     const __m512i nib = _mm512_set1_epi32(15), sixteen = _mm512_set1_epi32(16);
+    const __m512 iota = iota16(), iota_high = _mm512_add_ps(iota16(), _mm512_set1_ps(16.0f));
     const int64_t block_bytes = kFifthBit ? 176 : 144;
     for (int64_t k = 0; k < K; k += 256, p += block_bytes) {
       const float d = load_f16(p), dmin = load_f16(p + 2);
@@ -114,46 +123,54 @@ struct QK45Rows {
           k_scale_min(scales, s, &sc, &mn);
           const __m512 ds = _mm512_set1_ps(d * static_cast<float>(sc));
           const __m512 neg_dm = _mm512_set1_ps(-(dmin * static_cast<float>(mn)));
-          __m512i q0 = half ? _mm512_srli_epi32(v0, 4) : _mm512_and_si512(v0, nib);
-          __m512i q1 = half ? _mm512_srli_epi32(v1, 4) : _mm512_and_si512(v1, nib);
+          // The sub-block's possible weights (q = 0..15, and 16..31 with the fifth bit).
+          const __m512 t0 = _mm512_fmadd_ps(iota, ds, neg_dm);
+          __m512i q0 = half ? _mm512_srli_epi32(v0, 4) : v0;
+          __m512i q1 = half ? _mm512_srli_epi32(v1, 4) : v1;
           if (kFifthBit) {
+            const __m512 t1 = _mm512_fmadd_ps(iota_high, ds, neg_dm);
             const __m512i bit = _mm512_set1_epi32(1 << s);
+            q0 = _mm512_and_si512(q0, nib);
+            q1 = _mm512_and_si512(q1, nib);
             q0 = _mm512_mask_or_epi32(q0, _mm512_test_epi32_mask(h0, bit), q0, sixteen);
             q1 = _mm512_mask_or_epi32(q1, _mm512_test_epi32_mask(h1, bit), q1, sixteen);
+            f(k + 32 * s, _mm512_permutex2var_ps(t0, q0, t1), _mm512_permutex2var_ps(t0, q1, t1));
+          } else {
+            f(k + 32 * s, _mm512_permutexvar_ps(q0, t0), _mm512_permutexvar_ps(q1, t0));
           }
-          f(k + 32 * s, _mm512_fmadd_ps(to_f32(q0), ds, neg_dm),
-            _mm512_fmadd_ps(to_f32(q1), ds, neg_dm));
         }
       }
     }
   }
 };
 
+// Q6_K: the 6-bit quant is assembled at byte level (32 weights per 256-bit op), then widened;
+// (d * sc) * (q - 32) has at most 23 significant bits: exact.
 struct Q6_KRows {
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
-    const __m512i nib = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
-    const __m512i thirty_two = _mm512_set1_epi32(32);
+    const __m256i nib = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    const __m256i thirty_two = _mm256_set1_epi8(32);
     for (int64_t k = 0; k < K; k += 256, p += 210) {
       const uint8_t* ql = p;
       const uint8_t* qh = p + 128;
       const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
       const float d = load_f16(p + 208);
       for (int h = 0; h < 2; ++h) {
-        const __m512i hb0 = bytes16(qh + 32 * h), hb1 = bytes16(qh + 32 * h + 16);
+        const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
         for (int t = 0; t < 4; ++t) {
           const int g = 4 * h + t;
-          const uint8_t* src = ql + 64 * h + 32 * (t % 2);
-          const __m512i a0 = bytes16(src), a1 = bytes16(src + 16);
-          const __m512i lo_shift = _mm512_set1_epi32(4 * (t / 2)), hi_shift = _mm512_set1_epi32(2 * t);
-          __m512i q0 = _mm512_and_si512(_mm512_srlv_epi32(a0, lo_shift), nib);
-          __m512i q1 = _mm512_and_si512(_mm512_srlv_epi32(a1, lo_shift), nib);
-          q0 = _mm512_or_si512(q0, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(hb0, hi_shift), three), 4));
-          q1 = _mm512_or_si512(q1, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(hb1, hi_shift), three), 4));
-          const __m512 s0 = _mm512_set1_ps(d * static_cast<float>(scales[2 * g]));
-          const __m512 s1 = _mm512_set1_ps(d * static_cast<float>(scales[2 * g + 1]));
-          f(k + 32 * g, _mm512_mul_ps(to_f32(_mm512_sub_epi32(q0, thirty_two)), s0),
-            _mm512_mul_ps(to_f32(_mm512_sub_epi32(q1, thirty_two)), s1));
+          const __m256i lbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32 * (t % 2)));
+          const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(lbits, _mm_cvtsi32_si128(4 * (t / 2))), nib);
+          const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * t)), three);
+          // q - 32 in signed bytes (-32..31), sign-extended: d * sc * (q - 32) as the file computes
+          // it (exact, with the file's sign of zero).
+          const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), thirty_two);
+          const __m512 w0 = _mm512_mul_ps(to_f32(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+                                          _mm512_set1_ps(d * static_cast<float>(scales[2 * g])));
+          const __m512 w1 = _mm512_mul_ps(to_f32(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
+                                          _mm512_set1_ps(d * static_cast<float>(scales[2 * g + 1])));
+          f(k + 32 * g, w0, w1);
         }
       }
     }
