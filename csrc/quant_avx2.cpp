@@ -136,28 +136,30 @@ struct QK45Rows {
   }
 };
 
+// Q6_K: the 6-bit quant minus 32 is assembled at byte level (32 weights per op), then
+// sign-extended; (d * sc) * (q - 32) is exact and keeps the file's sign of zero.
 struct Q6_KRows {
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
-    const __m256i nib = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
-    const __m256i thirty_two = _mm256_set1_epi32(32);
+    const __m256i nib = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    const __m256i thirty_two = _mm256_set1_epi8(32);
     for (int64_t k = 0; k < K; k += 256, p += 210) {
       const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
       const float d = load_f16(p + 208);
       for (int g = 0; g < 8; ++g) {
         const int h = g / 4, t = g % 4;
-        const uint8_t* src = p + 64 * h + 32 * (t % 2);
-        const uint8_t* qh = p + 128 + 32 * h;
-        const __m128i lo_shift = _mm_cvtsi32_si128(4 * (t / 2)), hi_shift = _mm_cvtsi32_si128(2 * t);
-        __m256 w[4];
-        for (int i = 0; i < 4; ++i) {
-          const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(bytes8(src + 8 * i), lo_shift), nib);
-          const __m256i hi = _mm256_and_si256(_mm256_srl_epi32(bytes8(qh + 8 * i), hi_shift), three);
-          const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), thirty_two);
-          const __m256 ds = _mm256_set1_ps(d * static_cast<float>(scales[2 * g + i / 2]));
-          w[i] = _mm256_mul_ps(to_f32(q), ds);
-        }
-        f(k + 32 * g, w[0], w[1], w[2], w[3]);
+        const __m256i lbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * (t % 2)));
+        const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+        const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(lbits, _mm_cvtsi32_si128(4 * (t / 2))), nib);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * t)), three);
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), thirty_two);
+        const __m128i q_lo = _mm256_castsi256_si128(q), q_hi = _mm256_extracti128_si256(q, 1);
+        const __m256 s0 = _mm256_set1_ps(d * static_cast<float>(scales[2 * g]));
+        const __m256 s1 = _mm256_set1_ps(d * static_cast<float>(scales[2 * g + 1]));
+        f(k + 32 * g, _mm256_mul_ps(to_f32(_mm256_cvtepi8_epi32(q_lo)), s0),
+          _mm256_mul_ps(to_f32(_mm256_cvtepi8_epi32(_mm_srli_si128(q_lo, 8))), s0),
+          _mm256_mul_ps(to_f32(_mm256_cvtepi8_epi32(q_hi)), s1),
+          _mm256_mul_ps(to_f32(_mm256_cvtepi8_epi32(_mm_srli_si128(q_hi, 8))), s1));
       }
     }
   }

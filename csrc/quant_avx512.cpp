@@ -1,10 +1,11 @@
 // AVX-512 kernels of quant_linear / quant_dequantize (see quant_isa.h). Weight-streaming: each
-// quantized weight row is read once per call; every 32-weight sub-block is dequantized in
-// registers (nibbles -> int32 lanes by zero-extension, and / shift, scales applied per sub-block,
-// exactly as the file defines the weight) into two 16-lane fp32 vectors, which are multiplied into
-// up to 8 rows of x at once. With more than 8 rows of x the row is dequantized once into an L1
-// buffer and re-read per group of 8 rows: the same fp32 values enter the same FMA sequence, so a
-// row of the output is bitwise the same whatever M is (batch invariance).
+// quantized weight row is read once per call and every 32-weight sub-block is turned into two
+// 16-lane fp32 vectors of exactly the file's weights (4/5-bit formats by a per-block table lookup,
+// Q6_K / Q8_0 by widening and one exact multiply). One row of x (decode): the vectors feed the
+// dot product straight from registers. Several rows (verify, prefill): weight rows are dequantized
+// in pairs into a per-thread buffer and multiplied into 4 rows of x at a time, so each x load
+// feeds two rows. Either way one (x row, weight row) pair sees the same FMA sequence and the same
+// final reduction, so a row of the output is bitwise the same whatever M is (batch invariance).
 #include <immintrin.h>
 
 #include <cstring>
@@ -204,40 +205,92 @@ inline void dot_rows(const Src* row, int64_t K, const float* x, int64_t xs, floa
 template <class Rows, class Src>
 inline void dot_group(int mb, const Src* row, int64_t K, const float* x, int64_t xs, float* out) {
   switch (mb) {
-    case 8: dot_rows<8, Rows>(row, K, x, xs, out); break;
     case 4: dot_rows<4, Rows>(row, K, x, xs, out); break;
     case 2: dot_rows<2, Rows>(row, K, x, xs, out); break;
     default: dot_rows<1, Rows>(row, K, x, xs, out); break;
   }
 }
 
-constexpr int64_t kFusedMaxRows = 8;
-thread_local ScratchBuffer t_row;
+// out0[m], out1[m] = dot(w0, x[m]), dot(w1, x[m]) for two rows already dequantized into fp32
+// buffers: each load of x feeds both rows (half the loads per FMA). The operations on one
+// (x row, weight row) pair are exactly those of dot_rows: same accumulators, order and reduction.
+template <int MB>
+inline void dot_rows2(const float* w0, const float* w1, int64_t K, const float* x, int64_t xs,
+                      float* out0, float* out1) {
+  __m512 a0[MB], a1[MB], b0[MB], b1[MB];
+  for (int m = 0; m < MB; ++m) a0[m] = a1[m] = b0[m] = b1[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m512 lo0 = _mm512_loadu_ps(w0 + k), hi0 = _mm512_loadu_ps(w0 + k + 16);
+    const __m512 lo1 = _mm512_loadu_ps(w1 + k), hi1 = _mm512_loadu_ps(w1 + k + 16);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xl = _mm512_loadu_ps(x + m * xs + k), xh = _mm512_loadu_ps(x + m * xs + k + 16);
+      a0[m] = _mm512_fmadd_ps(lo0, xl, a0[m]);
+      a1[m] = _mm512_fmadd_ps(hi0, xh, a1[m]);
+      b0[m] = _mm512_fmadd_ps(lo1, xl, b0[m]);
+      b1[m] = _mm512_fmadd_ps(hi1, xh, b1[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    out0[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+    out1[m] = _mm512_reduce_add_ps(_mm512_add_ps(b0[m], b1[m]));
+  }
+}
 
+inline void dot_group2(int mb, const float* w0, const float* w1, int64_t K, const float* x,
+                       int64_t xs, float* out0, float* out1) {
+  switch (mb) {
+    case 4: dot_rows2<4>(w0, w1, K, x, xs, out0, out1); break;
+    case 2: dot_rows2<2>(w0, w1, K, x, xs, out0, out1); break;
+    default: dot_rows2<1>(w0, w1, K, x, xs, out0, out1); break;
+  }
+}
+
+thread_local ScratchBuffer t_rows;
+
+inline void store_outputs(const QuantLinearBlock& b, int64_t m, int mb, int64_t n, const float* out) {
+  for (int i = 0; i < mb; ++i) {
+    float v = out[i];
+    if (b.bias) v += b.bias[n];
+    b.y[(m + i) * b.y_stride + n] = v;
+  }
+}
+
+// One row of x (decode): each weight row is dequantized in registers and consumed at once.
+// Several rows of x (verify, prefill): weight rows are dequantized in pairs into an L1/L2 buffer
+// and multiplied into 4 rows of x at a time (dot_rows2). Both give the same bits per output.
 template <class Rows>
 void linear_rows(const QuantLinearBlock& b) {
-  const bool buffered = b.M > kFusedMaxRows;
-  float* buf = buffered ? t_row.get(b.K) : nullptr;
-  for (int64_t n = b.n_begin; n < b.n_end; ++n) {
-    const uint8_t* row = b.w + n * b.w_stride;
-    if (buffered) {
-      Rows::row(row, b.K, [buf](int64_t k, __m512 lo, __m512 hi) {
-        _mm512_storeu_ps(buf + k, lo);
-        _mm512_storeu_ps(buf + k + 16, hi);
-      });
+  if (b.M == 1) {
+    for (int64_t n = b.n_begin; n < b.n_end; ++n) {
+      float out;
+      dot_rows<1, Rows>(b.w + n * b.w_stride, b.K, b.x, b.x_stride, &out);
+      store_outputs(b, 0, 1, n, &out);
     }
+    return;
+  }
+  float* buf = t_rows.get(2 * b.K);
+  auto dequantize_into = [&b](int64_t n, float* dst) {
+    Rows::row(b.w + n * b.w_stride, b.K, [dst](int64_t k, __m512 lo, __m512 hi) {
+      _mm512_storeu_ps(dst + k, lo);
+      _mm512_storeu_ps(dst + k + 16, hi);
+    });
+  };
+  for (int64_t n = b.n_begin; n < b.n_end; n += 2) {
+    const bool pair = n + 1 < b.n_end;
+    dequantize_into(n, buf);
+    if (pair) dequantize_into(n + 1, buf + b.K);
     for (int64_t m = 0; m < b.M;) {
       const int64_t left = b.M - m;
-      const int mb = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-      float out[8];
+      const int mb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      float out0[4], out1[4];
       const float* xm = b.x + m * b.x_stride;
-      if (buffered) dot_group<BufferRows>(mb, buf, b.K, xm, b.x_stride, out);
-      else dot_group<Rows>(mb, row, b.K, xm, b.x_stride, out);
-      for (int i = 0; i < mb; ++i) {
-        float v = out[i];
-        if (b.bias) v += b.bias[n];
-        b.y[(m + i) * b.y_stride + n] = v;
+      if (pair) {
+        dot_group2(mb, buf, buf + b.K, b.K, xm, b.x_stride, out0, out1);
+        store_outputs(b, m, mb, n + 1, out1);
+      } else {
+        dot_group<BufferRows>(mb, buf, b.K, xm, b.x_stride, out0);
       }
+      store_outputs(b, m, mb, n, out0);
       m += mb;
     }
   }

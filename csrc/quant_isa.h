@@ -84,10 +84,11 @@ struct QuantLinearBlock {
 void quant_linear_portable(const QuantLinearBlock& blk);
 void quant_dequantize_row_portable(QuantFmt fmt, const uint8_t* row, int64_t K, float* out);
 // AVX-512 (F/BW/VL/DQ + FMA + F16C): each 32-weight sub-block is dequantized into two 16-lane
-// fp32 vectors in registers and multiplied into up to 8 rows of x at once.
+// fp32 vectors in registers (M = 1), or weight rows in pairs into an L1/L2 buffer multiplied
+// into 4 rows of x at a time (M > 1).
 void quant_linear_avx512(const QuantLinearBlock& blk);
 void quant_dequantize_row_avx512(QuantFmt fmt, const uint8_t* row, int64_t K, float* out);
-// AVX2 + FMA + F16C: the same on 8 lanes.
+// AVX2 + FMA + F16C: 8 lanes; up to 4 rows of x straight from registers, a buffered row past 4.
 void quant_linear_avx2(const QuantLinearBlock& blk);
 void quant_dequantize_row_avx2(QuantFmt fmt, const uint8_t* row, int64_t K, float* out);
 

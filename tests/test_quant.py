@@ -314,3 +314,20 @@ def test_eager_equals_compiled(monkeypatch, tmp_path):
         compiled = torch.compile(model, fullgraph=True)(ids)
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_threads_do_not_change_the_result(path):
+    """Threads split the output features, never a sum: 1 thread == all threads, bitwise."""
+    fmt = QuantFormat.Q6_K
+    w = random_weight(fmt, 1001, 512, seed=31)  # enough rows to fan out
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(31))
+    threads = torch.get_num_threads()
+    with specdec_inductor.forced_isa(path):
+        many = quant_linear(x, w, fmt)
+        torch.set_num_threads(1)
+        try:
+            one = quant_linear(x, w, fmt)
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(one, many)
