@@ -176,9 +176,12 @@ int64_t check_weight(const at::Tensor& weight, const QuantFormatInfo& info) {
   return weight.size(1) / info.block_bytes * info.block_size;
 }
 
-// The number of rows of a parallel chunk: at least ~64 KiB of weight bytes each.
-int64_t row_grain(int64_t row_bytes, int64_t M) {
-  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, row_bytes * std::max<int64_t>(1, M)));
+// Items (rows, or blocks of rows of `item_bytes` weight bytes) per parallel chunk: ~256 KiB of
+// weights divided by the rows of x (tens of microseconds of work per chunk at M = 1), so a small
+// matrix stays on the calling thread: on a loaded machine an OpenMP barrier can wait a whole
+// scheduler slice (~10 ms) for a descheduled worker (see common.h).
+int64_t row_grain(int64_t item_bytes, int64_t M) {
+  return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, item_bytes * std::max<int64_t>(1, M)));
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fmt,
