@@ -147,6 +147,7 @@ def test_sglang_slot_adapters():
     verified = torch.empty(2, dtype=torch.int64)
     sglang.fill_new_verified_id(T([[1, 2], [3, 4]]), T([2, 1]), verified)
     assert verified.tolist() == [2, 3]
-    compacted = torch.empty(4, dtype=torch.int64)
+    # SGLang's kernel writes the kept slots at the front and leaves the tail as it was.
+    compacted = torch.full((4,), 99, dtype=torch.int64)
     assert int(sglang.filter_finished_cache_loc(T([10, 11, 12, 13]), T([0, -1, 3, -1]), compacted)) == 2
-    assert compacted.tolist() == [10, 13, -1, -1]
+    assert compacted.tolist() == [10, 13, 99, 99]
