@@ -858,3 +858,16 @@ def test_bad_inputs_name_the_argument():
     for i, (call, exc, name) in enumerate(cases):
         with pytest.raises(exc, match=name):
             call()
+
+
+def test_reference_tree_window_matches_sdpa():
+    """extend_attention_ref (the REFERENCE backend) places tree drafts at prefix + depth too."""
+    prefixes, n = [9, 40], 10
+    q, k_pool, v_pool, table, rows = make_batch(prefixes, n, 4, 2, 64, torch.float32, seed=2)
+    tree, depth = tree_with_depths(2, n, seed=5, kind="random")
+    for window in (1, 3, 12):
+        out = extend_attention_ref(q, k_pool, v_pool, table, rows, torch.tensor(prefixes),
+                                   torch.full((2,), n), tree, 0.125, window)
+        exact = windowed_attention(q.double(), k_pool.double(), v_pool.double(), table, rows,
+                                   prefixes, tree, depth, 0.125, window, 0.0, torch.float64)
+        assert (out.double() - exact).abs().max() < 1e-5, window

@@ -325,8 +325,11 @@ def extend_attention_ref(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens,
         new = tree[b, :ext, :ext] if tree is not None else torch.ones(ext, ext, dtype=torch.bool).tril()
         mask = torch.cat([torch.ones(ext, prefix, dtype=torch.bool), new], dim=1)  # [ext, K]
         if sliding_window > 0:
-            qpos = torch.arange(prefix, prefix + ext).view(-1, 1)
-            kpos = torch.arange(prefix + ext).view(1, -1)
+            # A new token sits at prefix + its depth: the drafts its mask row shows, itself
+            # excluded (its row index when causal); prefix keys at their index.
+            depth = new.sum(1) - 1 if tree is not None else torch.arange(ext)  # [ext]
+            qpos = (prefix + depth).view(-1, 1)
+            kpos = torch.cat([torch.arange(prefix), prefix + depth]).view(1, -1)
             mask &= kpos > qpos - sliding_window
         qb = q[b, :ext].float().transpose(0, 1)  # [H, ext, D]
         scores = (qb @ k.permute(1, 2, 0)) * scale  # [H, ext, K]
