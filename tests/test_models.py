@@ -37,7 +37,7 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setitem(models.REGISTRY, spec.name, spec)
     installs = []
 
-    def pip_install(requirements):
+    def pip_install(requirements, find_links=None):
         installs.append(list(requirements))
         for req in requirements:
             dist, version = req.split("==")
