@@ -241,3 +241,16 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path, tokenizer_fields):
         load_gguf(path)
     model, _ = load_gguf(path, dequantize=True)  # gguf-py dequantizes it
     assert model.model.layers[0].self_attn.v_proj.weight.dtype == torch.float32
+
+
+def test_load_model_dispatch(monkeypatch):
+    from specdec_inductor.engine.hf import load_model
+    monkeypatch.delenv("SPECDEC_CACHE_DIR")  # the SmolLM2 metadata directory made above
+    by_name, tokenizer = load_model("smollm2-135m", dequantize=True)
+    default, _ = load_model()  # dense while hf.DEFAULT_QUANTIZED is False
+    assert by_name.quantized_formats == default.quantized_formats == {}
+    torch.testing.assert_close(_logits(by_name, tokenizer, PROMPTS[0]),
+                               _logits(default, tokenizer, PROMPTS[0]), rtol=0, atol=0)
+    assert not hasattr(default.config, "quantization_config")
+    with pytest.raises(ValueError, match="argument 'model'"):
+        load_model("no-such-model")
