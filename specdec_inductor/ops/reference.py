@@ -364,3 +364,75 @@ def skinny_linear_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) 
 def skinny_linear_cat_ref(x: Tensor, weights, biases) -> Tensor:
     """The skinny_linear of each (weight, bias) against x, side by side: [..., sum N_i]."""
     return torch.cat([skinny_linear_ref(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+
+
+def _f16_field(blocks: Tensor, offset: int) -> Tensor:
+    """The fp16 field at byte `offset` of each block ([B, bytes] uint8) as fp32 [B, 1]."""
+    return blocks[:, offset:offset + 2].contiguous().view(torch.float16).float()
+
+
+def _k_scale_min(scales: Tensor) -> Tuple[Tensor, Tensor]:
+    """The 8 6-bit scales and 8 6-bit mins packed in the 12 scale bytes of Q4_K / Q5_K blocks
+    ([B, 12] int32) -> two [B, 8] float32."""
+    d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 6) << 4)], 1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 6) << 4)], 1)
+    return sc.float(), mn.float()
+
+
+def quant_dequantize_ref(weight: Tensor, fmt) -> Tensor:
+    """The fp32 weight [N, K] of uint8 [N, row_bytes] ggml blocks (layouts: csrc/quant_isa.h),
+    written out per format. Every product is exact in fp32; the one rounding per weight is that of
+    the file's definition (the "+ m" / "- dmin * mn" step)."""
+    from specdec_inductor.ops.quant import QuantFormat, quant_block
+
+    fmt = QuantFormat(int(fmt))
+    size, nbytes = quant_block(fmt)
+    n = weight.shape[0]
+    blocks = weight.reshape(-1, nbytes)  # [B, bytes], B = N * K / size
+    b = blocks.to(torch.int32)  # [B, bytes]
+    nibbles = lambda qs: torch.cat([qs & 15, qs >> 4], 1)  # noqa: E731  [B, 16] -> [B, 32]
+    if fmt == QuantFormat.Q4_0:
+        w = _f16_field(blocks, 0) * (nibbles(b[:, 2:18]) - 8).float()
+    elif fmt == QuantFormat.Q4_1:
+        w = _f16_field(blocks, 0) * nibbles(b[:, 4:20]).float() + _f16_field(blocks, 2)
+    elif fmt == QuantFormat.Q5_0:
+        bits = (b[:, 2:6, None] >> torch.arange(8)) & 1  # [B, 4, 8]: bit j of the u32 qh
+        w = _f16_field(blocks, 0) * ((nibbles(b[:, 6:22]) | bits.reshape(-1, 32) << 4) - 16).float()
+    elif fmt == QuantFormat.Q8_0:
+        w = _f16_field(blocks, 0) * blocks[:, 2:34].view(torch.int8).float()
+    elif fmt in (QuantFormat.Q4_K, QuantFormat.Q5_K):
+        sc, mn = _k_scale_min(b[:, 4:16])  # [B, 8] each
+        qs = b[:, 16:144] if fmt == QuantFormat.Q4_K else b[:, 48:176]  # [B, 128]
+        q = torch.stack([qs.reshape(-1, 4, 32) & 15, qs.reshape(-1, 4, 32) >> 4], 2)  # [B, 4, 2, 32]
+        q = q.reshape(-1, 8, 32)  # [B, 8 sub-blocks, 32]
+        if fmt == QuantFormat.Q5_K:
+            q = q | ((b[:, None, 16:48] >> torch.arange(8)[:, None]) & 1) << 4
+        ds = (_f16_field(blocks, 0) * sc)[:, :, None]  # [B, 8, 1]
+        dm = (_f16_field(blocks, 2) * mn)[:, :, None]
+        w = ds * q.float() - dm
+    else:  # Q6_K
+        ql, qh = b[:, 0:128], b[:, 128:192]
+        groups = []
+        for g in range(8):  # 32 weights each
+            h, t = divmod(g, 4)
+            lo = (ql[:, 64 * h + 32 * (t % 2):][:, :32] >> 4 * (t // 2)) & 15
+            hi = (qh[:, 32 * h:32 * h + 32] >> 2 * t) & 3
+            groups.append((lo | hi << 4) - 32)
+        q = torch.cat(groups, 1).float()  # [B, 256]
+        scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [B, 16]
+        w = (_f16_field(blocks, 208) * scales).repeat_interleave(16, 1) * q
+    return w.reshape(n, -1)
+
+
+def quant_linear_ref(x: Tensor, weight: Tensor, fmt, bias: Optional[Tensor] = None) -> Tensor:
+    """x @ dequantize(weight).T + bias computed in fp64, rounded once to x's dtype."""
+    y = x.double() @ quant_dequantize_ref(weight, fmt).double().T  # [..., N]
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
+def quant_embedding_ref(ids: Tensor, weight: Tensor, fmt, dtype=torch.float32) -> Tensor:
+    """Rows `ids` of the dequantized weight: [*ids.shape, K] in `dtype`."""
+    return quant_dequantize_ref(weight, fmt)[ids.long()].to(dtype)

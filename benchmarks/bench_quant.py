@@ -1,0 +1,107 @@
+"""quant_linear (csrc/quant.cpp) on the weight shapes of the models we serve from GGUF files:
+Qwen2.5-1.5B (1536 / 8960 wide, 151936-row LM head) in Q4_K and Q6_K, SmolLM2-135M (576 wide,
+49152-row head) in Q4_1 and Q8_0; random blocks. For M rows of x (1 = decode, 8/16 = verify),
+prints the median time, the effective weight-read rate (the quantized bytes per call / time), its
+share of this process's measured memory read bandwidth, and the ratio to aten's F.linear on the
+dequantized fp32 weight (what the model would run without these kernels; 4-7x the bytes).
+
+    python benchmarks/bench_quant.py [--rows 1,8,16] [--repeats 7] [--path avx512] [--no-head]
+                                     [--threads 1]
+
+On a machine shared with other jobs, --threads 1 gives steadier numbers (an OpenMP barrier can
+wait a whole scheduler slice for a descheduled worker); the bandwidth probe then uses one thread
+too.
+"""
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import specdec_inductor
+from specdec_inductor.ops import QuantFormat, quant_block, quant_dequantize, quant_linear
+
+QWEN = [(1536, 1536), (8960, 1536), (1536, 8960), (151936, 1536)]  # (N, K)
+SMOL = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
+CASES = ([(f, n, k) for f in (QuantFormat.Q4_K, QuantFormat.Q6_K) for n, k in QWEN]
+         + [(f, n, k) for f in (QuantFormat.Q4_1, QuantFormat.Q8_0) for n, k in SMOL])
+F16_FIELDS = {QuantFormat.Q4_1: [0, 2], QuantFormat.Q8_0: [0], QuantFormat.Q4_K: [0, 2],
+              QuantFormat.Q6_K: [208], QuantFormat.Q4_0: [0], QuantFormat.Q5_0: [0],
+              QuantFormat.Q5_K: [0, 2]}
+
+
+def random_weight(fmt, n, k):
+    """uint8 [N, row_bytes] of random `fmt` blocks with small finite fp16 scales."""
+    size, nbytes = quant_block(fmt)
+    blocks = torch.randint(0, 256, (n * k // size, nbytes), dtype=torch.uint8)
+    for off in F16_FIELDS[fmt]:
+        vals = (torch.rand(blocks.shape[0]) * 0.01).to(torch.float16)
+        blocks[:, off:off + 2] = vals.view(torch.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def read_bandwidth_gbs(nbytes=1 << 30):
+    """Best of 5 torch.sum over a 1 GiB fp32 buffer (all threads): the read rate to compare with."""
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def median_times(runs, repeats):
+    """Median seconds of each callable over `repeats` rounds in which they take turns."""
+    for run in runs:
+        run()
+    times = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, t in zip(runs, times):
+            t0 = time.perf_counter()
+            run()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,8,16")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--path", default=None, help="force an ISA path (default: the active one)")
+    ap.add_argument("--no-head", action="store_true", help="skip the LM-head shapes (N > 40000)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.path:
+        specdec_inductor.set_active_isa(args.path)
+    bw = read_bandwidth_gbs()
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+          f"torch threads {torch.get_num_threads()}, path {specdec_inductor.active_isa()} "
+          f"(detected {specdec_inductor.detected_isa()}), torch {torch.__version__}")
+    print(f"read bandwidth (torch.sum over 1 GiB): {bw:.1f} GB/s\n")
+    print(f"{'fmt':5} {'N':>6} {'K':>5} {'M':>3} | {'quant ms':>9} {'GB/s':>6} {'of bw':>6} | "
+          f"{'F.linear fp32 ms':>16} {'speedup':>7}")
+    for fmt, n, k in CASES:
+        if args.no_head and n > 40000:
+            continue
+        w = random_weight(fmt, n, k)  # [N, row_bytes]
+        w_dq = quant_dequantize(w, fmt)  # [N, K] fp32
+        for m in rows:
+            x = torch.randn(m, k)  # [M, K]
+            t_q, t_ref = median_times([lambda: quant_linear(x, w, fmt), lambda: F.linear(x, w_dq)],
+                                      args.repeats)
+            gbs = w.numel() / t_q / 1e9
+            print(f"{fmt.name:5} {n:6d} {k:5d} {m:3d} | {t_q * 1e3:9.3f} {gbs:6.1f} {gbs / bw:6.2f} | "
+                  f"{t_ref * 1e3:16.3f} {t_ref / t_q:7.2f}")
+        del w, w_dq
+
+
+if __name__ == "__main__":
+    main()

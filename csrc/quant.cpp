@@ -1,0 +1,321 @@
+// Quantized-weight ops over ggml block formats, reading a GGUF tensor's bytes in place (no repack):
+// quant_linear (y = x W^T + b, W dequantized on the fly while it streams from memory),
+// quant_embedding (rows of W by id) and quant_dequantize (the whole of W in fp32). Formats and
+// block layouts: quant_isa.h. Every weight the kernels use equals the file's value exactly (the
+// gguf package's dequantization, bit for bit).
+// ISA paths: AVX-512 (quant_avx512.cpp) when active_isa() >= AVX512, AVX2 (quant_avx2.cpp) when it
+// is AVX2, portable otherwise. Output features are split across threads in blocks of rows: one
+// parallel region per call. Batch invariance: a row of quant_linear's output is bitwise the same
+// whatever the number of rows of x and wherever the row sits (see QuantLinearBlock).
+#include <torch/extension.h>
+
+#include <c10/util/Half.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "quant_isa.h"
+
+namespace specdec {
+namespace {
+
+inline float load_f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+}  // namespace
+
+void quant_dequantize_row_portable(QuantFmt fmt, const uint8_t* p, int64_t K, float* out) {
+  switch (fmt) {
+    case QuantFmt::Q4_0:
+      for (int64_t k = 0; k < K; k += 32, p += 18) {
+        const float d = load_f16(p);
+        for (int j = 0; j < 16; ++j) {
+          out[k + j] = d * static_cast<float>((p[2 + j] & 15) - 8);
+          out[k + j + 16] = d * static_cast<float>((p[2 + j] >> 4) - 8);
+        }
+      }
+      break;
+    case QuantFmt::Q4_1:
+      for (int64_t k = 0; k < K; k += 32, p += 20) {
+        const float d = load_f16(p), m = load_f16(p + 2);
+        for (int j = 0; j < 16; ++j) {
+          out[k + j] = d * static_cast<float>(p[4 + j] & 15) + m;
+          out[k + j + 16] = d * static_cast<float>(p[4 + j] >> 4) + m;
+        }
+      }
+      break;
+    case QuantFmt::Q5_0:
+      for (int64_t k = 0; k < K; k += 32, p += 22) {
+        const float d = load_f16(p);
+        uint32_t qh;
+        std::memcpy(&qh, p + 2, 4);
+        for (int j = 0; j < 16; ++j) {
+          const int lo = (p[6 + j] & 15) | static_cast<int>((qh >> j) & 1) << 4;
+          const int hi = (p[6 + j] >> 4) | static_cast<int>((qh >> (j + 16)) & 1) << 4;
+          out[k + j] = d * static_cast<float>(lo - 16);
+          out[k + j + 16] = d * static_cast<float>(hi - 16);
+        }
+      }
+      break;
+    case QuantFmt::Q8_0:
+      for (int64_t k = 0; k < K; k += 32, p += 34) {
+        const float d = load_f16(p);
+        for (int j = 0; j < 32; ++j) out[k + j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
+      }
+      break;
+    case QuantFmt::Q4_K:
+    case QuantFmt::Q5_K: {
+      const bool fifth = fmt == QuantFmt::Q5_K;
+      const int64_t block_bytes = fifth ? 176 : 144;
+      for (int64_t k = 0; k < K; k += 256, p += block_bytes) {
+        const float d = load_f16(p), dmin = load_f16(p + 2);
+        const uint8_t* qh = p + 16;
+        const uint8_t* qs = p + (fifth ? 48 : 16);
+        for (int s = 0; s < 8; ++s) {
+          int sc, mn;
+          k_scale_min(p + 4, s, &sc, &mn);
+          // Both products are exact in fp32; the difference is rounded once.
+          const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(mn);
+          for (int l = 0; l < 32; ++l) {
+            int q = (qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 15;
+            if (fifth) q |= ((qh[l] >> s) & 1) << 4;
+            out[k + 32 * s + l] = ds * static_cast<float>(q) - dm;
+          }
+        }
+      }
+      break;
+    }
+    case QuantFmt::Q6_K:
+      for (int64_t k = 0; k < K; k += 256, p += 210) {
+        const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
+        const float d = load_f16(p + 208);
+        for (int g = 0; g < 8; ++g) {
+          const int h = g / 4, t = g % 4;
+          for (int l = 0; l < 32; ++l) {
+            const int lo = (p[64 * h + 32 * (t % 2) + l] >> (4 * (t / 2))) & 15;
+            const int hi = (p[128 + 32 * h + l] >> (2 * t)) & 3;
+            const float ds = d * static_cast<float>(scales[2 * g + l / 16]);
+            out[k + 32 * g + l] = ds * static_cast<float>((lo | hi << 4) - 32);
+          }
+        }
+      }
+      break;
+  }
+}
+
+void quant_linear_portable(const QuantLinearBlock& b) {
+  thread_local std::vector<float> row;
+  row.resize(static_cast<size_t>(b.K));
+  for (int64_t n = b.n_begin; n < b.n_end; ++n) {
+    quant_dequantize_row_portable(b.fmt, b.w + n * b.w_stride, b.K, row.data());
+    for (int64_t m = 0; m < b.M; ++m) {
+      // Sums in double (as skinny_linear's portable path): this path is for correctness.
+      double acc = 0.0;
+      const float* xm = b.x + m * b.x_stride;
+      for (int64_t k = 0; k < b.K; ++k) acc += static_cast<double>(xm[k]) * row[k];
+      if (b.bias) acc += b.bias[n];
+      b.y[m * b.y_stride + n] = static_cast<float>(acc);
+    }
+  }
+}
+
+namespace {
+
+Isa quant_path() {
+#ifdef SPECDEC_BUILT_AVX512
+  if (active_isa() >= Isa::AVX512) return Isa::AVX512;
+#endif
+#ifdef SPECDEC_BUILT_AVX2
+  if (active_isa() >= Isa::AVX2) return Isa::AVX2;
+#endif
+  return Isa::PORTABLE;
+}
+
+using DequantizeRowFn = void (*)(QuantFmt, const uint8_t*, int64_t, float*);
+
+DequantizeRowFn dequantize_row_for(Isa isa) {
+#ifdef SPECDEC_BUILT_AVX512
+  if (isa == Isa::AVX512) return quant_dequantize_row_avx512;
+#endif
+#ifdef SPECDEC_BUILT_AVX2
+  if (isa == Isa::AVX2) return quant_dequantize_row_avx2;
+#endif
+  (void)isa;
+  return quant_dequantize_row_portable;
+}
+
+QuantFormatInfo check_fmt(int64_t fmt) {
+  QuantFormatInfo info{};
+  TORCH_CHECK_VALUE(fmt >= 0 && fmt < 64 && quant_format_info(static_cast<int>(fmt), &info),
+                    "argument 'fmt' must be a supported ggml type id (Q4_0=2, Q4_1=3, Q5_0=6, "
+                    "Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14), got ", fmt);
+  return info;
+}
+
+// weight: uint8 [N, row_bytes], each row's bytes dense (stride(1) == 1; any row stride), never
+// written. Returns K implied by row_bytes.
+int64_t check_weight(const at::Tensor& weight, const QuantFormatInfo& info) {
+  check_cpu(weight, "weight");
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kByte, "argument 'weight' must be uint8 (the GGUF "
+                   "tensor's bytes), got ", weight.scalar_type());
+  check_dim(weight, 2, "weight");
+  TORCH_CHECK_VALUE(weight.size(1) % info.block_bytes == 0, "argument 'weight' must have a whole "
+                    "number of ", info.block_bytes, "-byte blocks per row for this fmt, got shape ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(weight.size(1) <= 1 || weight.size(0) == 0 || weight.stride(1) == 1,
+                    "argument 'weight' must have contiguous rows (stride(1) == 1), got strides ",
+                    weight.strides());
+  TORCH_CHECK_VALUE(weight.size(0) <= 1 || weight.stride(0) >= weight.size(1),
+                    "argument 'weight' must have non-overlapping rows (stride(0) >= row bytes ",
+                    weight.size(1), "), got strides ", weight.strides());
+  return weight.size(1) / info.block_bytes * info.block_size;
+}
+
+// The number of rows of a parallel chunk: at least ~64 KiB of weight bytes each.
+int64_t row_grain(int64_t row_bytes, int64_t M) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, row_bytes * std::max<int64_t>(1, M)));
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fmt,
+                        const std::optional<at::Tensor>& bias) {
+  const QuantFormatInfo info = check_fmt(fmt);
+  check_cpu(x, "x");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                   "argument 'x' must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() >= 1, "argument 'x' must have at least 1 dimension, got a scalar");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK_VALUE(K % info.block_size == 0, "argument 'x' must have a last dimension (K) that "
+                    "is a multiple of the fmt's block size ", info.block_size, ", got ", K);
+  const int64_t row_bytes = K / info.block_size * info.block_bytes;
+  check_cpu(weight, "weight");
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == row_bytes, "argument 'weight' must have "
+                    "shape [N, ", row_bytes, "] (the bytes of K = ", K, " weights in this fmt), got ",
+                    weight.sizes());
+  check_weight(weight, info);
+  const int64_t N = weight.size(0);
+  if (bias.has_value()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "argument 'bias' must have x's dtype ",
+                     x.scalar_type(), ", got ", bias->scalar_type());
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "argument 'bias' must have shape [",
+                      N, "], got ", bias->sizes());
+  }
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  int64_t rows = 1;  // M
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  const at::Tensor x2 = x.reshape({rows, K}).to(at::kFloat).contiguous();  // [M, K] fp32
+  const at::Tensor b32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();  // [N]
+  at::Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));  // [M, N] fp32
+  if (rows > 0 && N > 0) {
+    if (K == 0) {
+      if (b32.defined()) y.copy_(b32.unsqueeze(0).expand({rows, N}));
+      else y.zero_();
+    } else {
+      const Isa isa = quant_path();
+      QuantLinearBlock blk{static_cast<QuantFmt>(fmt), rows, K, x2.const_data_ptr<float>(), K,
+                           static_cast<const uint8_t*>(weight.const_data_ptr()), weight.stride(0),
+                           b32.defined() ? b32.const_data_ptr<float>() : nullptr,
+                           y.data_ptr<float>(), N, 0, 0};
+      constexpr int64_t kRowBlock = 8;
+      const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+      at::parallel_for(0, blocks, row_grain(kRowBlock * row_bytes, rows), [&](int64_t begin, int64_t end) {
+        QuantLinearBlock part = blk;
+        part.n_begin = begin * kRowBlock;
+        part.n_end = std::min(N, end * kRowBlock);
+#ifdef SPECDEC_BUILT_AVX512
+        if (isa == Isa::AVX512) {
+          quant_linear_avx512(part);
+          return;
+        }
+#endif
+#ifdef SPECDEC_BUILT_AVX2
+        if (isa == Isa::AVX2) {
+          quant_linear_avx2(part);
+          return;
+        }
+#endif
+        quant_linear_portable(part);
+      });
+      SPECDEC_RECORD_PATH("quant_linear", isa);
+    }
+  }
+  // A bf16 result is rounded once, from the fp32 sum (bias included).
+  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+  return y.view(out_shape);
+}
+
+// Rows `ids` (all rows when ids is null) of the dequantized weight into out [R, K] fp32 (ids
+// already range-checked). Returns the path that ran.
+Isa dequantize_rows(const at::Tensor& weight, int64_t fmt, int64_t K, const int64_t* ids,
+                    int64_t R, float* out) {
+  const Isa isa = quant_path();
+  const DequantizeRowFn fn = dequantize_row_for(isa);
+  const uint8_t* w = static_cast<const uint8_t*>(weight.const_data_ptr());
+  const int64_t ws = weight.size(0) > 1 ? weight.stride(0) : weight.size(1);
+  at::parallel_for(0, R, row_grain(weight.size(1), 1), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t n = ids ? ids[r] : r;
+      fn(static_cast<QuantFmt>(fmt), w + n * ws, K, out + r * K);
+    }
+  });
+  return isa;
+}
+
+at::Tensor quant_dequantize(const at::Tensor& weight, int64_t fmt) {
+  const QuantFormatInfo info = check_fmt(fmt);
+  const int64_t K = check_weight(weight, info), N = weight.size(0);
+  at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kFloat));  // [N, K]
+  if (N > 0 && K > 0) {
+    SPECDEC_RECORD_PATH("quant_dequantize", dequantize_rows(weight, fmt, K, nullptr, N, out.data_ptr<float>()));
+  }
+  return out;
+}
+
+at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& weight, int64_t fmt,
+                           std::optional<at::ScalarType> dtype) {
+  const QuantFormatInfo info = check_fmt(fmt);
+  check_cpu(ids, "ids");
+  TORCH_CHECK_TYPE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong,
+                   "argument 'ids' must be int32 or int64, got ", ids.scalar_type());
+  const int64_t K = check_weight(weight, info), N = weight.size(0);
+  const at::ScalarType out_dtype = dtype.value_or(at::kFloat);
+  TORCH_CHECK_TYPE(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
+                   "argument 'dtype' must be float32 or bfloat16, got ", out_dtype);
+  const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();  // [R]
+  const int64_t R = flat.numel();
+  const int64_t* id = flat.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK_INDEX(id[r] >= 0 && id[r] < N, "argument 'ids' must hold values in [0, ", N,
+                      ") (rows of 'weight'), got ", id[r], " at flat position ", r);
+  }
+  std::vector<int64_t> out_shape(ids.sizes().begin(), ids.sizes().end());
+  out_shape.push_back(K);
+  at::Tensor out = at::empty({R, K}, weight.options().dtype(at::kFloat));  // [R, K]
+  if (R > 0 && K > 0) {
+    SPECDEC_RECORD_PATH("quant_embedding", dequantize_rows(weight, fmt, K, id, R, out.data_ptr<float>()));
+  }
+  if (out_dtype != at::kFloat) out = out.to(out_dtype);
+  return out.view(out_shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("quant_linear(Tensor x, Tensor weight, int fmt, Tensor? bias=None) -> Tensor");
+  m.def("quant_embedding(Tensor ids, Tensor weight, int fmt, ScalarType? dtype=None) -> Tensor");
+  m.def("quant_dequantize(Tensor weight, int fmt) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_embedding", &quant_embedding);
+  m.impl("quant_dequantize", &quant_dequantize);
+}
+
+}  // namespace specdec

@@ -1,0 +1,94 @@
+// Raw-pointer kernels of the quantized-weight ops (quant.cpp) and the ggml block layouts they
+// read. Declared here, defined in quant.cpp (portable) and quant_<isa>.cpp (built with that
+// ISA's flags only when the compiler supports it: SPECDEC_BUILT_<ISA>). No ATen types cross
+// this boundary.
+#pragma once
+#include <cstdint>
+
+namespace specdec {
+
+// ggml type ids (gguf.GGMLQuantizationType) of the supported block formats.
+enum class QuantFmt : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+// Block layouts, byte offsets as stored in a GGUF file (little-endian, no padding, blocks packed
+// back to back with no alignment: every field is read with unaligned loads / memcpy).
+//   Q4_0 (32 weights, 18 B): f16 d | u8 qs[16]             w[j] = d * ((qs[j%16] >> 4*(j/16) & 15) - 8)
+//   Q4_1 (32 weights, 20 B): f16 d | f16 m | u8 qs[16]     w[j] = d * (nibble j) + m
+//   Q5_0 (32 weights, 22 B): f16 d | u32 qh | u8 qs[16]    w[j] = d * ((nibble j | bit j of qh << 4) - 16)
+//   Q8_0 (32 weights, 34 B): f16 d | i8 qs[32]             w[j] = d * qs[j]
+//   Q4_K (256, 144 B): f16 d | f16 dmin | u8 scales[12] (8 6-bit scales + 8 6-bit mins) | u8 qs[128]
+//     sub-block s (32 weights): w = (d * sc[s]) * q - dmin * mn[s]; q = nibble (s % 2) of
+//     qs[32 * (s / 2) + l]
+//   Q5_K (256, 176 B): f16 d | f16 dmin | u8 scales[12] | u8 qh[32] | u8 qs[128]
+//     as Q4_K with q |= (bit s of qh[l]) << 4
+//   Q6_K (256, 210 B): u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d
+//     group g (32 weights), h = g / 4, t = g % 4, l < 32:
+//     q = (ql[64h + 32(t%2) + l] >> 4(t/2) & 15 | (qh[32h + l] >> 2t & 3) << 4) - 32,
+//     w = (d * scales[2g + l/16]) * q
+// Every product above is exact in fp32 (few mantissa bits), so d*sc*q in any order, and one
+// fused multiply-add for the "- dmin*mn" / "+ m" forms, give the file's value bit for bit.
+// Helpers below sit in an anonymous namespace: each translation unit (compiled with its own ISA
+// flags) keeps its own copy, so the linker can never hand an AVX-512 copy to the portable code.
+namespace {
+
+struct QuantFormatInfo {
+  int64_t block_size;   // weights per block
+  int64_t block_bytes;  // bytes per block
+};
+inline bool quant_format_info(int fmt, QuantFormatInfo* info) {
+  switch (static_cast<QuantFmt>(fmt)) {
+    case QuantFmt::Q4_0: *info = {32, 18}; return true;
+    case QuantFmt::Q4_1: *info = {32, 20}; return true;
+    case QuantFmt::Q5_0: *info = {32, 22}; return true;
+    case QuantFmt::Q8_0: *info = {32, 34}; return true;
+    case QuantFmt::Q4_K: *info = {256, 144}; return true;
+    case QuantFmt::Q5_K: *info = {256, 176}; return true;
+    case QuantFmt::Q6_K: *info = {256, 210}; return true;
+  }
+  return false;
+}
+
+// The 6-bit scale and min of sub-block s (0..7) of a Q4_K / Q5_K block's 12 scale bytes.
+inline void k_scale_min(const uint8_t* q, int s, int* sc, int* mn) {
+  if (s < 4) {
+    *sc = q[s] & 63;
+    *mn = q[s + 4] & 63;
+  } else {
+    *sc = (q[s + 4] & 0xF) | ((q[s - 4] >> 6) << 4);
+    *mn = (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
+  }
+}
+
+}  // namespace
+
+// One block of output features [n_begin, n_end) for all M rows:
+//   y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]),  W[n, :] = dequantize(w + n * w_stride).
+// x: [M, K] fp32, row stride x_stride; w: N rows of K / block_size blocks of `fmt`; bias: [N]
+// fp32 or nullptr; y: [M, N] fp32, row stride y_stride. fp32 accumulation.
+// Batch invariance: y[m, n] is computed by the same sequence of operations whatever M is and
+// whichever row of x holds it (rows of x never share an accumulator or a reduction).
+struct QuantLinearBlock {
+  QuantFmt fmt;
+  int64_t M, K;
+  const float* x;
+  int64_t x_stride;
+  const uint8_t* w;
+  int64_t w_stride;
+  const float* bias;
+  float* y;
+  int64_t y_stride;
+  int64_t n_begin, n_end;
+};
+
+// Portable: weights dequantized one row at a time, sums in double.
+void quant_linear_portable(const QuantLinearBlock& blk);
+void quant_dequantize_row_portable(QuantFmt fmt, const uint8_t* row, int64_t K, float* out);
+// AVX-512 (F/BW/VL/DQ + FMA + F16C): each 32-weight sub-block is dequantized into two 16-lane
+// fp32 vectors in registers and multiplied into up to 8 rows of x at once.
+void quant_linear_avx512(const QuantLinearBlock& blk);
+void quant_dequantize_row_avx512(QuantFmt fmt, const uint8_t* row, int64_t K, float* out);
+// AVX2 + FMA + F16C: the same on 8 lanes.
+void quant_linear_avx2(const QuantLinearBlock& blk);
+void quant_dequantize_row_avx2(QuantFmt fmt, const uint8_t* row, int64_t K, float* out);
+
+}  // namespace specdec

@@ -1,0 +1,109 @@
+"""Quantized-weight ops over ggml block formats (csrc/quant.cpp): a GGUF tensor's bytes are used
+in place -- a uint8 [N, row_bytes] tensor, row n holding the K / block_size ggml blocks of
+weight row n exactly as stored in the file (a zero-copy view of a memory-mapped file is fine: the
+ops never write to it and need no alignment).
+
+Every weight the ops use equals the file's value exactly (`quant_dequantize` is bitwise
+`gguf.quants.dequantize`). `quant_linear` streams each quantized row once and dequantizes it in
+registers (AVX-512 / AVX2 paths), so a decode step reads ~4.5-6.6 bits per weight instead of 32;
+a row of its output is bitwise the same whatever the number of rows of x (batch invariance:
+verifying 8 draft rows at once reproduces the 1-row decode exactly).
+"""
+import enum
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import specdec_inductor._library  # noqa: F401  (loads the schemas before register_fake)
+
+
+class QuantFormat(enum.IntEnum):
+    """ggml block formats; the values are ggml's type ids (gguf.GGMLQuantizationType)."""
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+
+
+# fmt -> (weights per block, bytes per block); the layouts are described in csrc/quant_isa.h.
+_BLOCKS = {
+    QuantFormat.Q4_0: (32, 18),
+    QuantFormat.Q4_1: (32, 20),
+    QuantFormat.Q5_0: (32, 22),
+    QuantFormat.Q8_0: (32, 34),
+    QuantFormat.Q4_K: (256, 144),
+    QuantFormat.Q5_K: (256, 176),
+    QuantFormat.Q6_K: (256, 210),
+}
+
+
+def _format(fmt) -> QuantFormat:
+    try:
+        return QuantFormat(int(fmt))
+    except ValueError:
+        raise ValueError(f"argument 'fmt' must be one of {[f.name for f in QuantFormat]}, "
+                         f"got {fmt!r}") from None
+
+
+def quant_block(fmt: QuantFormat):
+    """(weights per block, bytes per block) of `fmt`."""
+    return _BLOCKS[_format(fmt)]
+
+
+def quant_row_bytes(fmt: QuantFormat, k: int) -> int:
+    """Bytes of one row of `k` weights in `fmt`; `k` must be a multiple of the block size (32, or
+    256 for the *_K formats)."""
+    size, nbytes = quant_block(fmt)
+    if k < 0 or k % size:
+        raise ValueError(f"argument 'k' must be a non-negative multiple of {size} for "
+                         f"{_format(fmt).name}, got {k}")
+    return k // size * nbytes
+
+
+def quant_linear(x: Tensor, weight: Tensor, fmt: QuantFormat, bias: Optional[Tensor] = None) -> Tensor:
+    """y = x @ dequantize(weight).T (+ bias), as `F.linear` on the dequantized weight.
+
+    Args: x [..., K] float32 or bfloat16 (any strides); weight uint8 [N, quant_row_bytes(fmt, K)]
+    (rows dense: stride(1) == 1); fmt a QuantFormat; bias [N] of x's dtype or None.
+    Returns y [..., N] of x's dtype, accumulated in fp32 (bf16 rounded once, at the end). Any
+    number of rows M = prod(x.shape[:-1]), each row's result independent of M.
+    """
+    return torch.ops.specdec.quant_linear.default(x, weight, int(_format(fmt)), bias)
+
+
+@torch.library.register_fake("specdec::quant_linear")
+def _(x, weight, fmt, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def quant_embedding(ids: Tensor, weight: Tensor, fmt: QuantFormat,
+                    dtype: torch.dtype = torch.float32) -> Tensor:
+    """Rows `ids` of the dequantized weight: [*ids.shape, K] in `dtype` (float32 or bfloat16).
+
+    Args: ids int32 or int64, any shape, each in [0, N); weight uint8 [N, row_bytes] as in
+    quant_linear; fmt a QuantFormat.
+    """
+    return torch.ops.specdec.quant_embedding.default(ids, weight, int(_format(fmt)), dtype)
+
+
+@torch.library.register_fake("specdec::quant_embedding")
+def _(ids, weight, fmt, dtype=None):
+    size, nbytes = _BLOCKS[_format(fmt)]
+    k = weight.shape[1] // nbytes * size
+    return weight.new_empty((*ids.shape, k), dtype=dtype or torch.float32)
+
+
+def quant_dequantize(weight: Tensor, fmt: QuantFormat) -> Tensor:
+    """The exact fp32 weight [N, K] of a uint8 [N, row_bytes] tensor of `fmt` blocks (bitwise
+    `gguf.quants.dequantize`)."""
+    return torch.ops.specdec.quant_dequantize.default(weight, int(_format(fmt)))
+
+
+@torch.library.register_fake("specdec::quant_dequantize")
+def _(weight, fmt):
+    size, nbytes = _BLOCKS[_format(fmt)]
+    return weight.new_empty((weight.shape[0], weight.shape[1] // nbytes * size), dtype=torch.float32)
