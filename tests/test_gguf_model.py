@@ -171,6 +171,12 @@ def test_tiny_quantized_matches_dequantized(tiny, arch):
                                             if t not in (Q.F32, Q.F16)}
     if "output" not in TYPES[arch]:  # tied: the head reads the embedding's bytes
         assert model.lm_head.weight is model.model.embed_tokens.weight
+    down = model.model.layers[1].mlp.down_proj
+    assert torch.equal(down.dequantized_weight(), dense.model.layers[1].mlp.down_proj.weight)
+    rows = torch.tensor([5, 0, 77])
+    up = model.model.layers[1].mlp.up_proj  # a draft vocabulary's rows, say
+    x = torch.randn(2, HIDDEN)
+    torch.testing.assert_close(up.select_rows(rows)(x), up(x)[:, rows], rtol=0, atol=0)
     for prompt in PROMPTS:
         got, ref = _logits(model, tokenizer, prompt), _logits(dense, tokenizer, prompt)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

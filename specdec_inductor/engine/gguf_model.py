@@ -74,6 +74,17 @@ class QuantLinear(nn.Module):
         from specdec_inductor.ops.quant import quant_linear
         return quant_linear(x, self.weight, self.fmt, self.bias)
 
+    def select_rows(self, index: Tensor) -> "QuantLinear":
+        """The layer restricted to output rows `index` (a draft vocabulary's LM head): rows are
+        whole quant blocks, so this is exact and stays quantized (a copy of those rows)."""
+        return QuantLinear(self.weight[index], self.fmt, self.in_features,
+                           None if self.bias is None else self.bias[index])
+
+    def dequantized_weight(self) -> Tensor:
+        """The exact fp32 weight [N, K] (a new tensor; for code that needs dense rows)."""
+        from specdec_inductor.ops.quant import quant_dequantize
+        return quant_dequantize(self.weight, self.fmt)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"fmt={self.fmt.name}, bias={self.bias is not None}")
