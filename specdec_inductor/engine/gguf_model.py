@@ -330,8 +330,9 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
             values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)  # [N, K] / [K] float32
             if rows is not None:
                 values = values[rows]
-            # F32 in fp32 stays a view of the mapped file (read-only; nothing writes weights).
-            dense = _tensor(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)
+            # A copy, never a view of the read-only mapping: dense parameters may be written in
+            # place by other code (a write to the mapping would be a segfault, not an error).
+            dense = torch.tensor(np.ascontiguousarray(values, dtype=np.float32), dtype=dtype)
             _set(model, target, dense)
             if bias_t is not None:
                 _set(model, target[:-7] + ".bias", bias_t)
