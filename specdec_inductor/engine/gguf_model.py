@@ -1,0 +1,370 @@
+"""A GGUF file as a stock Hugging Face causal LM whose quantized tensors stay quantized.
+
+`load_gguf(path)` builds the transformers model from the GGUF's config with no weights, then
+fills it from the memory-mapped file: each quantized 2-D tensor becomes a `QuantLinear` (or the
+`QuantEmbedding`) holding the tensor's bytes exactly as in the file, uint8 [N, row_bytes], a
+zero-copy view of the mmap, run by `specdec_inductor.ops.quant`; F32/F16/BF16 tensors load dense.
+`dequantize=True` gives the same model with every weight dense (via `gguf.quants.dequantize`).
+Not here: the weights' kernels (ops/quant.py) or fetching files (models.py).
+"""
+import collections
+import os
+import re
+import shutil
+import struct
+import tempfile
+import warnings
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+# GGUF architectures we map, and whether llama.cpp's converter row-permuted their q/k weights
+# (it does for llama-style rotary: HF's rotate-half layout -> GGML's interleaved pairs).
+ARCHITECTURES = {"llama": True, "qwen2": False}
+DENSE_TYPES = ("F32", "F16", "BF16")
+
+# GGUF tensor name -> HF parameter name (the part after "model.layers.N." for per-layer ones).
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+                "ffn_norm": "post_attention_layernorm"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Recomputed by transformers from the config's rope parameters (llama 3 style scaling).
+_IGNORED = ("rope_freqs.weight",)
+
+
+def hf_name(gguf_name: str) -> str:
+    """The HF parameter name of a GGUF tensor (llama / qwen2 layout); KeyError if unknown."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise KeyError(gguf_name)
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation: output row r = GGUF row perm[r].
+    GGUF rows are independent (each a whole number of quant blocks), so gathering the raw
+    block rows with it is exact. Same as transformers' LlamaTensorProcessor, applied to row
+    indices instead of dequantized values."""
+    dim = num_rows // num_heads // 2
+    return np.arange(num_rows).reshape(num_heads, dim, 2).swapaxes(2, 1).reshape(num_rows)
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T + b with W kept in a GGUF quant format: `weight` is uint8 [N, row_bytes],
+    the file's bytes (never written; often a read-only mmap view)."""
+
+    def __init__(self, weight: Tensor, fmt, in_features: int, bias: Optional[Tensor] = None):
+        super().__init__()
+        from specdec_inductor.ops.quant import QuantFormat
+        self.fmt = QuantFormat(int(fmt))
+        self.in_features, self.out_features = in_features, weight.shape[0]
+        self.register_buffer("weight", weight, persistent=False)  # [N, row_bytes] uint8
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        from specdec_inductor.ops.quant import quant_linear
+        return quant_linear(x, self.weight, self.fmt, self.bias)
+
+    def select_rows(self, index: Tensor) -> "QuantLinear":
+        """The layer restricted to output rows `index` (a draft vocabulary's LM head): rows are
+        whole quant blocks, so this is exact and stays quantized (a copy of those rows)."""
+        return QuantLinear(self.weight[index], self.fmt, self.in_features,
+                           None if self.bias is None else self.bias[index])
+
+    def dequantized_weight(self) -> Tensor:
+        """The exact fp32 weight [N, K] (a new tensor; for code that needs dense rows)."""
+        from specdec_inductor.ops.quant import quant_dequantize
+        return quant_dequantize(self.weight, self.fmt)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"fmt={self.fmt.name}, bias={self.bias is not None}")
+
+
+class QuantEmbedding(nn.Module):
+    """Rows of a GGUF-quantized embedding table [V, row_bytes] uint8, dequantized to `dtype`."""
+
+    def __init__(self, weight: Tensor, fmt, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        from specdec_inductor.ops.quant import QuantFormat
+        self.fmt = QuantFormat(int(fmt))
+        self.num_embeddings, self.embedding_dim, self.dtype = weight.shape[0], embedding_dim, dtype
+        self.register_buffer("weight", weight, persistent=False)  # [V, row_bytes] uint8
+
+    def forward(self, ids: Tensor) -> Tensor:
+        from specdec_inductor.ops.quant import quant_embedding
+        return quant_embedding(ids, self.weight, self.fmt, self.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, fmt={self.fmt.name}, "
+                f"dtype={self.dtype}")
+
+
+def _cache_root() -> str:
+    from specdec_inductor.engine.hf import _cache_root as root
+    return root()
+
+
+def gguf_metadata_dir(path: str) -> str:
+    """Directory with the GGUF's config.json and tokenizer files (no weights), made once per
+    file (keyed by name, size and mtime; written to a temp dir and renamed, so concurrent
+    loaders never see half a directory). Converting a GGUF vocabulary takes seconds;
+    reloading the directory a fraction of that."""
+    from transformers import AutoConfig, AutoTokenizer
+    stat = os.stat(path)
+    key = f"{os.path.basename(path)}-{stat.st_size}-{int(stat.st_mtime)}"
+    target = os.path.join(_cache_root(), "gguf-metadata", key)
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
+    directory, file = os.path.split(os.path.abspath(path))
+    config = AutoConfig.from_pretrained(directory, gguf_file=file)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+    if hasattr(config, "quantization_config"):  # we place the weights ourselves
+        del config.quantization_config
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".tmp-")
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)  # atomic; a concurrent loader may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+class GGUFTensor(NamedTuple):
+    name: str
+    tensor_type: "gguf.GGMLQuantizationType"
+    shape: Tuple[int, ...]  # GGUF order: shape[0] is the row length K
+    data: np.ndarray  # [rows, row_bytes] uint8 for quant types, [rows, K] / [K] float otherwise
+
+
+# GGUF metadata value types -> fixed byte size (8 = string, 9 = array are variable).
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_DENSE_NP = {"F32": np.float32, "F16": np.float16}
+
+
+def read_gguf(path: str) -> Tuple[str, List[GGUFTensor]]:
+    """(architecture, tensors) of a GGUF v2/v3 file, every tensor a view of one read-only
+    np.memmap. Reads only what loading needs: gguf.GGUFReader parses every metadata value
+    into numpy views (the vocabulary: ~6 s for SmolLM2's 49k tokens), this skips them."""
+    import gguf
+    data = np.memmap(path, mode="r")  # uint8 [file bytes]
+    buf = memoryview(data)
+    if len(buf) < 24 or bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"argument 'path': {path!r} is not a GGUF file")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version < 2:
+        raise ValueError(f"argument 'path': GGUF version {version} is not supported")
+    at = 24
+
+    def string() -> str:
+        nonlocal at
+        (n,) = struct.unpack_from("<Q", buf, at)
+        at += 8 + n
+        return bytes(buf[at - n:at]).decode("utf-8", "replace")
+
+    def skip(kind: int) -> None:
+        nonlocal at
+        if kind == 8:
+            (n,) = struct.unpack_from("<Q", buf, at)
+            at += 8 + n
+        elif kind == 9:
+            item, count = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if item in _VALUE_SIZES:
+                at += count * _VALUE_SIZES[item]
+            else:
+                for _ in range(count):
+                    skip(item)
+        else:
+            at += _VALUE_SIZES[kind]
+
+    arch, alignment = None, 32
+    for _ in range(n_kv):
+        key = string()
+        (kind,) = struct.unpack_from("<I", buf, at)
+        at += 4
+        if key == "general.architecture" and kind == 8:
+            arch = string()
+        elif key == "general.alignment" and kind == 4:
+            (alignment,) = struct.unpack_from("<I", buf, at)
+            at += 4
+        else:
+            skip(kind)
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", buf, at)
+        shape = struct.unpack_from(f"<{n_dims}Q", buf, at + 4)
+        kind, offset = struct.unpack_from("<IQ", buf, at + 4 + 8 * n_dims)
+        at += 4 + 8 * n_dims + 12
+        infos.append((name, shape, kind, offset))
+    start = (at + alignment - 1) // alignment * alignment
+    tensors = []
+    for name, shape, kind, offset in infos:
+        try:
+            qtype = gguf.GGMLQuantizationType(kind)
+        except ValueError:
+            raise ValueError(f"argument 'path': tensor {name!r} has unknown GGML type "
+                             f"{kind}") from None
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        k, rows = shape[0], int(np.prod(shape[1:], dtype=np.int64))
+        if k % block:
+            raise ValueError(f"argument 'path': tensor {name!r} row length {k} is not a "
+                             f"multiple of {qtype.name}'s block of {block}")
+        row_bytes = k // block * type_size
+        begin = start + offset
+        raw = data[begin:begin + rows * row_bytes]
+        if len(raw) != rows * row_bytes:
+            raise ValueError(f"argument 'path': tensor {name!r} runs past the end of the file")
+        if qtype.name in _DENSE_NP:
+            view = raw.view(_DENSE_NP[qtype.name]).reshape(*reversed(shape))
+        else:
+            view = raw.reshape(*reversed(shape[1:]), row_bytes)
+        tensors.append(GGUFTensor(name, qtype, tuple(shape), view))
+    if arch is None:
+        raise ValueError("argument 'path': the GGUF has no general.architecture field")
+    return arch, tensors
+
+
+def _empty_model(config, dtype: torch.dtype):
+    """The HF model for `config` with its parameters on the meta device (no memory, no init)
+    and its computed buffers (rotary inv_freq) real."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            if not name.endswith("rotary_emb"):
+                raise ValueError(f"argument 'path': cannot rebuild buffers of module {name!r}")
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child,
+                    type(module)(config=module.config))
+    return model
+
+
+def _tensor(data: np.ndarray) -> Tensor:
+    """Zero-copy tensor over (possibly read-only) mmap bytes; nothing writes to it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        return torch.from_numpy(data)
+
+
+def _set(model, name: str, module_or_tensor) -> None:
+    parent, _, child = name.rpartition(".")
+    owner = model.get_submodule(parent)
+    if isinstance(module_or_tensor, nn.Module):
+        setattr(owner, child, module_or_tensor)
+    else:
+        owner._parameters[child] = nn.Parameter(module_or_tensor, requires_grad=False)
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = False):
+    """(model, tokenizer) in eval mode from a llama or qwen2 GGUF file.
+
+    Quantized tensors stay in their GGUF format (QuantLinear / QuantEmbedding over the mapped
+    file, which must stay in place while the model lives) unless `dequantize`, which makes every
+    weight a dense `dtype` tensor. Dense GGUF tensors (norms, biases, F16 weights) load in
+    `dtype`. A GGUF without output.weight (tied embeddings) gets an LM head over the
+    embedding's own bytes. `model.quantized_formats` counts the tensors kept per format."""
+    import gguf
+    from transformers import AutoConfig, AutoTokenizer
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        raise FileNotFoundError(f"argument 'path': no GGUF file at {path!r}")
+    path = os.fspath(path)
+    arch, tensor_list = read_gguf(path)
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"argument 'path': GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(ARCHITECTURES)})")
+    supported = set()
+    if not dequantize:
+        try:
+            from specdec_inductor.ops.quant import QuantFormat
+        except ImportError as e:
+            raise RuntimeError("quantized GGUF weights need specdec_inductor.ops.quant; "
+                               "pass dequantize=True for dense weights") from e
+        supported = {f.name for f in QuantFormat}
+    meta = gguf_metadata_dir(path)
+    config = AutoConfig.from_pretrained(meta)
+    tokenizer = AutoTokenizer.from_pretrained(meta)
+    model = _empty_model(config, dtype)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    permuted = ARCHITECTURES[arch]
+
+    tensors = {t.name: t for t in tensor_list if t.name not in _IGNORED}
+    formats: Dict[str, int] = collections.Counter()
+    embedding_bytes: Optional[Tuple[Tensor, int]] = None
+    biases = {name: t for name, t in tensors.items() if name.endswith(".bias")}
+    for name, t in tensors.items():
+        if name.endswith(".bias") and name[:-5] + ".weight" in tensors:
+            continue  # loaded with its weight
+        try:
+            target = hf_name(name)
+        except KeyError:
+            raise ValueError(f"argument 'path': tensor {name!r} has no place in a {arch} "
+                             "model") from None
+        kind = t.tensor_type.name
+        rows = None
+        if permuted and (".attn_q." in name or ".attn_k." in name):
+            rows = unpermute_rows(int(t.shape[-1]), heads if ".attn_q." in name else kv_heads)
+        bias = biases.get(name[:-7] + ".bias") if name.endswith(".weight") else None
+        bias_t = None
+        if bias is not None:
+            b = np.asarray(bias.data, dtype=np.float32)
+            bias_t = torch.from_numpy(np.ascontiguousarray(b if rows is None else b[rows]))
+            bias_t = bias_t.to(dtype)
+        if kind in DENSE_TYPES or dequantize:
+            if kind not in DENSE_TYPES and t.tensor_type not in gguf.quants._type_traits:
+                raise ValueError(f"argument 'path': tensor {name!r} has type {kind}, which "
+                                 "gguf.quants cannot dequantize")
+            values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)  # [N, K] / [K] float32
+            if rows is not None:
+                values = values[rows]
+            # A copy, never a view of the read-only mapping: dense parameters may be written in
+            # place by other code (a write to the mapping would be a segfault, not an error).
+            dense = torch.tensor(np.ascontiguousarray(values, dtype=np.float32), dtype=dtype)
+            _set(model, target, dense)
+            if bias_t is not None:
+                _set(model, target[:-7] + ".bias", bias_t)
+            continue
+        if kind not in supported:
+            raise ValueError(f"argument 'path': tensor {name!r} has type {kind}; quantized "
+                             f"types supported: {', '.join(sorted(supported))} "
+                             "(or pass dequantize=True)")
+        if t.data.ndim != 2:
+            raise ValueError(f"argument 'path': quantized tensor {name!r} is not 2-D")
+        raw = t.data if rows is None else np.ascontiguousarray(t.data[rows])  # [N, row_bytes]
+        weight, k = _tensor(raw), int(t.shape[0])
+        fmt = int(t.tensor_type)
+        formats[kind] += 1
+        module_name = target[:-len(".weight")]
+        if name == "token_embd.weight":
+            _set(model, module_name, QuantEmbedding(weight, fmt, k, dtype))
+            embedding_bytes = (weight, fmt)
+        else:
+            _set(model, module_name, QuantLinear(weight, fmt, k, bias_t))
+    if "output.weight" not in tensors:
+        # Tied embeddings: the LM head reads the embedding table (the same bytes, no copy).
+        embed = model.model.embed_tokens
+        if isinstance(embed, QuantEmbedding):
+            model.lm_head = QuantLinear(embed.weight, embed.fmt, embed.embedding_dim)
+        else:
+            model.lm_head.weight = embed.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    missing += [n for n, b in model.named_buffers() if b.is_meta]
+    if missing:
+        raise ValueError(f"argument 'path': the GGUF lacks tensors for {', '.join(missing[:4])}")
+    model.quantized_formats = dict(formats)
+    model.gguf_path = path
+    model.eval()
+    return model, tokenizer

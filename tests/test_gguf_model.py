@@ -1,0 +1,274 @@
+"""load_gguf: GGUF -> HF model. Dense (dequantize=True) logits equal transformers' own GGUF load
+(SmolLM2 and tiny synthetic llama / qwen2 files, which cover the q/k row permutation, qwen2
+biases, an untied F16 LM head and Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K); the quantized model
+matches the dense one and runs through the Engine eager and compiled; bad inputs."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from specdec_inductor.engine.gguf_model import (QuantEmbedding, QuantLinear,  # noqa: E402
+                                                load_gguf, read_gguf, unpermute_rows)
+from specdec_inductor.engine.hf import convert_gguf, default_gguf_path  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Q: What is 17 times 3?\nA:"]
+# Per synthetic architecture: GGUF type of each weight (ffn_down rows are 512 long, others 256).
+TYPES = {
+    "llama": dict(token_embd=Q.Q8_0, attn_q=Q.Q4_0, attn_k=Q.Q4_1, attn_v=Q.Q5_0,
+                  attn_output=Q.Q8_0, ffn_gate=Q.Q4_K, ffn_up=Q.Q5_K, ffn_down=Q.Q6_K),
+    "qwen2": dict(token_embd=Q.Q4_K, attn_q=Q.Q8_0, attn_k=Q.Q6_K, attn_v=Q.Q4_1,
+                  attn_output=Q.Q5_0, ffn_gate=Q.Q4_0, ffn_up=Q.Q6_K, ffn_down=Q.Q4_K,
+                  output=Q.F16),
+}
+HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 256, 4, 2, 512, 2
+# K-quant blocks: byte offsets of their fp16 scales (the rest is random codes).
+_K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def _quant_op():
+    return pytest.importorskip("specdec_inductor.ops.quant",
+                               reason="the quantized kernels (ops/quant.py) are not merged")
+
+
+def random_tensor(rng, qtype, n, k):
+    """[n, k] weights in `qtype`: numpy array ready for GGUFWriter.add_tensor."""
+    if qtype in (Q.F32, Q.F16):
+        return (rng.standard_normal((n, k)) * 0.05).astype(np.float32 if qtype == Q.F32
+                                                           else np.float16)
+    if qtype in _K_SCALES:  # gguf-py cannot quantize K-quants: random codes, small scales
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+        for at in _K_SCALES[qtype]:
+            raw[:, :, at:at + 2] = np.frombuffer(np.float16(0.0015).tobytes(), np.uint8)
+        return raw.reshape(n, k // block * size)
+    return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_fields():
+    reader = gguf.GGUFReader(default_gguf_path())
+    return [f for f in reader.fields.values() if f.name.startswith("tokenizer.")]
+
+
+def write_tiny_gguf(path, arch, types, tokenizer_fields, seed=0):
+    """A 2-layer `arch` GGUF with SmolLM2's tokenizer and random weights of `types`."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(path, arch=arch)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    vocab = 0
+    for field in tokenizer_fields:
+        val_type = field.types[0]
+        sub_type = field.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), val_type, sub_type=sub_type)
+        if field.name == "tokenizer.ggml.tokens":
+            vocab = len(field.data)
+
+    def add(name, qtype, n, k):
+        data = random_tensor(rng, qtype, n, k)
+        writer.add_tensor(name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+
+    add("token_embd.weight", types["token_embd"], vocab, HIDDEN)
+    head_dim = HIDDEN // HEADS
+    for i in range(LAYERS):
+        for name, n, k in [("attn_q", HIDDEN, HIDDEN), ("attn_k", KV_HEADS * head_dim, HIDDEN),
+                           ("attn_v", KV_HEADS * head_dim, HIDDEN),
+                           ("attn_output", HIDDEN, HIDDEN), ("ffn_gate", FFN, HIDDEN),
+                           ("ffn_up", FFN, HIDDEN), ("ffn_down", HIDDEN, FFN)]:
+            add(f"blk.{i}.{name}.weight", types[name], n, k)
+            if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
+                writer.add_tensor(f"blk.{i}.{name}.bias",
+                                  rng.standard_normal(n).astype(np.float32) * 0.1)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight",
+                              (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    if "output" in types:
+        add("output.weight", types["output"], vocab, HIDDEN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer_fields):
+    """arch -> path of its tiny GGUF (and a fresh SPECDEC_CACHE_DIR for their metadata)."""
+    root = tmp_path_factory.mktemp("gguf")
+    paths = {}
+    for arch, types in TYPES.items():
+        paths[arch] = str(root / f"tiny-{arch}.gguf")
+        write_tiny_gguf(paths[arch], arch, types, tokenizer_fields)
+    return paths
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def _logits(model, tokenizer, prompt):
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    with torch.no_grad():
+        return model(ids).logits[0]  # [T, V]
+
+
+def test_smollm2_dequantized_equals_transformers_gguf_load(monkeypatch):
+    from transformers import AutoModelForCausalLM
+    monkeypatch.delenv("SPECDEC_CACHE_DIR")  # share the converted fp32 directory
+    ref = AutoModelForCausalLM.from_pretrained(convert_gguf(default_gguf_path()),
+                                               dtype=torch.float32).eval()
+    model, tokenizer = load_gguf(default_gguf_path(), dequantize=True)
+    assert model.quantized_formats == {}
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    for prompt in PROMPTS:
+        torch.testing.assert_close(_logits(model, tokenizer, prompt),
+                                   _logits(ref, tokenizer, prompt), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", list(TYPES))
+def test_tiny_dequantized_equals_transformers_gguf_load(tiny, arch):
+    from transformers import AutoModelForCausalLM
+    directory, file = os.path.split(tiny[arch])
+    ref = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file,
+                                               dtype=torch.float32).eval()
+    model, tokenizer = load_gguf(tiny[arch], dequantize=True)
+    assert type(model) is type(ref)
+    if arch == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    for prompt in PROMPTS[:2]:
+        torch.testing.assert_close(_logits(model, tokenizer, prompt),
+                                   _logits(ref, tokenizer, prompt), rtol=0, atol=0)
+
+
+def test_unpermute_rows_undoes_llama_cpp_permute():
+    # llama.cpp's converter: w.reshape(h, 2, n // h // 2, ...).swapaxes(1, 2).reshape(w.shape)
+    n, heads = 24, 3
+    hf = np.arange(n)
+    gguf_rows = hf.reshape(heads, 2, n // heads // 2).swapaxes(1, 2).reshape(n)
+    assert (gguf_rows[unpermute_rows(n, heads)] == hf).all()
+
+
+@pytest.mark.parametrize("arch", list(TYPES))
+def test_tiny_quantized_matches_dequantized(tiny, arch):
+    _quant_op()
+    model, tokenizer = load_gguf(tiny[arch])
+    dense, _ = load_gguf(tiny[arch], dequantize=True)
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    assert isinstance(model.model.layers[1].mlp.down_proj, QuantLinear)
+    assert set(model.quantized_formats) == {t.name for t in TYPES[arch].values()
+                                            if t not in (Q.F32, Q.F16)}
+    if "output" not in TYPES[arch]:  # tied: the head reads the embedding's bytes
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    down = model.model.layers[1].mlp.down_proj
+    assert torch.equal(down.dequantized_weight(), dense.model.layers[1].mlp.down_proj.weight)
+    rows = torch.tensor([5, 0, 77])
+    up = model.model.layers[1].mlp.up_proj  # a draft vocabulary's rows, say
+    x = torch.randn(2, HIDDEN)
+    torch.testing.assert_close(up.select_rows(rows)(x), up(x)[:, rows], rtol=0, atol=0)
+    for prompt in PROMPTS:
+        got, ref = _logits(model, tokenizer, prompt), _logits(dense, tokenizer, prompt)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def _mapped_file(address):
+    """The file mapped at `address` in this process (Linux /proc/self/maps), or None."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) == 6 else None
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_quantized_weights_are_views_of_the_file(tiny):
+    _quant_op()
+    model, _ = load_gguf(tiny["qwen2"])
+    _, tensors = read_gguf(tiny["qwen2"])
+    mapped = {t.name: t.data for t in tensors}
+    down = model.model.layers[0].mlp.down_proj.weight  # [N, row_bytes] uint8
+    assert down.dtype == torch.uint8
+    assert torch.equal(down, torch.from_numpy(np.array(mapped["blk.0.ffn_down.weight"])))
+    assert _mapped_file(down.data_ptr()) == os.path.realpath(tiny["qwen2"])  # zero-copy
+    assert [p for p in model.parameters() if p.dtype != torch.float32] == []
+
+
+def test_smollm2_quantized_greedy_matches_dequantized():
+    _quant_op()
+    model, tokenizer = load_gguf(default_gguf_path())
+    dense, _ = load_gguf(default_gguf_path(), dequantize=True)
+    assert model.quantized_formats == {"Q8_0": 1, "Q4_1": 210}
+    for prompt in PROMPTS:
+        got, ref = _logits(model, tokenizer, prompt), _logits(dense, tokenizer, prompt)
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("dequantize", [True, False], ids=["dense", "quantized"])
+def test_tiny_model_through_engine_eager_and_compiled(tiny, dequantize, tmp_path, monkeypatch):
+    if not dequantize:
+        _quant_op()
+    from specdec_inductor.engine.engine import Engine
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model, tokenizer = load_gguf(tiny["qwen2"], dequantize=dequantize)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    eager = Engine(model, max_batch=2, max_len=64, compile=False, prefill_chunk=16)
+    want = eager.generate(prompts, 4)
+    compiled = Engine(model, max_batch=2, max_len=64, compile=True, prefill_chunk=16)
+    assert compiled.generate(prompts, 4) == want
+    assert all(len(w) == 4 for w in want)
+
+
+def test_bad_inputs(tiny, tmp_path, tokenizer_fields):
+    with pytest.raises(FileNotFoundError, match="argument 'path'"):
+        load_gguf(str(tmp_path / "missing.gguf"))
+    not_gguf = tmp_path / "not.gguf"
+    not_gguf.write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match="argument 'path'.*not a GGUF file"):
+        load_gguf(str(not_gguf), dequantize=True)
+    other = tmp_path / "phi.gguf"
+    writer = gguf.GGUFWriter(str(other), arch="phi2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="argument 'path'.*'phi2' is not supported"):
+        load_gguf(str(other), dequantize=True)
+
+
+def test_unsupported_tensor_type_names_the_tensor(tmp_path, tokenizer_fields):
+    _quant_op()
+    path = str(tmp_path / "q5_1.gguf")
+    write_tiny_gguf(path, "llama", {**TYPES["llama"], "attn_v": Q.Q5_1}, tokenizer_fields)
+    with pytest.raises(ValueError, match="tensor 'blk.0.attn_v.weight' has type Q5_1"):
+        load_gguf(path)
+    model, _ = load_gguf(path, dequantize=True)  # gguf-py dequantizes it
+    assert model.model.layers[0].self_attn.v_proj.weight.dtype == torch.float32
+
+
+def test_load_model_dispatch(monkeypatch):
+    from specdec_inductor.engine.hf import load_model
+    monkeypatch.delenv("SPECDEC_CACHE_DIR")  # the SmolLM2 metadata directory made above
+    by_name, tokenizer = load_model("smollm2-135m", dequantize=True)
+    default, _ = load_model()  # dense while hf.DEFAULT_QUANTIZED is False
+    assert by_name.quantized_formats == default.quantized_formats == {}
+    torch.testing.assert_close(_logits(by_name, tokenizer, PROMPTS[0]),
+                               _logits(default, tokenizer, PROMPTS[0]), rtol=0, atol=0)
+    assert not hasattr(default.config, "quantization_config")
+    with pytest.raises(ValueError, match="argument 'model'"):
+        load_model("no-such-model")
