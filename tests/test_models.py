@@ -110,3 +110,31 @@ def test_default_model_is_the_installed_wheel():
     assert models.resolve_model(models.DEFAULT_MODEL) == default_gguf_path()
     assert models.fetch_model(models.DEFAULT_MODEL, progress=lambda s: None) == \
         default_gguf_path()
+
+
+def test_cli_names_the_fetch_command_for_a_model_not_fetched(tmp_path, monkeypatch):
+    from specdec_inductor import cli
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match="specdec fetch-model qwen2.5-coder-1.5b"):
+        cli.main(["generate", "--model", "qwen2.5-coder-1.5b", "--max-new-tokens", "2"])
+
+
+def test_cli_dequantize_reaches_the_loader(monkeypatch):
+    from specdec_inductor import cli
+    seen = []
+
+    def fake_load(path, dtype, dequantize=None):
+        seen.append((path, dequantize))
+        raise SystemExit("loaded")
+    monkeypatch.setattr("specdec_inductor.engine.hf.load_model", fake_load)
+    for extra, expected in (([], None), (["--dequantize"], True)):
+        with pytest.raises(SystemExit, match="loaded"):
+            cli.main(["generate", "--model", "smollm2-135m", "--max-new-tokens", "2", *extra])
+    assert seen == [("smollm2-135m", None), ("smollm2-135m", True)]
+
+
+def test_cli_fetch_model_refuses_unknown_names(capsys):
+    from specdec_inductor import cli
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["fetch-model", "qwen2.5-coder-7b"])
+    assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err

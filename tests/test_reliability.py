@@ -76,7 +76,7 @@ def fake_model(monkeypatch):
     the tokenizer's eos id (the tokens the tiny model emits are known only after a run)."""
     model = tiny_model()
     tok = ByteTokenizer()
-    monkeypatch.setattr("specdec_inductor.engine.hf.load_model", lambda path, dtype: (model, tok))
+    monkeypatch.setattr("specdec_inductor.engine.hf.load_model", lambda path, dtype, dequantize=None: (model, tok))
     monkeypatch.delenv("SPECDEC_EAGER", raising=False)
     return model, tok
 
@@ -174,8 +174,10 @@ def test_check_model_arg_accepts_paths_and_known_names(tmp_path, monkeypatch):
     assert cli._check_model_arg(str(gguf)) == str(gguf)
     with pytest.raises(ValueError, match="neither an existing path"):
         cli._check_model_arg("HuggingFaceTB/SmolLM2-typo")
-    monkeypatch.setitem(cli.KNOWN_MODELS, "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert cli._check_model_arg("smollm2") == "smollm2"
+    for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):  # models.REGISTRY
+        assert cli._check_model_arg(name) == name
+    with pytest.raises(ValueError, match="neither an existing path"):
+        cli._check_model_arg("qwen2.5-coder-7b")
 
 
 def test_truncated_safetensors_names_the_file_and_the_fix(tmp_path, monkeypatch):
@@ -362,7 +364,7 @@ def test_training_stops_when_it_diverges(tmp_path):
 def test_standalone_draft_with_another_vocabulary_is_named(monkeypatch, tmp_path):
     target, draft = tiny_model(0), tiny_model(1, vocab=64)
     monkeypatch.setattr("specdec_inductor.engine.hf.load_model",
-                        lambda path, dtype: (draft if path else target, ByteTokenizer()))
+                        lambda path, dtype, dequantize=None: (draft if path else target, ByteTokenizer()))
     monkeypatch.delenv("SPECDEC_EAGER", raising=False)
     with pytest.raises(SystemExit, match=f"--draft-model: the draft model {tmp_path} has a "
                                          "vocabulary of 64 tokens, the target 96"):

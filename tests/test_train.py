@@ -301,16 +301,20 @@ def test_eagle3_training_lowers_the_loss_and_the_head_drafts_exactly(data3_and_t
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_shipped_heads_draft_for_the_default_model_exactly(method):
-    """The heads in specdec_inductor/heads/ load by default for SmolLM2 and are accepted on a
-    held-out prompt, with output identical to plain greedy decoding."""
+@pytest.mark.parametrize("model", [None, "smollm2-135m"], ids=["dense", "quantized"])
+def test_shipped_heads_draft_for_the_default_model_exactly(method, model):
+    """The heads in specdec_inductor/heads/ load by default for SmolLM2 -- the dense default
+    and the same GGUF file kept quantized (`--model smollm2-135m`) -- and are accepted on a
+    held-out prompt, with output identical to plain greedy decoding of that target."""
     import argparse
 
     from specdec_inductor import cli
+    from specdec_inductor.engine.gguf_model import QuantLinear
     from specdec_inductor.engine.hf import load_model
     from specdec_inductor.train.corpus import heldout_prompts
-    target, tokenizer = load_model()
-    args = argparse.Namespace(method=method, draft_model=None, model=None, num_draft_tokens=6,
+    target, tokenizer = load_model(model)
+    assert isinstance(target.lm_head, QuantLinear) == (model is not None)
+    args = argparse.Namespace(method=method, draft_model=None, model=model, num_draft_tokens=6,
                               topk=1, depth=None, max_batch=1, max_len=256, eager=True,
                               attention=None, dtype="fp32", draft_layers=None)
     engine = cli.build_engine(args, target)

@@ -75,11 +75,14 @@ class EagleDraftModel(nn.Module):
         self.lm_head = target.get_output_embeddings()
         if draft_vocab is not None:
             full = self.lm_head
-            self.lm_head = nn.Linear(hidden, draft_vocab.numel(), bias=full.bias is not None)
-            with torch.no_grad():
-                self.lm_head.weight.copy_(full.weight[draft_vocab])
-                if full.bias is not None:
-                    self.lm_head.bias.copy_(full.bias[draft_vocab])
+            if hasattr(full, "select_rows"):  # a GGUF-quantized LM head: its rows, still quantized
+                self.lm_head = full.select_rows(draft_vocab)
+            else:
+                self.lm_head = nn.Linear(hidden, draft_vocab.numel(), bias=full.bias is not None)
+                with torch.no_grad():
+                    self.lm_head.weight.copy_(full.weight[draft_vocab])
+                    if full.bias is not None:
+                        self.lm_head.bias.copy_(full.bias[draft_vocab])
             self.register_buffer("draft_to_target", draft_vocab.to(torch.int64).clone())
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, aux_hidden: Tensor,

@@ -95,7 +95,9 @@ def soft_labels(lm_head: torch.nn.Module, final: Tensor, top_k: int = LABEL_TOP_
                 chunk: int = 512):
     """The target's next-token distribution at every row of final [T, H] (top_k entries)."""
     ids, probs = [], []
-    weight_dtype = next(lm_head.parameters()).dtype
+    # A GGUF-quantized LM head holds uint8 blocks and takes the activations' dtype.
+    weight_dtype = next((p.dtype for p in lm_head.parameters() if p.is_floating_point()),
+                        final.dtype)
     for part in final.split(chunk):
         i, p = _topk_probs(lm_head(part.to(weight_dtype)), top_k)
         ids.append(i)
