@@ -1,0 +1,252 @@
+"""Quantized GGUF targets end to end: our compiled engine on the file's own quantized blocks
+against llama.cpp on the same file, in one run, batch 1, greedy, code and chat prompts.
+
+Rows per prompt (decode-phase tokens/s: prompt processing excluded on both sides, as
+llama.cpp's "eval" / "decoded" lines exclude it):
+- ours: plain AR, then each --methods entry (ngram; standalone with --draft-model; eagle3 with
+  --eagle3-head), with the ratio to our AR and whether the tokens equal our AR's;
+- llama.cpp (binaries of benchmarks/build_llamacpp.sh, same source as llama-cpp-python, native
+  flags): plain decode (llama-completion), draft-model speculation with the same --draft-model
+  (llama-speculative-simple) and prompt lookup (llama-lookup).
+Ratios "vs llama.cpp" divide by llama.cpp's plain decode on the same prompt. Medians over
+--repeats (runs take turns within a repeat) and over prompts at the end. Also printed: load
+time, time to the first token (load + compile + prefill, this process: cold with a fresh
+TORCHINDUCTOR_CACHE_DIR), resident memory against the file size plus the KV pool.
+
+    bash benchmarks/build_llamacpp.sh        # once (~10 min on 2 cores)
+    specdec fetch-model qwen2.5-coder-1.5b   # and qwen2.5-coder-0.5b for the draft
+    python benchmarks/bench_quant_e2e.py --model qwen2.5-coder-1.5b \
+        --draft-model qwen2.5-coder-0.5b --methods ngram,standalone
+    python benchmarks/bench_quant_e2e.py --methods ngram,eagle3    # SmolLM2 Q4_1 (default)
+"""
+import argparse
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import specdec_inductor
+from specdec_inductor.cli import encode, shipped_head
+from specdec_inductor.engine.engine import Engine, GenerationStats
+from specdec_inductor.engine.hf import load_model
+from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK
+from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
+from specdec_inductor.proposers.ngram import NgramProposer
+from specdec_inductor.proposers.standalone import StandaloneProposer
+from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PROMPTS = {
+    "code-rewrite": ("def bubble_sort(items):\n    n = len(items)\n    for i in range(n):\n"
+                     "        for j in range(0, n - i - 1):\n            if items[j] > items[j + 1]:\n"
+                     "                items[j], items[j + 1] = items[j + 1], items[j]\n"
+                     "    return items\n\nRewrite the function above with the variable name "
+                     "`values` instead of `items`, and add a docstring."),
+    "code-write": "Write a Python function that parses a CSV line with quoted fields, with tests.",
+    "code-fix": ("This JavaScript function should return the sum of the even numbers but it "
+                 "does not. Fix it and explain the bug.\n\nfunction sumEven(xs) {\n  let s = 0;\n"
+                 "  for (let i = 0; i <= xs.length; i++) {\n    if (xs[i] % 2 == 1) s += xs[i];\n"
+                 "  }\n  return s;\n}"),
+    "chat-explain": "Explain in a few paragraphs how a hash map works and when to use one.",
+    "chat-story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def rss_bytes() -> int:
+    """Current resident set size (Linux /proc), in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def model_file(model) -> str:
+    """The GGUF file behind a model name or path (for llama.cpp and the memory check)."""
+    from specdec_inductor.models import resolve_model
+    path = resolve_model(model) if model else None
+    if path is None:
+        from specdec_inductor.engine.hf import default_gguf_path
+        path = default_gguf_path()
+    return path
+
+
+# ---- llama.cpp ----
+
+def llamacpp_bin(explicit):
+    """Directory of the llama.cpp binaries, or None (column skipped, with the reason)."""
+    if explicit:
+        return explicit
+    out = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "build_llamacpp.sh")],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"# llama.cpp skipped: build_llamacpp.sh failed: {out.stderr.strip()[-300:]}")
+        return None
+    return out.stdout.strip().splitlines()[-1]
+
+
+def run_llamacpp(cmd, pattern):
+    """Runs one llama.cpp command; returns (tokens/s from `pattern`, stdout+stderr)."""
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    text = out.stdout + out.stderr
+    m = re.search(pattern, text)
+    if out.returncode != 0 or m is None:
+        raise RuntimeError(f"{os.path.basename(cmd[0])} failed (rc {out.returncode}): {text[-800:]}")
+    return float(m.group(1)), text
+
+
+def llamacpp_runs(bindir, target, draft, prompt_text, new_tokens, threads, n_draft):
+    """{label: (tok/s, accepted fraction or None)} of llama.cpp's plain, draft-model and lookup
+    decoding on one prompt (greedy, eos ignored so every run makes new_tokens tokens)."""
+    common = ["-p", prompt_text, "-n", str(new_tokens), "-t", str(threads), "--temp", "0",
+              "--ignore-eos", "-c", "2048"]
+    res = {}
+    rate, _ = run_llamacpp([os.path.join(bindir, "llama-completion"), "-m", target, "-no-cnv",
+                            *common], r"(?<!prompt )eval time =\s+[\d.]+ ms /\s+\d+ runs.*?([\d.]+) tokens per second")
+    res["llama.cpp plain"] = (rate, None)
+    spec = ["--spec-draft-n-max", str(n_draft), "--spec-draft-n-min", "0"]
+    if draft:
+        rate, text = run_llamacpp([os.path.join(bindir, "llama-speculative-simple"), "-m", target,
+                                   "-md", draft, "--spec-type", "draft-simple", *spec, *common], r"decoded\s+\d+ tokens in .*speed:\s+([\d.]+) t/s")
+        acc = re.search(r"accept\s+=\s+([\d.]+)%", text)
+        res["llama.cpp draft model"] = (rate, float(acc.group(1)) / 100 if acc else None)
+    rate, text = run_llamacpp([os.path.join(bindir, "llama-lookup"), "-m", target,
+                               "--spec-draft-n-max", str(n_draft), *common],
+                              r"decoded\s+\d+ tokens in .*speed:\s+([\d.]+) t/s")
+    acc = re.search(r"accept\s+=\s+([\d.]+)%", text)
+    res["llama.cpp lookup"] = (rate, float(acc.group(1)) / 100 if acc else None)
+    return res
+
+
+# ---- ours ----
+
+def build_methods(args, model, engine):
+    """{label: SpeculativeGenerator} for --methods."""
+    methods = {}
+    for name in filter(None, args.methods.split(",")):
+        if name == "ngram":
+            methods[f"NGRAM N={args.num_draft_tokens}"] = SpeculativeGenerator(
+                engine, NgramProposer(num_draft_tokens=args.num_draft_tokens))
+        elif name == "standalone":
+            if not args.draft_model:
+                raise SystemExit("--methods standalone needs --draft-model")
+            draft, _ = load_model(args.draft_model, torch.float32)
+            draft_engine = Engine(draft, max_batch=1, max_len=args.max_len, compile=not args.eager)
+            k = min(args.num_draft_tokens, 5)
+            methods[f"STANDALONE {args.draft_model} N={k}"] = SpeculativeGenerator(
+                engine, StandaloneProposer(draft_engine, k))
+        elif name == "eagle3":
+            head = load_eagle3_head(args.eagle3_head or shipped_head("eagle3"), model,
+                                    torch.bfloat16 if specdec_inductor.active_isa() in ("avx512", "amx")
+                                    else torch.float32)
+            draft_engine = Engine(head, max_batch=4, max_len=args.max_len + 64,
+                                  compile=not args.eager, prefill_chunk=DRAFT_PREFILL_CHUNK,
+                                  capture_hidden=[-1])
+            proposer = Eagle3Proposer(draft_engine, 8, topk=3, depth=4)
+            engine3 = Engine(model, max_batch=1, max_len=args.max_len, compile=not args.eager,
+                             prefill_chunk=64, capture_hidden=proposer.target_hidden_layers)
+            methods["EAGLE-3 N=8 topk 3 depth 4"] = SpeculativeGenerator(engine3, proposer)
+        else:
+            raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, eagle3)")
+    return methods
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model name or .gguf (default: SmolLM2-135M Q4_1)")
+    p.add_argument("--draft-model", default=None, help="standalone draft: model name or .gguf")
+    p.add_argument("--methods", default="ngram", help="comma list of ngram, standalone, eagle3")
+    p.add_argument("--eagle3-head", default=None, help="EAGLE-3 head (default: the shipped one)")
+    p.add_argument("--prompts", default=",".join(PROMPTS), help="comma list of prompt kinds")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--num-draft-tokens", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--dequantize", action="store_true",
+                   help="ours on the fp32-dequantized weights instead of the quantized blocks")
+    p.add_argument("--llamacpp-bin", default=None, help="llama.cpp bin dir (default: build it)")
+    p.add_argument("--no-llamacpp", action="store_true")
+    args = p.parse_args()
+    for name in args.prompts.split(","):
+        if name not in PROMPTS:
+            raise SystemExit(f"--prompts: unknown prompt {name!r} ({', '.join(PROMPTS)})")
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    threads = torch.get_num_threads()
+    target_file = model_file(args.model)
+    draft_file = model_file(args.draft_model) if args.draft_model else None
+
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(args.model, torch.float32, dequantize=args.dequantize)
+    load_s = time.perf_counter() - t0
+    engine = Engine(model, max_batch=1, max_len=args.max_len, compile=not args.eager,
+                    prefill_chunk=64)
+    first = encode(tokenizer, PROMPTS[args.prompts.split(",")[0]], chat=True)
+    t1 = time.perf_counter()
+    engine.generate([first], 1)
+    first_token_s = time.perf_counter() - t0
+    rss = rss_bytes() - rss0  # the target and its engine only (before any draft is loaded)
+    print(f"# target {args.model or 'smollm2-135m'} ({os.path.getsize(target_file) / 1e6:.0f} MB "
+          f"GGUF{', dequantized to fp32' if args.dequantize else ''}); {threads} threads, ISA "
+          f"{specdec_inductor.active_isa()}, torch {torch.__version__}; {args.max_new_tokens} new "
+          f"tokens, greedy, eos ignored; medians of {args.repeats}")
+    print(f"# load {load_s:.1f} s; first token {first_token_s:.1f} s after the load started "
+          f"(compile + prefill {time.perf_counter() - t1:.1f} s)")
+    kv = engine.pool.nbytes()
+    print(f"# resident memory added by the target, its engine and a first token: {rss / 1e6:.0f} MB"
+          f" = {rss / (os.path.getsize(target_file) + kv):.2f}x (file + KV pool {kv / 1e6:.0f} MB);"
+          f" peak RSS of the process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
+    methods = build_methods(args, model, engine)
+
+    bindir = None if args.no_llamacpp else llamacpp_bin(args.llamacpp_bin)
+    print("| prompt | engine | tok/s | vs our AR | vs llama.cpp plain | accepted | tokens == our AR |")
+    print("|---|---|---|---|---|---|---|")
+    ratios = {}  # label -> [(vs our AR, vs llama.cpp plain)]
+    for kind in args.prompts.split(","):
+        ids = encode(tokenizer, PROMPTS[kind], chat=True)
+        text = tokenizer.decode(ids)
+        engine.generate([ids], 2)
+        for spec in methods.values():
+            spec.generate([ids], spec.proposer.num_draft_tokens + 2)
+        rates = {}  # label -> [tok/s]
+        accepted, same = {}, {}
+        for _ in range(args.repeats):
+            st = GenerationStats()
+            ar = engine.generate([ids], args.max_new_tokens, None, st)
+            rates.setdefault("ours AR", []).append(st.decode_tokens_per_s)
+            for label, spec in methods.items():
+                ss = SpeculativeStats()
+                out = spec.generate([ids], args.max_new_tokens, None, ss)
+                rates.setdefault(f"ours {label}", []).append(ss.tokens_per_s)
+                accepted[f"ours {label}"] = f"{ss.mean_accepted_length:.2f} tok/step"
+                same[f"ours {label}"] = "yes" if out == ar else "NO"
+            if bindir:
+                for label, (rate, acc) in llamacpp_runs(bindir, target_file, draft_file, text,
+                                                        args.max_new_tokens, threads,
+                                                        args.num_draft_tokens).items():
+                    rates.setdefault(label, []).append(rate)
+                    if acc is not None:
+                        accepted[label] = f"{100 * acc:.0f}% of drafts"
+        med = {label: statistics.median(v) for label, v in rates.items()}
+        ar_rate, ll = med["ours AR"], med.get("llama.cpp plain")
+        for label, rate in med.items():
+            vs_ll = f"{rate / ll:.2f}x" if ll else "-"
+            vs_ar = f"{rate / ar_rate:.2f}x" if label.startswith("ours") else "-"
+            print(f"| {kind} | {label} | {rate:.1f} | {vs_ar} | {vs_ll} | "
+                  f"{accepted.get(label, '-')} | {same.get(label, '-')} |", flush=True)
+            ratios.setdefault(label, []).append((rate / ar_rate, rate / ll if ll else None))
+    for label, values in ratios.items():
+        vs_ar = statistics.median(v[0] for v in values)
+        vs_ll = [v[1] for v in values if v[1] is not None]
+        print(f"# median over {len(values)} prompts, {label}: {vs_ar:.2f}x our AR"
+              + (f", {statistics.median(vs_ll):.2f}x llama.cpp plain" if vs_ll else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
