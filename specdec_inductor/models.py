@@ -159,6 +159,9 @@ def fetch_model(name: str, *, progress: Callable[[str], None] = print,
         if digest.hexdigest() != spec.sha256:
             raise RuntimeError(f"model {name!r}: sha256 {digest.hexdigest()} of the joined "
                                f"parts, expected {spec.sha256}")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; a model file is not secret
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
