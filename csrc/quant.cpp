@@ -324,15 +324,23 @@ Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fm
   at::Tensor d = at::empty({M, Kp / 4}, x2.options());                           // [M, Kp/4]
   at::Tensor d_sum = at::empty({M, Kp / 4}, x2.options());                       // [M, Kp/4]
   at::Tensor neg_offset_sum = at::empty({M, Kp / 4}, x2.options().dtype(at::kInt));  // [M, Kp/4]
-  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 16) / K), [&](int64_t begin, int64_t end) {
-    quantize_x_rows(x2.const_data_ptr<float>(), K, offset, Kp, q.data_ptr<int8_t>(),
-                    d.data_ptr<float>(), d_sum.data_ptr<float>(), neg_offset_sum.data_ptr<int32_t>(),
-                    begin, end);
-  });
   Isa isa = Isa::PORTABLE;
 #ifdef SPECDEC_BUILT_AVX512VNNI
   if (active_isa() >= Isa::AVX512 && cpu_has_avx512_vnni()) isa = Isa::AVX512;
 #endif
+  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 16) / K), [&](int64_t begin, int64_t end) {
+#ifdef SPECDEC_BUILT_AVX512VNNI
+    if (isa == Isa::AVX512) {
+      quant_quantize_x_avx512vnni(x2.const_data_ptr<float>(), K, offset, Kp, q.data_ptr<int8_t>(),
+                                  d.data_ptr<float>(), d_sum.data_ptr<float>(),
+                                  neg_offset_sum.data_ptr<int32_t>(), begin, end);
+      return;
+    }
+#endif
+    quantize_x_rows(x2.const_data_ptr<float>(), K, offset, Kp, q.data_ptr<int8_t>(),
+                    d.data_ptr<float>(), d_sum.data_ptr<float>(), neg_offset_sum.data_ptr<int32_t>(),
+                    begin, end);
+  });
   const QuantLinearInt8Block blk{
       static_cast<QuantFmt>(fmt),
       {M, K, Kp, q.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), d_sum.const_data_ptr<float>(),

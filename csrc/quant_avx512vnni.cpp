@@ -8,7 +8,9 @@
 // row) pair sees the same operations whatever the number of rows: batch invariance.
 #include <immintrin.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <new>
 
 #include "quant_isa.h"
 
@@ -90,11 +92,28 @@ struct KBlocks45 {
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
     const __m256i nib = _mm256_set1_epi8(15);
+    // Lanes 0-7 take sub-block 2j, lanes 8-15 sub-block 2j + 1 (pick + 2j).
+    const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    // Scale s < 4: byte s & 63; s >= 4: (byte s + 4 & 15) | (byte s - 4 >> 6) << 4.
+    // Min s < 4: byte s + 4 & 63; s >= 4: (byte s + 4 >> 4) | (byte s >> 6) << 4.
+    const __m512i a_index = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+    const __m512i c_index = _mm512_setr_epi32(0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7);
+    const __m512i a_shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
+    const __m512i a_mask = _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+    const __m512i c_mask = _mm512_setr_epi32(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48);
     for (int64_t k = 0; k < K; k += 256, p += kFifthBit ? 176 : 144) {
       const float d = load_f16(p), dmin = load_f16(p + 2);
       const uint8_t* qs = p + (kFifthBit ? 48 : 16);
       __m256i qh = _mm256_setzero_si256();
       if (kFifthBit) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+      // The block's 8 sub-block scales d * sc (lanes 0-7) and mins -dmin * mn (lanes 8-15),
+      // unpacked from the 12 scale bytes in vector lanes (k_scale_min's formula), then picked per
+      // lane below. Each product is exact.
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
+      const __m512i a = _mm512_permutexvar_epi32(a_index, b), c = _mm512_permutexvar_epi32(c_index, b);
+      const __m512i six_bit = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(a, a_shift), a_mask),
+                                              _mm512_and_si512(_mm512_srli_epi32(c, 2), c_mask));
+      const __m512 table = _mm512_mul_ps(_mm512_cvtepi32_ps(six_bit), halves(d, -dmin));
       for (int j = 0; j < 4; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
         __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nib)),
@@ -105,11 +124,8 @@ struct KBlocks45 {
           const __mmask64 fifth = static_cast<__mmask64>(lo) | static_cast<__mmask64>(hi) << 32;
           u = _mm512_mask_add_epi8(u, fifth, u, _mm512_set1_epi8(16));
         }
-        int sc0, mn0, sc1, mn1;
-        k_scale_min(p + 4, 2 * j, &sc0, &mn0);
-        k_scale_min(p + 4, 2 * j + 1, &sc1, &mn1);
-        f(k + 64 * j, u, halves(d * static_cast<float>(sc0), d * static_cast<float>(sc1)),
-          halves(-(dmin * static_cast<float>(mn0)), -(dmin * static_cast<float>(mn1))));
+        f(k + 64 * j, u, _mm512_permutexvar_ps(_mm512_add_epi32(pick, _mm512_set1_epi32(2 * j)), table),
+          _mm512_permutexvar_ps(_mm512_add_epi32(pick, _mm512_set1_epi32(2 * j + 8)), table));
       }
     }
   }
@@ -175,30 +191,159 @@ inline void dot_rows(const uint8_t* row, const QuantizedX& X, int64_t m0, float*
   for (int i = 0; i < MB; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc_min[i]));
 }
 
+// A weight row's 64-weight steps as the walker produces them, kept for several rows of x.
+struct Step {
+  __m512i u;
+  __m512 scale, mn;
+};
+
+// out0[i], out1[i] = rows a, b . x[m0 + i] for MB rows of x, from decoded steps: each load of x
+// feeds both weight rows. The operations on one (x row, weight row) pair are exactly those of
+// dot_rows (same values, accumulators, order and reduction): batch invariance.
+template <int MB, bool kHasMin, bool kOffset>
+inline void dot_rows2(const Step* a, const Step* b, const QuantizedX& X, int64_t m0, float* out0,
+                      float* out1) {
+  const int64_t lanes = X.Kp / 4;
+  __m512 acc_a[MB], min_a[MB], acc_b[MB], min_b[MB];
+  for (int i = 0; i < MB; ++i) acc_a[i] = min_a[i] = acc_b[i] = min_b[i] = _mm512_setzero_ps();
+  const int8_t* q = X.q + m0 * X.Kp;
+  const float* d = X.d + m0 * lanes;
+  const float* d_sum = X.d_sum + m0 * lanes;
+  const int32_t* neg = X.neg_offset_sum + m0 * lanes;
+  for (int64_t k = 0, c = 0; k < X.K; k += 64, ++c) {
+    const __m512i ua = a[c].u, ub = b[c].u;
+    const __m512 sa = a[c].scale, sb = b[c].scale;
+    for (int i = 0; i < MB; ++i) {
+      const __m512i qx = _mm512_loadu_si512(q + i * X.Kp + k);
+      const __m512i start = kOffset ? _mm512_loadu_si512(neg + i * lanes + k / 4) : _mm512_setzero_si512();
+      const __m512 dx = _mm512_loadu_ps(d + i * lanes + k / 4);
+      acc_a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, ua, qx)), _mm512_mul_ps(sa, dx), acc_a[i]);
+      acc_b[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, ub, qx)), _mm512_mul_ps(sb, dx), acc_b[i]);
+      if (kHasMin) {
+        const __m512 ds = _mm512_loadu_ps(d_sum + i * lanes + k / 4);
+        min_a[i] = _mm512_fmadd_ps(ds, a[c].mn, min_a[i]);
+        min_b[i] = _mm512_fmadd_ps(ds, b[c].mn, min_b[i]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    out0[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc_a[i], min_a[i]));
+    out1[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc_b[i], min_b[i]));
+  }
+}
+
+// Per-thread buffer of decoded steps (64-byte aligned, grows only).
+struct StepBuffer {
+  Step* data = nullptr;
+  int64_t size = 0;
+  Step* get(int64_t n) {
+    if (n > size) {
+      std::free(data);
+      data = static_cast<Step*>(std::aligned_alloc(64, static_cast<size_t>(n) * sizeof(Step)));
+      if (data == nullptr) {
+        size = 0;
+        throw std::bad_alloc();
+      }
+      size = n;
+    }
+    return data;
+  }
+  ~StepBuffer() { std::free(data); }
+};
+thread_local StepBuffer t_steps;
+
+inline void store_outputs(const QuantLinearInt8Block& b, int64_t m, int mb, int64_t n, const float* out) {
+  for (int i = 0; i < mb; ++i) {
+    float v = out[i];
+    if (b.bias) v += b.bias[n];
+    b.y[(m + i) * b.y_stride + n] = v;
+  }
+}
+
+// One row of x (decode): each weight row is decoded in registers and consumed at once. Several
+// rows (verify, prefill): weight rows are decoded in pairs into a per-thread buffer, then
+// multiplied into 4 rows of x at a time (dot_rows2). Both give the same bits per output.
 template <class Rows, bool kOffset>
 void linear_rows(const QuantLinearInt8Block& b) {
-  for (int64_t n = b.n_begin; n < b.n_end; ++n) {
-    const uint8_t* row = b.w + n * b.w_stride;
+  if (b.x.M == 1) {
+    for (int64_t n = b.n_begin; n < b.n_end; ++n) {
+      float out;
+      dot_rows<1, Rows, kOffset>(b.w + n * b.w_stride, b.x, 0, &out);
+      store_outputs(b, 0, 1, n, &out);
+    }
+    return;
+  }
+  const int64_t steps = b.x.Kp / 64;
+  Step* buf = t_steps.get(2 * steps);
+  auto decode_into = [&b](int64_t n, Step* dst) {
+    Rows::row(b.w + n * b.w_stride, b.x.K, [dst](int64_t k, __m512i u, __m512 scale, __m512 mn) {
+      dst[k / 64] = Step{u, scale, mn};
+    });
+  };
+  for (int64_t n = b.n_begin; n < b.n_end; n += 2) {
+    const bool pair = n + 1 < b.n_end;
+    decode_into(n, buf);
+    // An unpaired last row runs against a copy of itself (its second result is dropped).
+    Step* second = buf;
+    if (pair) {
+      second = buf + steps;
+      decode_into(n + 1, second);
+    }
     for (int64_t m = 0; m < b.x.M;) {
       const int64_t left = b.x.M - m;
       const int mb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-      float out[4];
+      float out0[4], out1[4];
       switch (mb) {
-        case 4: dot_rows<4, Rows, kOffset>(row, b.x, m, out); break;
-        case 2: dot_rows<2, Rows, kOffset>(row, b.x, m, out); break;
-        default: dot_rows<1, Rows, kOffset>(row, b.x, m, out); break;
+        case 4: dot_rows2<4, Rows::kHasMin, kOffset>(buf, second, b.x, m, out0, out1); break;
+        case 2: dot_rows2<2, Rows::kHasMin, kOffset>(buf, second, b.x, m, out0, out1); break;
+        default: dot_rows2<1, Rows::kHasMin, kOffset>(buf, second, b.x, m, out0, out1); break;
       }
-      for (int i = 0; i < mb; ++i) {
-        float v = out[i];
-        if (b.bias) v += b.bias[n];
-        b.y[(m + i) * b.y_stride + n] = v;
-      }
+      store_outputs(b, m, mb, n, out0);
+      if (pair) store_outputs(b, m, mb, n + 1, out1);
       m += mb;
     }
   }
 }
 
 }  // namespace
+
+void quant_quantize_x_avx512vnni(const float* x, int64_t K, int offset, int64_t Kp, int8_t* q,
+                                 float* d, float* d_sum, int32_t* neg_offset_sum, int64_t m_begin,
+                                 int64_t m_end) {
+  const __m512 zero = _mm512_setzero_ps(), lim = _mm512_set1_ps(127.0f);
+  const __m512i ones = _mm512_set1_epi8(1), neg_offset = _mm512_set1_epi32(-offset);
+  const int64_t lanes = Kp / 4;
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    const float* xm = x + m * K;
+    int8_t* qm = q + m * Kp;
+    for (int64_t k = 0; k < Kp; k += 64) {
+      float dk[2];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t kb = k + 32 * h;
+        __m512 v0 = zero, v1 = zero;
+        if (kb < K) {
+          v0 = _mm512_loadu_ps(xm + kb);
+          v1 = _mm512_loadu_ps(xm + kb + 16);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        dk[h] = amax / 127.0f;
+        // d == 0 only when every |x| < 127 * 2^-149: dividing by 1 gives quants 0 as well.
+        const __m512 div = _mm512_set1_ps(dk[h] == 0.0f ? 1.0f : dk[h]);
+        const __m512 r0 = _mm512_roundscale_ps(_mm512_div_ps(v0, div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 r1 = _mm512_roundscale_ps(_mm512_div_ps(v1, div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i i0 = _mm512_cvttps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(zero, lim), r0)));
+        const __m512i i1 = _mm512_cvttps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(zero, lim), r1)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qm + kb), _mm512_cvtsepi32_epi8(i0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qm + kb + 16), _mm512_cvtsepi32_epi8(i1));
+      }
+      const __m512i sum4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(qm + k));
+      const __m512 dl = halves(dk[0], dk[1]);
+      _mm512_storeu_ps(d + m * lanes + k / 4, dl);
+      _mm512_storeu_ps(d_sum + m * lanes + k / 4, _mm512_mul_ps(dl, _mm512_cvtepi32_ps(sum4)));
+      _mm512_storeu_si512(neg_offset_sum + m * lanes + k / 4, _mm512_mullo_epi32(sum4, neg_offset));
+    }
+  }
+}
 
 void quant_linear_int8_avx512vnni(const QuantLinearInt8Block& b) {
   switch (b.fmt) {

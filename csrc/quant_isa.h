@@ -141,5 +141,10 @@ void quant_linear_int8_portable(const QuantLinearInt8Block& blk);
 // AVX-512 VNNI (+ F/BW/VL/DQ): 64 weights per vpdpbusd step, fp32 lane accumulators, up to 4
 // rows of x per pass over a weight row. Called only when cpu_has_avx512_vnni().
 void quant_linear_int8_avx512vnni(const QuantLinearInt8Block& blk);
+// Rows [m_begin, m_end) of x [M, K] fp32 quantized into QuantizedX's buffers (offset: the
+// format's int8_weight_offset). The portable version (quant.cpp) is the same bit for bit.
+void quant_quantize_x_avx512vnni(const float* x, int64_t K, int offset, int64_t Kp, int8_t* q,
+                                 float* d, float* d_sum, int32_t* neg_offset_sum, int64_t m_begin,
+                                 int64_t m_end);
 
 }  // namespace specdec
