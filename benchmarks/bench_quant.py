@@ -33,7 +33,7 @@ SMOL = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
 CASES = ([(f, n, k) for f in (QuantFormat.Q4_K, QuantFormat.Q6_K) for n, k in QWEN]
          + [(f, n, k) for f in (QuantFormat.Q4_1, QuantFormat.Q8_0) for n, k in SMOL])
 F16_FIELDS = {QuantFormat.Q4_1: [0, 2], QuantFormat.Q8_0: [0], QuantFormat.Q4_K: [0, 2],
-              QuantFormat.Q6_K: [208], QuantFormat.Q4_0: [0], QuantFormat.Q5_0: [0],
+              QuantFormat.Q6_K: [208], QuantFormat.Q4_0: [0], QuantFormat.Q5_0: [0], QuantFormat.Q5_1: [0, 2],
               QuantFormat.Q5_K: [0, 2]}
 
 

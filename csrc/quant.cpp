@@ -64,6 +64,19 @@ void quant_dequantize_row_portable(QuantFmt fmt, const uint8_t* p, int64_t K, fl
         }
       }
       break;
+    case QuantFmt::Q5_1:
+      for (int64_t k = 0; k < K; k += 32, p += 24) {
+        const float d = load_f16(p), m = load_f16(p + 2);
+        uint32_t qh;
+        std::memcpy(&qh, p + 4, 4);
+        for (int j = 0; j < 16; ++j) {
+          const int lo = (p[8 + j] & 15) | static_cast<int>((qh >> j) & 1) << 4;
+          const int hi = (p[8 + j] >> 4) | static_cast<int>((qh >> (j + 16)) & 1) << 4;
+          out[k + j] = d * static_cast<float>(lo) + m;
+          out[k + j + 16] = d * static_cast<float>(hi) + m;
+        }
+      }
+      break;
     case QuantFmt::Q8_0:
       for (int64_t k = 0; k < K; k += 32, p += 34) {
         const float d = load_f16(p);
@@ -135,8 +148,11 @@ void int8_parts_portable(QuantFmt fmt, const uint8_t* p, int64_t K, int32_t* wq,
     case QuantFmt::Q4_0:
     case QuantFmt::Q4_1:
     case QuantFmt::Q5_0:
+    case QuantFmt::Q5_1:
     case QuantFmt::Q8_0: {
-      const int64_t nbytes = fmt == QuantFmt::Q4_0 ? 18 : fmt == QuantFmt::Q4_1 ? 20 : fmt == QuantFmt::Q5_0 ? 22 : 34;
+      QuantFormatInfo info{};
+      quant_format_info(static_cast<int>(fmt), &info);
+      const int64_t nbytes = info.block_bytes;
       for (int64_t k = 0; k < K; k += 32, p += nbytes) {
         const float d = load_f16(p);
         scale[k / 16] = scale[k / 16 + 1] = d;
@@ -145,18 +161,20 @@ void int8_parts_portable(QuantFmt fmt, const uint8_t* p, int64_t K, int32_t* wq,
           if (fmt == QuantFmt::Q8_0) {
             q = static_cast<int8_t>(p[2 + j]);
           } else {
-            const uint8_t* qs = p + (fmt == QuantFmt::Q4_0 ? 2 : fmt == QuantFmt::Q4_1 ? 4 : 6);
+            const uint8_t* qs = p + (fmt == QuantFmt::Q4_0 ? 2 : fmt == QuantFmt::Q4_1 ? 4
+                                     : fmt == QuantFmt::Q5_0 ? 6 : 8);
             q = (qs[j % 16] >> (4 * (j / 16))) & 15;
             if (fmt == QuantFmt::Q4_0) q -= 8;
-            if (fmt == QuantFmt::Q5_0) {
+            if (fmt == QuantFmt::Q5_0 || fmt == QuantFmt::Q5_1) {
               uint32_t qh;
-              std::memcpy(&qh, p + 2, 4);
-              q = (q | static_cast<int>((qh >> j) & 1) << 4) - 16;
+              std::memcpy(&qh, p + (fmt == QuantFmt::Q5_0 ? 2 : 4), 4);
+              q |= static_cast<int>((qh >> j) & 1) << 4;
+              if (fmt == QuantFmt::Q5_0) q -= 16;
             }
           }
           wq[k + j] = q;
         }
-        if (fmt == QuantFmt::Q4_1) mn[k / 32] = load_f16(p + 2);
+        if (fmt == QuantFmt::Q4_1 || fmt == QuantFmt::Q5_1) mn[k / 32] = load_f16(p + 2);
       }
       break;
     }
@@ -283,7 +301,7 @@ QuantFormatInfo check_fmt(int64_t fmt) {
   QuantFormatInfo info{};
   TORCH_CHECK_VALUE(fmt >= 0 && fmt < 64 && quant_format_info(static_cast<int>(fmt), &info),
                     "argument 'fmt' must be a supported ggml type id (Q4_0=2, Q4_1=3, Q5_0=6, "
-                    "Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14), got ", fmt);
+                    "Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14), got ", fmt);
   return info;
 }
 

@@ -51,8 +51,8 @@ inline __m512i nibbles2(const uint8_t* a, const uint8_t* b) {
 template <QuantFmt kFmt>
 struct SmallBlocks {
   static constexpr int64_t kBytes = kFmt == QuantFmt::Q4_0 ? 18 : kFmt == QuantFmt::Q4_1 ? 20
-                                  : kFmt == QuantFmt::Q5_0 ? 22 : 34;
-  static constexpr bool kHasMin = kFmt == QuantFmt::Q4_1;
+                                  : kFmt == QuantFmt::Q5_0 ? 22 : kFmt == QuantFmt::Q5_1 ? 24 : 34;
+  static constexpr bool kHasMin = kFmt == QuantFmt::Q4_1 || kFmt == QuantFmt::Q5_1;
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
     for (int64_t k = 0; k < K; k += 64, p += 2 * kBytes) {
@@ -66,13 +66,15 @@ struct SmallBlocks {
         const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
         u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1),
                              _mm512_set1_epi8(static_cast<char>(0x80)));  // q + 128
-      } else if (kFmt == QuantFmt::Q5_0) {
-        u = nibbles2(a + 6, b + 6);
+      } else if (kFmt == QuantFmt::Q5_0 || kFmt == QuantFmt::Q5_1) {
+        const int qh_at = kFmt == QuantFmt::Q5_0 ? 2 : 4;
+        u = nibbles2(a + qh_at + 4, b + qh_at + 4);
         uint32_t ha, hb;
-        std::memcpy(&ha, a + 2, 4);
-        std::memcpy(&hb, b + 2, 4);
+        std::memcpy(&ha, a + qh_at, 4);
+        std::memcpy(&hb, b + qh_at, 4);
         const __mmask64 fifth = static_cast<__mmask64>(ha) | static_cast<__mmask64>(hb) << 32;
         u = _mm512_mask_add_epi8(u, fifth, u, _mm512_set1_epi8(16));
+        if (kFmt == QuantFmt::Q5_1) mn = halves(load_f16(a + 2), load_f16(b + 2));
       } else if (kFmt == QuantFmt::Q4_1) {
         u = nibbles2(a + 4, b + 4);
         mn = halves(load_f16(a + 2), load_f16(b + 2));
@@ -350,6 +352,7 @@ void quant_linear_int8_avx512vnni(const QuantLinearInt8Block& b) {
     case QuantFmt::Q4_0: linear_rows<SmallBlocks<QuantFmt::Q4_0>, true>(b); break;
     case QuantFmt::Q4_1: linear_rows<SmallBlocks<QuantFmt::Q4_1>, false>(b); break;
     case QuantFmt::Q5_0: linear_rows<SmallBlocks<QuantFmt::Q5_0>, true>(b); break;
+    case QuantFmt::Q5_1: linear_rows<SmallBlocks<QuantFmt::Q5_1>, false>(b); break;
     case QuantFmt::Q8_0: linear_rows<SmallBlocks<QuantFmt::Q8_0>, true>(b); break;
     case QuantFmt::Q4_K: linear_rows<KBlocks45<false>, false>(b); break;
     case QuantFmt::Q5_K: linear_rows<KBlocks45<true>, false>(b); break;

@@ -1,5 +1,5 @@
 """Quantized-weight ops (csrc/quant.cpp) on every runnable ISA path: exact dequantization against
-the gguf package (bitwise, all 7 formats, extreme fp16 scales), quant_linear against an fp64
+the gguf package (bitwise, all 8 formats, extreme fp16 scales), quant_linear against an fp64
 reference by the 2x rule, batch invariance (a row alone == the same row inside M = 8/16/64
 batches, bitwise), quant_embedding, bad inputs, read-only weights, opcheck, eager == compiled."""
 import os
@@ -24,7 +24,8 @@ PATHS = specdec_inductor.runnable_isas()
 FORMATS = list(QuantFormat)
 # Byte offsets of each format's fp16 fields (d, and m / dmin) inside a block.
 F16_FIELDS = {
-    QuantFormat.Q4_0: [0], QuantFormat.Q4_1: [0, 2], QuantFormat.Q5_0: [0], QuantFormat.Q8_0: [0],
+    QuantFormat.Q4_0: [0], QuantFormat.Q4_1: [0, 2], QuantFormat.Q5_0: [0], QuantFormat.Q5_1: [0, 2],
+    QuantFormat.Q8_0: [0],
     QuantFormat.Q4_K: [0, 2], QuantFormat.Q5_K: [0, 2], QuantFormat.Q6_K: [208],
 }
 # fp16 values at the edges: largest finite, smallest subnormal, smallest normal, signed zeros.

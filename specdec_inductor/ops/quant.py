@@ -23,6 +23,7 @@ class QuantFormat(enum.IntEnum):
     Q4_0 = 2
     Q4_1 = 3
     Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q4_K = 12
     Q5_K = 13
@@ -47,6 +48,7 @@ _BLOCKS = {
     QuantFormat.Q4_0: (32, 18),
     QuantFormat.Q4_1: (32, 20),
     QuantFormat.Q5_0: (32, 22),
+    QuantFormat.Q5_1: (32, 24),
     QuantFormat.Q8_0: (32, 34),
     QuantFormat.Q4_K: (256, 144),
     QuantFormat.Q5_K: (256, 176),
@@ -101,7 +103,7 @@ def quant_linear(x: Tensor, weight: Tensor, fmt: QuantFormat, bias: Optional[Ten
         [-127, 127]; an all-zero block has d_b = 0 and q = 0.
       - the weight row is read as w[k] = scale[k // 16] * wq[k] + min[k // 32] with integer
         quants wq (Q4_0: q - 8, Q5_0: q - 16, Q6_K: q - 32, others the stored q) and the file's
-        exact scales (d, d * sc) and mins (Q4_1: m, Q4_K / Q5_K: -dmin * mn, others 0).
+        exact scales (d, d * sc) and mins (Q4_1 / Q5_1: m, Q4_K / Q5_K: -dmin * mn, others 0).
       - y[m, n] = sum_g scale[g] * d_(g // 2) * (sum over the 16-group g of wq * q)
                   + sum_b min[b] * d_b * (sum over block b of q)   (+ bias[n]),
         the integer sums exact, the rest accumulated in fp32 in a fixed order.

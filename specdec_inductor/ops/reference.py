@@ -399,6 +399,9 @@ def quant_dequantize_ref(weight: Tensor, fmt) -> Tensor:
     elif fmt == QuantFormat.Q5_0:
         bits = (b[:, 2:6, None] >> torch.arange(8)) & 1  # [B, 4, 8]: bit j of the u32 qh
         w = _f16_field(blocks, 0) * ((nibbles(b[:, 6:22]) | bits.reshape(-1, 32) << 4) - 16).float()
+    elif fmt == QuantFormat.Q5_1:
+        bits = (b[:, 4:8, None] >> torch.arange(8)) & 1  # [B, 4, 8]: bit j of the u32 qh
+        w = _f16_field(blocks, 0) * (nibbles(b[:, 8:24]) | bits.reshape(-1, 32) << 4).float() + _f16_field(blocks, 2)
     elif fmt == QuantFormat.Q8_0:
         w = _f16_field(blocks, 0) * blocks[:, 2:34].view(torch.int8).float()
     elif fmt in (QuantFormat.Q4_K, QuantFormat.Q5_K):
@@ -438,7 +441,7 @@ def quant_int8_parts_ref(weight: Tensor, fmt) -> Tuple[Tensor, Tensor, Tensor]:
     b = blocks.to(torch.int64)  # [B, bytes]
     nibbles = lambda qs: torch.cat([qs & 15, qs >> 4], 1)  # noqa: E731  [B, 16] -> [B, 32]
     minimum = torch.zeros(blocks.shape[0], size // 32, dtype=torch.float64)  # [B, size / 32]
-    if fmt in (QuantFormat.Q4_0, QuantFormat.Q4_1, QuantFormat.Q5_0, QuantFormat.Q8_0):
+    if fmt in (QuantFormat.Q4_0, QuantFormat.Q4_1, QuantFormat.Q5_0, QuantFormat.Q5_1, QuantFormat.Q8_0):
         d = _f16_field(blocks, 0).double()  # [B, 1]
         if fmt == QuantFormat.Q4_0:
             wq = nibbles(b[:, 2:18]) - 8
@@ -448,6 +451,10 @@ def quant_int8_parts_ref(weight: Tensor, fmt) -> Tuple[Tensor, Tensor, Tensor]:
         elif fmt == QuantFormat.Q5_0:
             bits = (b[:, 2:6, None] >> torch.arange(8)) & 1  # [B, 4, 8]: bit j of the u32 qh
             wq = (nibbles(b[:, 6:22]) | bits.reshape(-1, 32) << 4) - 16
+        elif fmt == QuantFormat.Q5_1:
+            bits = (b[:, 4:8, None] >> torch.arange(8)) & 1
+            wq = nibbles(b[:, 8:24]) | bits.reshape(-1, 32) << 4
+            minimum = _f16_field(blocks, 2).double()
         else:
             wq = blocks[:, 2:34].view(torch.int8).long()
         scale = d.expand(-1, 2)  # [B, 2]
