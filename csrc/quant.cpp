@@ -251,7 +251,8 @@ namespace {
 // Rows [m_begin, m_end) of x [M, K] fp32 quantized into X's buffers (quant_isa.h's definition;
 // the reference, quant_linear_ref(activation=INT8), rounds the same way).
 void quantize_x_rows(const float* x, int64_t K, int offset, int64_t Kp, int8_t* q, float* d,
-                     float* d_sum, int32_t* neg_offset_sum, int64_t m_begin, int64_t m_end) {
+                     float* d_sum, float* block_d_sum, int32_t* neg_offset_sum, int64_t m_begin,
+                     int64_t m_end) {
   for (int64_t m = m_begin; m < m_end; ++m) {
     const float* xm = x + m * K;
     int8_t* qm = q + m * Kp;
@@ -264,6 +265,9 @@ void quantize_x_rows(const float* x, int64_t K, int offset, int64_t Kp, int8_t* 
         if (k < K && dk != 0.0f) v = std::min(127.0f, std::max(-127.0f, std::nearbyint(xm[k + j] / dk)));
         qm[k + j] = static_cast<int8_t>(v);
       }
+      int32_t block_sum = 0;
+      for (int j = 0; j < 32; ++j) block_sum += qm[k + j];
+      block_d_sum[m * (Kp / 32) + k / 32] = dk * static_cast<float>(block_sum);
       for (int64_t l = k / 4; l < (k + 32) / 4; ++l) {
         const int32_t s = qm[4 * l] + qm[4 * l + 1] + qm[4 * l + 2] + qm[4 * l + 3];
         d[m * (Kp / 4) + l] = dk;
@@ -341,6 +345,7 @@ Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fm
   at::Tensor q = at::empty({M, Kp}, x2.options().dtype(at::kChar));              // [M, Kp]
   at::Tensor d = at::empty({M, Kp / 4}, x2.options());                           // [M, Kp/4]
   at::Tensor d_sum = at::empty({M, Kp / 4}, x2.options());                       // [M, Kp/4]
+  at::Tensor block_d_sum = at::empty({M, Kp / 32}, x2.options());                // [M, Kp/32]
   at::Tensor neg_offset_sum = at::empty({M, Kp / 4}, x2.options().dtype(at::kInt));  // [M, Kp/4]
   Isa isa = Isa::PORTABLE;
 #ifdef SPECDEC_BUILT_AVX512VNNI
@@ -351,18 +356,19 @@ Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fm
     if (isa == Isa::AVX512) {
       quant_quantize_x_avx512vnni(x2.const_data_ptr<float>(), K, offset, Kp, q.data_ptr<int8_t>(),
                                   d.data_ptr<float>(), d_sum.data_ptr<float>(),
-                                  neg_offset_sum.data_ptr<int32_t>(), begin, end);
+                                  block_d_sum.data_ptr<float>(), neg_offset_sum.data_ptr<int32_t>(),
+                                  begin, end);
       return;
     }
 #endif
     quantize_x_rows(x2.const_data_ptr<float>(), K, offset, Kp, q.data_ptr<int8_t>(),
-                    d.data_ptr<float>(), d_sum.data_ptr<float>(), neg_offset_sum.data_ptr<int32_t>(),
-                    begin, end);
+                    d.data_ptr<float>(), d_sum.data_ptr<float>(), block_d_sum.data_ptr<float>(),
+                    neg_offset_sum.data_ptr<int32_t>(), begin, end);
   });
   const QuantLinearInt8Block blk{
       static_cast<QuantFmt>(fmt),
       {M, K, Kp, q.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), d_sum.const_data_ptr<float>(),
-       neg_offset_sum.const_data_ptr<int32_t>()},
+       block_d_sum.const_data_ptr<float>(), neg_offset_sum.const_data_ptr<int32_t>()},
       static_cast<const uint8_t*>(weight.const_data_ptr()), weight.stride(0), bias,
       y.data_ptr<float>(), N, 0, 0};
   constexpr int64_t kRowBlock = 8;

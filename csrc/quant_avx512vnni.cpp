@@ -53,6 +53,7 @@ struct SmallBlocks {
   static constexpr int64_t kBytes = kFmt == QuantFmt::Q4_0 ? 18 : kFmt == QuantFmt::Q4_1 ? 20
                                   : kFmt == QuantFmt::Q5_0 ? 22 : kFmt == QuantFmt::Q5_1 ? 24 : 34;
   static constexpr bool kHasMin = kFmt == QuantFmt::Q4_1 || kFmt == QuantFmt::Q5_1;
+  static constexpr bool kBlockMin = false;
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
     for (int64_t k = 0; k < K; k += 64, p += 2 * kBytes) {
@@ -90,7 +91,10 @@ struct SmallBlocks {
 // same 32 bytes; scale d * sc, min -dmin * mn per sub-block.
 template <bool kFifthBit>
 struct KBlocks45 {
-  static constexpr bool kHasMin = true;
+  // The mins are applied once per 256-weight block (8 sub-block mins against the row's 8 block
+  // sums): mn carries them in lanes 0-7 on the block's first step (k % 256 == 0).
+  static constexpr bool kHasMin = false;
+  static constexpr bool kBlockMin = true;
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
     const __m256i nib = _mm256_set1_epi8(15);
@@ -127,7 +131,7 @@ struct KBlocks45 {
           u = _mm512_mask_add_epi8(u, fifth, u, _mm512_set1_epi8(16));
         }
         f(k + 64 * j, u, _mm512_permutexvar_ps(_mm512_add_epi32(pick, _mm512_set1_epi32(2 * j)), table),
-          _mm512_permutexvar_ps(_mm512_add_epi32(pick, _mm512_set1_epi32(2 * j + 8)), table));
+          _mm512_castps256_ps512(_mm512_extractf32x8_ps(table, 1)));
       }
     }
   }
@@ -137,6 +141,7 @@ struct KBlocks45 {
 // (0..63, wq = q - 32) is assembled at byte level; one int8 scale per 16 weights = per 4 lanes.
 struct KBlocks6 {
   static constexpr bool kHasMin = false;
+  static constexpr bool kBlockMin = false;
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
     const __m256i nib = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
@@ -175,7 +180,10 @@ template <int MB, class Rows, bool kOffset>
 inline void dot_rows(const uint8_t* row, const QuantizedX& X, int64_t m0, float* out) {
   const int64_t lanes = X.Kp / 4;
   __m512 acc[MB], acc_min[MB];
+  __m256 block_min[MB];
   for (int i = 0; i < MB; ++i) acc[i] = acc_min[i] = _mm512_setzero_ps();
+  for (int i = 0; i < MB; ++i) block_min[i] = _mm256_setzero_ps();
+  const float* block_d_sum = X.block_d_sum + m0 * (X.Kp / 32);
   const int8_t* q = X.q + m0 * X.Kp;
   const float* d = X.d + m0 * lanes;
   const float* d_sum = X.d_sum + m0 * lanes;
@@ -188,9 +196,16 @@ inline void dot_rows(const uint8_t* row, const QuantizedX& X, int64_t m0, float*
       const __m512 s = _mm512_mul_ps(scale, _mm512_loadu_ps(d + i * lanes + k / 4));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[i]);
       if (Rows::kHasMin) acc_min[i] = _mm512_fmadd_ps(_mm512_loadu_ps(d_sum + i * lanes + k / 4), mn, acc_min[i]);
+      if (Rows::kBlockMin && k % 256 == 0) {
+        block_min[i] = _mm256_fmadd_ps(_mm256_loadu_ps(block_d_sum + i * (X.Kp / 32) + k / 32),
+                                       _mm512_castps512_ps256(mn), block_min[i]);
+      }
     }
   });
-  for (int i = 0; i < MB; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc_min[i]));
+  for (int i = 0; i < MB; ++i) {
+    if (Rows::kBlockMin) acc_min[i] = _mm512_zextps256_ps512(block_min[i]);  // upper lanes: 0
+    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc_min[i]));
+  }
 }
 
 // A weight row's 64-weight steps as the walker produces them, kept for several rows of x.
@@ -202,12 +217,15 @@ struct Step {
 // out0[i], out1[i] = rows a, b . x[m0 + i] for MB rows of x, from decoded steps: each load of x
 // feeds both weight rows. The operations on one (x row, weight row) pair are exactly those of
 // dot_rows (same values, accumulators, order and reduction): batch invariance.
-template <int MB, bool kHasMin, bool kOffset>
+template <int MB, bool kHasMin, bool kBlockMin, bool kOffset>
 inline void dot_rows2(const Step* a, const Step* b, const QuantizedX& X, int64_t m0, float* out0,
                       float* out1) {
   const int64_t lanes = X.Kp / 4;
   __m512 acc_a[MB], min_a[MB], acc_b[MB], min_b[MB];
+  __m256 block_a[MB], block_b[MB];
   for (int i = 0; i < MB; ++i) acc_a[i] = min_a[i] = acc_b[i] = min_b[i] = _mm512_setzero_ps();
+  for (int i = 0; i < MB; ++i) block_a[i] = block_b[i] = _mm256_setzero_ps();
+  const float* block_d_sum = X.block_d_sum + m0 * (X.Kp / 32);
   const int8_t* q = X.q + m0 * X.Kp;
   const float* d = X.d + m0 * lanes;
   const float* d_sum = X.d_sum + m0 * lanes;
@@ -226,9 +244,18 @@ inline void dot_rows2(const Step* a, const Step* b, const QuantizedX& X, int64_t
         min_a[i] = _mm512_fmadd_ps(ds, a[c].mn, min_a[i]);
         min_b[i] = _mm512_fmadd_ps(ds, b[c].mn, min_b[i]);
       }
+      if (kBlockMin && k % 256 == 0) {
+        const __m256 bs = _mm256_loadu_ps(block_d_sum + i * (X.Kp / 32) + k / 32);
+        block_a[i] = _mm256_fmadd_ps(bs, _mm512_castps512_ps256(a[c].mn), block_a[i]);
+        block_b[i] = _mm256_fmadd_ps(bs, _mm512_castps512_ps256(b[c].mn), block_b[i]);
+      }
     }
   }
   for (int i = 0; i < MB; ++i) {
+    if (kBlockMin) {
+      min_a[i] = _mm512_zextps256_ps512(block_a[i]);
+      min_b[i] = _mm512_zextps256_ps512(block_b[i]);
+    }
     out0[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc_a[i], min_a[i]));
     out1[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc_b[i], min_b[i]));
   }
@@ -296,9 +323,9 @@ void linear_rows(const QuantLinearInt8Block& b) {
       const int mb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
       float out0[4], out1[4];
       switch (mb) {
-        case 4: dot_rows2<4, Rows::kHasMin, kOffset>(buf, second, b.x, m, out0, out1); break;
-        case 2: dot_rows2<2, Rows::kHasMin, kOffset>(buf, second, b.x, m, out0, out1); break;
-        default: dot_rows2<1, Rows::kHasMin, kOffset>(buf, second, b.x, m, out0, out1); break;
+        case 4: dot_rows2<4, Rows::kHasMin, Rows::kBlockMin, kOffset>(buf, second, b.x, m, out0, out1); break;
+        case 2: dot_rows2<2, Rows::kHasMin, Rows::kBlockMin, kOffset>(buf, second, b.x, m, out0, out1); break;
+        default: dot_rows2<1, Rows::kHasMin, Rows::kBlockMin, kOffset>(buf, second, b.x, m, out0, out1); break;
       }
       store_outputs(b, m, mb, n, out0);
       if (pair) store_outputs(b, m, mb, n + 1, out1);
@@ -310,8 +337,8 @@ void linear_rows(const QuantLinearInt8Block& b) {
 }  // namespace
 
 void quant_quantize_x_avx512vnni(const float* x, int64_t K, int offset, int64_t Kp, int8_t* q,
-                                 float* d, float* d_sum, int32_t* neg_offset_sum, int64_t m_begin,
-                                 int64_t m_end) {
+                                 float* d, float* d_sum, float* block_d_sum,
+                                 int32_t* neg_offset_sum, int64_t m_begin, int64_t m_end) {
   const __m512 zero = _mm512_setzero_ps(), lim = _mm512_set1_ps(127.0f);
   const __m512i ones = _mm512_set1_epi8(1), neg_offset = _mm512_set1_epi32(-offset);
   const int64_t lanes = Kp / 4;
@@ -343,6 +370,9 @@ void quant_quantize_x_avx512vnni(const float* x, int64_t K, int offset, int64_t 
       _mm512_storeu_ps(d + m * lanes + k / 4, dl);
       _mm512_storeu_ps(d_sum + m * lanes + k / 4, _mm512_mul_ps(dl, _mm512_cvtepi32_ps(sum4)));
       _mm512_storeu_si512(neg_offset_sum + m * lanes + k / 4, _mm512_mullo_epi32(sum4, neg_offset));
+      // Block sums (exact integers) times d: one rounding, as the portable quantizer.
+      block_d_sum[m * (Kp / 32) + k / 32] = dk[0] * static_cast<float>(_mm512_mask_reduce_add_epi32(0x00FF, sum4));
+      block_d_sum[m * (Kp / 32) + k / 32 + 1] = dk[1] * static_cast<float>(_mm512_mask_reduce_add_epi32(0xFF00, sum4));
     }
   }
 }

@@ -111,6 +111,7 @@ struct QuantizedX {
   const int8_t* q;          // [M, Kp] quants
   const float* d;           // [M, Kp / 4] the block's d of each lane
   const float* d_sum;       // [M, Kp / 4] d * (sum of the lane's 4 quants)
+  const float* block_d_sum; // [M, Kp / 32] d * (sum of the block's 32 quants)
   const int32_t* neg_offset_sum;  // [M, Kp / 4] -offset * (sum of the lane's 4 quants), see below
 };
 // The VNNI kernel multiplies unsigned weight bytes by signed quants (vpdpbusd): a format whose
@@ -147,7 +148,7 @@ void quant_linear_int8_avx512vnni(const QuantLinearInt8Block& blk);
 // Rows [m_begin, m_end) of x [M, K] fp32 quantized into QuantizedX's buffers (offset: the
 // format's int8_weight_offset). The portable version (quant.cpp) is the same bit for bit.
 void quant_quantize_x_avx512vnni(const float* x, int64_t K, int offset, int64_t Kp, int8_t* q,
-                                 float* d, float* d_sum, int32_t* neg_offset_sum, int64_t m_begin,
-                                 int64_t m_end);
+                                 float* d, float* d_sum, float* block_d_sum,
+                                 int32_t* neg_offset_sum, int64_t m_begin, int64_t m_end);
 
 }  // namespace specdec
