@@ -91,6 +91,7 @@ void quant_dequantize_row_portable(QuantFmt fmt, const uint8_t* row, int64_t K, 
 void quant_linear_avx512(const QuantLinearBlock& blk);
 void quant_dequantize_row_avx512(QuantFmt fmt, const uint8_t* row, int64_t K, float* out);
 // AVX2 + FMA + F16C: 8 lanes; up to 4 rows of x straight from registers, a buffered row past 4.
+// (FLOAT activations only: INT8 runs the portable kernel on AVX2 CPUs.)
 void quant_linear_avx2(const QuantLinearBlock& blk);
 void quant_dequantize_row_avx2(QuantFmt fmt, const uint8_t* row, int64_t K, float* out);
 
