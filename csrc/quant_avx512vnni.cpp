@@ -28,6 +28,15 @@ inline __m512 halves(float a, float b) {
   return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
 }
 
+// The fp16 pairs at a and b (d and m of two blocks) as fp32 lanes: [a0, a1, b0, b1] in the low
+// 128 bits; the per-lane picks below spread them over lanes 0-7 (block a) and 8-15 (block b).
+inline __m512 f16_pairs(const uint8_t* a, const uint8_t* b) {
+  int32_t va, vb;
+  std::memcpy(&va, a, 4);
+  std::memcpy(&vb, b, 4);
+  return _mm512_castps128_ps512(_mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(va), vb, 1)));
+}
+
 // A zero block stands in for the missing partner of the last block of an odd count of 32-weight
 // blocks: scale 0, and its weights meet the zero padding of x's quants.
 alignas(64) const uint8_t kZeroBlock[64] = {};
@@ -56,10 +65,15 @@ struct SmallBlocks {
   static constexpr bool kBlockMin = false;
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
+    const __m512i pick_d = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i pick_m = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
     for (int64_t k = 0; k < K; k += 64, p += 2 * kBytes) {
       const uint8_t* a = p;
       const uint8_t* b = k + 32 < K ? p + kBytes : kZeroBlock;
-      const __m512 scale = halves(load_f16(a), load_f16(b));
+      // d (and m) of both blocks in one conversion (Q8_0 / Q4_0 / Q5_0 read the next field's
+      // bytes as the unused half: every block is at least 18 bytes long).
+      const __m512 fields = f16_pairs(a, b);
+      const __m512 scale = _mm512_permutexvar_ps(pick_d, fields);
       __m512 mn = _mm512_setzero_ps();
       __m512i u;
       if (kFmt == QuantFmt::Q8_0) {
@@ -75,10 +89,10 @@ struct SmallBlocks {
         std::memcpy(&hb, b + qh_at, 4);
         const __mmask64 fifth = static_cast<__mmask64>(ha) | static_cast<__mmask64>(hb) << 32;
         u = _mm512_mask_add_epi8(u, fifth, u, _mm512_set1_epi8(16));
-        if (kFmt == QuantFmt::Q5_1) mn = halves(load_f16(a + 2), load_f16(b + 2));
+        if (kFmt == QuantFmt::Q5_1) mn = _mm512_permutexvar_ps(pick_m, fields);
       } else if (kFmt == QuantFmt::Q4_1) {
         u = nibbles2(a + 4, b + 4);
-        mn = halves(load_f16(a + 2), load_f16(b + 2));
+        mn = _mm512_permutexvar_ps(pick_m, fields);
       } else {
         u = nibbles2(a + 2, b + 2);
       }
