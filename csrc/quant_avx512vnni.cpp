@@ -1,7 +1,8 @@
 // AVX-512 VNNI kernel of quant_linear with INT8 activations (quant_isa.h has the definition).
 // Built with -mavx512vnni and called only when cpu_has_avx512_vnni(): an AVX-512 CPU without
-// VNNI (Skylake-X) never reaches this file. Each weight row is read once per group of 4 rows of
-// x; every 64 weights become 64 unsigned bytes (the stored quant, plus the format's offset for
+// VNNI (Skylake-X) never reaches this file. One row of x (decode): each weight row is decoded in
+// registers and consumed at once; several rows: weight rows are decoded in pairs into a per-thread
+// buffer and multiplied into 4 rows of x at a time. Every 64 weights become 64 unsigned bytes (the stored quant, plus the format's offset for
 // the signed ones), one vpdpbusd per row of x multiplies them into the row's 64 int8 quants
 // (16 int32 lanes of 4 products, started at -offset * the lane's quant sum, so each lane holds
 // its exact integer dot), and the lanes are scaled into fp32 lane accumulators. A (x row, weight
