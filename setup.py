@@ -1,6 +1,7 @@
 """Build of the `specdec_inductor._C` extension.
 
-ISA-specific translation units (`csrc/*_avx2.cpp`, `csrc/*_avx512.cpp`, `csrc/*_amx.cpp`) are compiled into
+ISA-specific translation units (`csrc/*_avx2.cpp`, `csrc/*_avx512.cpp`, `csrc/*_avx512vnni.cpp`,
+`csrc/*_amx.cpp`) are compiled into
 static libraries with their own flags and linked into one extension; the runtime picks a path
 from CPU feature detection (csrc/cpu_features.cpp). Nothing is built with `-march=native`.
 ISA translation units include no ATen headers: they expose plain functions over raw pointers,
@@ -23,6 +24,9 @@ ISA_FLAGS = {
                "-mf16c"],
     "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
             "-mf16c", "-mamx-tile", "-mamx-bf16"],
+    # Units called only after cpu_has_avx512_vnni() (AVX-512 CPUs without VNNI: Skylake-X).
+    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma",
+                   "-mf16c"],
 }
 
 

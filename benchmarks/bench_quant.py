@@ -4,6 +4,9 @@ Qwen2.5-1.5B (1536 / 8960 wide, 151936-row LM head) in Q4_K and Q6_K, SmolLM2-13
 prints the median time, the effective weight-read rate (the quantized bytes per call / time), its
 share of this process's measured memory read bandwidth, and the ratio to aten's F.linear on the
 dequantized fp32 weight (what the model would run without these kernels; 4-7x the bytes).
+Both activation modes run in the same rounds: FLOAT (exact fp32 products) and INT8 (x quantized
+to 8 bits per 32 values, integer dot products: the AVX-512 VNNI kernel where the CPU has VNNI);
+the INT8 columns give its rate and its speedup over FLOAT and over F.linear.
 
     python benchmarks/bench_quant.py [--rows 1,8,16] [--repeats 7] [--path avx512] [--no-head]
                                      [--threads 1]
@@ -23,13 +26,14 @@ import torch.nn.functional as F
 
 import specdec_inductor
 from specdec_inductor.ops import QuantFormat, quant_block, quant_dequantize, quant_linear
+from specdec_inductor.ops.quant import QuantActivation
 
 QWEN = [(1536, 1536), (8960, 1536), (1536, 8960), (151936, 1536)]  # (N, K)
 SMOL = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
 CASES = ([(f, n, k) for f in (QuantFormat.Q4_K, QuantFormat.Q6_K) for n, k in QWEN]
          + [(f, n, k) for f in (QuantFormat.Q4_1, QuantFormat.Q8_0) for n, k in SMOL])
 F16_FIELDS = {QuantFormat.Q4_1: [0, 2], QuantFormat.Q8_0: [0], QuantFormat.Q4_K: [0, 2],
-              QuantFormat.Q6_K: [208], QuantFormat.Q4_0: [0], QuantFormat.Q5_0: [0],
+              QuantFormat.Q6_K: [208], QuantFormat.Q4_0: [0], QuantFormat.Q5_0: [0], QuantFormat.Q5_1: [0, 2],
               QuantFormat.Q5_K: [0, 2]}
 
 
@@ -86,8 +90,10 @@ def main():
           f"torch threads {torch.get_num_threads()}, path {specdec_inductor.active_isa()} "
           f"(detected {specdec_inductor.detected_isa()}), torch {torch.__version__}")
     print(f"read bandwidth (torch.sum over 1 GiB): {bw:.1f} GB/s\n")
-    print(f"{'fmt':5} {'N':>6} {'K':>5} {'M':>3} | {'quant ms':>9} {'GB/s':>6} {'of bw':>6} | "
-          f"{'F.linear fp32 ms':>16} {'speedup':>7}")
+    print(f"{'':20} | {'FLOAT':^22} | {'INT8':^22} | {'':16} | {'speedup':^15}")
+    print(f"{'fmt':5} {'N':>6} {'K':>5} {'M':>3} | {'ms':>8} {'GB/s':>6} {'of bw':>6} | "
+          f"{'ms':>8} {'GB/s':>6} {'of bw':>6} | {'F.linear fp32 ms':>16} | "
+          f"{'FLOAT':>7} {'INT8':>7}")
     for fmt, n, k in CASES:
         if args.no_head and n > 40000:
             continue
@@ -95,11 +101,14 @@ def main():
         w_dq = quant_dequantize(w, fmt)  # [N, K] fp32
         for m in rows:
             x = torch.randn(m, k)  # [M, K]
-            t_q, t_ref = median_times([lambda: quant_linear(x, w, fmt), lambda: F.linear(x, w_dq)],
-                                      args.repeats)
-            gbs = w.numel() / t_q / 1e9
-            print(f"{fmt.name:5} {n:6d} {k:5d} {m:3d} | {t_q * 1e3:9.3f} {gbs:6.1f} {gbs / bw:6.2f} | "
-                  f"{t_ref * 1e3:16.3f} {t_ref / t_q:7.2f}")
+            t_q, t_8, t_ref = median_times(
+                [lambda: quant_linear(x, w, fmt),
+                 lambda: quant_linear(x, w, fmt, activation=QuantActivation.INT8),
+                 lambda: F.linear(x, w_dq)], args.repeats)
+            gbs, gbs8 = w.numel() / t_q / 1e9, w.numel() / t_8 / 1e9
+            print(f"{fmt.name:5} {n:6d} {k:5d} {m:3d} | {t_q * 1e3:8.3f} {gbs:6.1f} {gbs / bw:6.2f} | "
+                  f"{t_8 * 1e3:8.3f} {gbs8:6.1f} {gbs8 / bw:6.2f} | {t_ref * 1e3:16.3f} | "
+                  f"{t_ref / t_q:7.2f} {t_ref / t_8:7.2f}   INT8/FLOAT x{t_q / t_8:.2f}")
         del w, w_dq
 
 

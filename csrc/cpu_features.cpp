@@ -93,11 +93,27 @@ std::vector<PathCounter*>& counters() {
   return v;
 }
 
+bool detect_avx512_vnni() {
+#ifdef SPECDEC_X86
+  if (detect() < Isa::AVX512) return false;  // also covers the OS saving ZMM state
+  unsigned a, b, c, d;
+  __cpuid_count(7, 0, a, b, c, d);
+  return c & (1u << 11);  // avx512_vnni
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 Isa detected_isa() {
   static const Isa isa = detect();
   return isa;
+}
+
+bool cpu_has_avx512_vnni() {
+  static const bool vnni = detect_avx512_vnni();
+  return vnni;
 }
 
 bool isa_built(Isa isa) {

@@ -30,6 +30,10 @@ Isa best_supported_isa();
 Isa active_isa();
 // Force a path at run time (tests, benchmarks). Throws if unsupported here.
 void set_active_isa(Isa isa);
+// Whether the CPU and OS run AVX-512 VNNI (vpdpbusd) next to the AVX512 path's features. Not a
+// path of its own: a kernel with a VNNI variant (quant_linear's INT8 activations) asks this as
+// well as active_isa() >= AVX512 and whether its VNNI unit was built (SPECDEC_BUILT_AVX512VNNI).
+bool cpu_has_avx512_vnni();
 
 // Counters of kernel invocations per op and path ("<op>:<path>" in kernel_path_counts()), so
 // tests can assert which path really ran. One relaxed atomic add per kernel call.

@@ -7,10 +7,16 @@
 // is AVX2, portable otherwise. Output features are split across threads in blocks of rows: one
 // parallel region per call. Batch invariance: a row of quant_linear's output is bitwise the same
 // whatever the number of rows of x and wherever the row sits (see QuantLinearBlock).
+// INT8 activations (activation = 1; definition in quant_isa.h): x is quantized once per call
+// into per-call buffers, then the AVX-512 VNNI kernel (quant_avx512vnni.cpp) runs when
+// active_isa() >= AVX512 and the CPU has AVX-512 VNNI (recorded as "quant_linear_int8:avx512"),
+// the portable one otherwise ("quant_linear_int8:portable"; no AVX2 INT8 kernel yet).
 #include <torch/extension.h>
 
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -59,6 +65,19 @@ void quant_dequantize_row_portable(QuantFmt fmt, const uint8_t* p, int64_t K, fl
           const int hi = (p[6 + j] >> 4) | static_cast<int>((qh >> (j + 16)) & 1) << 4;
           out[k + j] = d * static_cast<float>(lo - 16);
           out[k + j + 16] = d * static_cast<float>(hi - 16);
+        }
+      }
+      break;
+    case QuantFmt::Q5_1:
+      for (int64_t k = 0; k < K; k += 32, p += 24) {
+        const float d = load_f16(p), m = load_f16(p + 2);
+        uint32_t qh;
+        std::memcpy(&qh, p + 4, 4);
+        for (int j = 0; j < 16; ++j) {
+          const int lo = (p[8 + j] & 15) | static_cast<int>((qh >> j) & 1) << 4;
+          const int hi = (p[8 + j] >> 4) | static_cast<int>((qh >> (j + 16)) & 1) << 4;
+          out[k + j] = d * static_cast<float>(lo) + m;
+          out[k + j + 16] = d * static_cast<float>(hi) + m;
         }
       }
       break;
@@ -124,7 +143,144 @@ void quant_linear_portable(const QuantLinearBlock& b) {
   }
 }
 
+// The integer form of a weight row (quant_isa.h, INT8 activations): w[k] = scale[k / 16] * wq[k]
+// + mn[k / 32], every value exact.
+void int8_parts_portable(QuantFmt fmt, const uint8_t* p, int64_t K, int32_t* wq, float* scale,
+                         float* mn) {
+  for (int64_t b = 0; b < K / 32; ++b) mn[b] = 0.0f;
+  switch (fmt) {
+    case QuantFmt::Q4_0:
+    case QuantFmt::Q4_1:
+    case QuantFmt::Q5_0:
+    case QuantFmt::Q5_1:
+    case QuantFmt::Q8_0: {
+      QuantFormatInfo info{};
+      quant_format_info(static_cast<int>(fmt), &info);
+      const int64_t nbytes = info.block_bytes;
+      for (int64_t k = 0; k < K; k += 32, p += nbytes) {
+        const float d = load_f16(p);
+        scale[k / 16] = scale[k / 16 + 1] = d;
+        for (int j = 0; j < 32; ++j) {
+          int q;
+          if (fmt == QuantFmt::Q8_0) {
+            q = static_cast<int8_t>(p[2 + j]);
+          } else {
+            const uint8_t* qs = p + (fmt == QuantFmt::Q4_0 ? 2 : fmt == QuantFmt::Q4_1 ? 4
+                                     : fmt == QuantFmt::Q5_0 ? 6 : 8);
+            q = (qs[j % 16] >> (4 * (j / 16))) & 15;
+            if (fmt == QuantFmt::Q4_0) q -= 8;
+            if (fmt == QuantFmt::Q5_0 || fmt == QuantFmt::Q5_1) {
+              uint32_t qh;
+              std::memcpy(&qh, p + (fmt == QuantFmt::Q5_0 ? 2 : 4), 4);
+              q |= static_cast<int>((qh >> j) & 1) << 4;
+              if (fmt == QuantFmt::Q5_0) q -= 16;
+            }
+          }
+          wq[k + j] = q;
+        }
+        if (fmt == QuantFmt::Q4_1 || fmt == QuantFmt::Q5_1) mn[k / 32] = load_f16(p + 2);
+      }
+      break;
+    }
+    case QuantFmt::Q4_K:
+    case QuantFmt::Q5_K: {
+      const bool fifth = fmt == QuantFmt::Q5_K;
+      for (int64_t k = 0; k < K; k += 256, p += fifth ? 176 : 144) {
+        const float d = load_f16(p), dmin = load_f16(p + 2);
+        const uint8_t* qh = p + 16;
+        const uint8_t* qs = p + (fifth ? 48 : 16);
+        for (int s = 0; s < 8; ++s) {
+          int sc, m;
+          k_scale_min(p + 4, s, &sc, &m);
+          scale[(k + 32 * s) / 16] = scale[(k + 32 * s) / 16 + 1] = d * static_cast<float>(sc);
+          mn[(k + 32 * s) / 32] = -(dmin * static_cast<float>(m));
+          for (int l = 0; l < 32; ++l) {
+            int q = (qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 15;
+            if (fifth) q |= ((qh[l] >> s) & 1) << 4;
+            wq[k + 32 * s + l] = q;
+          }
+        }
+      }
+      break;
+    }
+    case QuantFmt::Q6_K:
+      for (int64_t k = 0; k < K; k += 256, p += 210) {
+        const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+        const float d = load_f16(p + 208);
+        for (int i = 0; i < 16; ++i) scale[k / 16 + i] = d * static_cast<float>(sc[i]);
+        for (int g = 0; g < 8; ++g) {
+          const int h = g / 4, t = g % 4;
+          for (int l = 0; l < 32; ++l) {
+            const int lo = (p[64 * h + 32 * (t % 2) + l] >> (4 * (t / 2))) & 15;
+            const int hi = (p[128 + 32 * h + l] >> (2 * t)) & 3;
+            wq[k + 32 * g + l] = (lo | hi << 4) - 32;
+          }
+        }
+      }
+      break;
+  }
+}
+
+void quant_linear_int8_portable(const QuantLinearInt8Block& b) {
+  const int64_t K = b.x.K, lanes = b.x.Kp / 4;
+  thread_local std::vector<int32_t> wq;
+  thread_local std::vector<float> scale, mn;
+  wq.resize(static_cast<size_t>(K));
+  scale.resize(static_cast<size_t>(K / 16));
+  mn.resize(static_cast<size_t>(K / 32));
+  for (int64_t n = b.n_begin; n < b.n_end; ++n) {
+    int8_parts_portable(b.fmt, b.w + n * b.w_stride, K, wq.data(), scale.data(), mn.data());
+    for (int64_t m = 0; m < b.x.M; ++m) {
+      const int8_t* q = b.x.q + m * b.x.Kp;
+      const float* d = b.x.d + m * lanes;
+      double acc = 0.0;
+      for (int64_t k = 0; k < K; k += 32) {
+        const double dx = d[k / 4];
+        int32_t dot0 = 0, dot1 = 0, sum = 0;
+        for (int j = 0; j < 16; ++j) dot0 += wq[k + j] * q[k + j];
+        for (int j = 16; j < 32; ++j) dot1 += wq[k + j] * q[k + j];
+        for (int j = 0; j < 32; ++j) sum += q[k + j];
+        acc += static_cast<double>(scale[k / 16]) * dx * dot0;
+        acc += static_cast<double>(scale[k / 16 + 1]) * dx * dot1;
+        acc += static_cast<double>(mn[k / 32]) * dx * sum;
+      }
+      if (b.bias) acc += b.bias[n];
+      b.y[m * b.y_stride + n] = static_cast<float>(acc);
+    }
+  }
+}
+
 namespace {
+
+// Rows [m_begin, m_end) of x [M, K] fp32 quantized into X's buffers (quant_isa.h's definition;
+// the reference, quant_linear_ref(activation=INT8), rounds the same way).
+void quantize_x_rows(const float* x, int64_t K, int offset, int64_t Kp, int8_t* q, float* d,
+                     float* d_sum, float* block_d_sum, int32_t* neg_offset_sum, int64_t m_begin,
+                     int64_t m_end) {
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    const float* xm = x + m * K;
+    int8_t* qm = q + m * Kp;
+    for (int64_t k = 0; k < Kp; k += 32) {
+      float amax = 0.0f;
+      if (k < K) for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xm[k + j]));
+      const float dk = amax / 127.0f;
+      for (int j = 0; j < 32; ++j) {
+        float v = 0.0f;
+        if (k < K && dk != 0.0f) v = std::min(127.0f, std::max(-127.0f, std::nearbyint(xm[k + j] / dk)));
+        qm[k + j] = static_cast<int8_t>(v);
+      }
+      int32_t block_sum = 0;
+      for (int j = 0; j < 32; ++j) block_sum += qm[k + j];
+      block_d_sum[m * (Kp / 32) + k / 32] = dk * static_cast<float>(block_sum);
+      for (int64_t l = k / 4; l < (k + 32) / 4; ++l) {
+        const int32_t s = qm[4 * l] + qm[4 * l + 1] + qm[4 * l + 2] + qm[4 * l + 3];
+        d[m * (Kp / 4) + l] = dk;
+        d_sum[m * (Kp / 4) + l] = dk * static_cast<float>(s);
+        neg_offset_sum[m * (Kp / 4) + l] = -offset * s;
+      }
+    }
+  }
+}
 
 Isa quant_path() {
 #ifdef SPECDEC_BUILT_AVX512
@@ -153,7 +309,7 @@ QuantFormatInfo check_fmt(int64_t fmt) {
   QuantFormatInfo info{};
   TORCH_CHECK_VALUE(fmt >= 0 && fmt < 64 && quant_format_info(static_cast<int>(fmt), &info),
                     "argument 'fmt' must be a supported ggml type id (Q4_0=2, Q4_1=3, Q5_0=6, "
-                    "Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14), got ", fmt);
+                    "Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14), got ", fmt);
   return info;
 }
 
@@ -184,9 +340,63 @@ int64_t row_grain(int64_t item_bytes, int64_t M) {
   return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, item_bytes * std::max<int64_t>(1, M)));
 }
 
+// y [M, N] = x2 [M, K] W^T + bias with INT8 activations (quant_isa.h). Returns the path that ran.
+Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fmt,
+                      const float* bias, at::Tensor& y, int64_t row_bytes) {
+  const int64_t M = x2.size(0), K = x2.size(1), N = weight.size(0);
+  const int64_t Kp = (K + 63) / 64 * 64;
+  const int offset = int8_weight_offset(static_cast<QuantFmt>(fmt));
+  at::Tensor q = at::empty({M, Kp}, x2.options().dtype(at::kChar));              // [M, Kp]
+  at::Tensor d = at::empty({M, Kp / 4}, x2.options());                           // [M, Kp/4]
+  at::Tensor d_sum = at::empty({M, Kp / 4}, x2.options());                       // [M, Kp/4]
+  at::Tensor block_d_sum = at::empty({M, Kp / 32}, x2.options());                // [M, Kp/32]
+  at::Tensor neg_offset_sum = at::empty({M, Kp / 4}, x2.options().dtype(at::kInt));  // [M, Kp/4]
+  Isa isa = Isa::PORTABLE;
+#ifdef SPECDEC_BUILT_AVX512VNNI
+  if (active_isa() >= Isa::AVX512 && cpu_has_avx512_vnni()) isa = Isa::AVX512;
+#endif
+  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 16) / K), [&](int64_t begin, int64_t end) {
+#ifdef SPECDEC_BUILT_AVX512VNNI
+    if (isa == Isa::AVX512) {
+      quant_quantize_x_avx512vnni(x2.const_data_ptr<float>(), K, offset, Kp, q.data_ptr<int8_t>(),
+                                  d.data_ptr<float>(), d_sum.data_ptr<float>(),
+                                  block_d_sum.data_ptr<float>(), neg_offset_sum.data_ptr<int32_t>(),
+                                  begin, end);
+      return;
+    }
+#endif
+    quantize_x_rows(x2.const_data_ptr<float>(), K, offset, Kp, q.data_ptr<int8_t>(),
+                    d.data_ptr<float>(), d_sum.data_ptr<float>(), block_d_sum.data_ptr<float>(),
+                    neg_offset_sum.data_ptr<int32_t>(), begin, end);
+  });
+  const QuantLinearInt8Block blk{
+      static_cast<QuantFmt>(fmt),
+      {M, K, Kp, q.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), d_sum.const_data_ptr<float>(),
+       block_d_sum.const_data_ptr<float>(), neg_offset_sum.const_data_ptr<int32_t>()},
+      static_cast<const uint8_t*>(weight.const_data_ptr()), weight.stride(0), bias,
+      y.data_ptr<float>(), N, 0, 0};
+  constexpr int64_t kRowBlock = 8;
+  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, blocks, row_grain(kRowBlock * row_bytes, M), [&](int64_t begin, int64_t end) {
+    QuantLinearInt8Block part = blk;
+    part.n_begin = begin * kRowBlock;
+    part.n_end = std::min(N, end * kRowBlock);
+#ifdef SPECDEC_BUILT_AVX512VNNI
+    if (isa == Isa::AVX512) {
+      quant_linear_int8_avx512vnni(part);
+      return;
+    }
+#endif
+    quant_linear_int8_portable(part);
+  });
+  return isa;
+}
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fmt,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias, int64_t activation) {
   const QuantFormatInfo info = check_fmt(fmt);
+  TORCH_CHECK_VALUE(activation == 0 || activation == 1, "argument 'activation' must be a "
+                    "QuantActivation (FLOAT=0, INT8=1), got ", activation);
   check_cpu(x, "x");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                    "argument 'x' must be float32 or bfloat16, got ", x.scalar_type());
@@ -219,6 +429,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t f
     if (K == 0) {
       if (b32.defined()) y.copy_(b32.unsqueeze(0).expand({rows, N}));
       else y.zero_();
+    } else if (activation == 1) {
+      SPECDEC_RECORD_PATH("quant_linear_int8",
+                          quant_linear_int8(x2, weight, fmt, b32.defined() ? b32.const_data_ptr<float>() : nullptr,
+                                            y, row_bytes));
     } else {
       const Isa isa = quant_path();
       QuantLinearBlock blk{static_cast<QuantFmt>(fmt), rows, K, x2.const_data_ptr<float>(), K,
@@ -310,7 +524,7 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& weight, int6
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
-  m.def("quant_linear(Tensor x, Tensor weight, int fmt, Tensor? bias=None) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor weight, int fmt, Tensor? bias=None, int activation=0) -> Tensor");
   m.def("quant_embedding(Tensor ids, Tensor weight, int fmt, ScalarType? dtype=None) -> Tensor");
   m.def("quant_dequantize(Tensor weight, int fmt) -> Tensor");
 }

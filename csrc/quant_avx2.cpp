@@ -87,6 +87,26 @@ struct Q5_0Rows {
   }
 };
 
+// Q5_1: d * q + m with the fifth bit; d * q exact, so the fused multiply-add rounds once.
+struct Q5_1Rows {
+  template <class F>
+  static void row(const uint8_t* p, int64_t K, F&& f) {
+    const __m256i nib = _mm256_set1_epi32(15);
+    for (int64_t k = 0; k < K; k += 32, p += 24) {
+      const __m256 d = _mm256_set1_ps(load_f16(p)), m = _mm256_set1_ps(load_f16(p + 2));
+      uint32_t qh;
+      std::memcpy(&qh, p + 4, 4);
+      const __m256i a = bytes8(p + 8), b = bytes8(p + 16);
+      auto w = [&](__m256i q, int first) {
+        q = _mm256_or_si256(q, fifth_bits(qh >> first));
+        return _mm256_fmadd_ps(to_f32(q), d, m);
+      };
+      f(k, w(_mm256_and_si256(a, nib), 0), w(_mm256_and_si256(b, nib), 8),
+        w(_mm256_srli_epi32(a, 4), 16), w(_mm256_srli_epi32(b, 4), 24));
+    }
+  }
+};
+
 struct Q8_0Rows {
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
@@ -261,6 +281,7 @@ void quant_linear_avx2(const QuantLinearBlock& b) {
     case QuantFmt::Q4_0: linear_rows<Q4_0Rows>(b); break;
     case QuantFmt::Q4_1: linear_rows<Q4_1Rows>(b); break;
     case QuantFmt::Q5_0: linear_rows<Q5_0Rows>(b); break;
+    case QuantFmt::Q5_1: linear_rows<Q5_1Rows>(b); break;
     case QuantFmt::Q8_0: linear_rows<Q8_0Rows>(b); break;
     case QuantFmt::Q4_K: linear_rows<QK45Rows<false>>(b); break;
     case QuantFmt::Q5_K: linear_rows<QK45Rows<true>>(b); break;
@@ -273,6 +294,7 @@ void quant_dequantize_row_avx2(QuantFmt fmt, const uint8_t* row, int64_t K, floa
     case QuantFmt::Q4_0: dequantize_row<Q4_0Rows>(row, K, out); break;
     case QuantFmt::Q4_1: dequantize_row<Q4_1Rows>(row, K, out); break;
     case QuantFmt::Q5_0: dequantize_row<Q5_0Rows>(row, K, out); break;
+    case QuantFmt::Q5_1: dequantize_row<Q5_1Rows>(row, K, out); break;
     case QuantFmt::Q8_0: dequantize_row<Q8_0Rows>(row, K, out); break;
     case QuantFmt::Q4_K: dequantize_row<QK45Rows<false>>(row, K, out); break;
     case QuantFmt::Q5_K: dequantize_row<QK45Rows<true>>(row, K, out); break;

@@ -85,6 +85,26 @@ struct Q5_0Rows {
   }
 };
 
+// Q5_1: as Q5_0 with the table d * q + m (d * q exact: one rounding, as the file's fp32).
+struct Q5_1Rows {
+  template <class F>
+  static void row(const uint8_t* p, int64_t K, F&& f) {
+    const __m512i nib = _mm512_set1_epi32(15), sixteen = _mm512_set1_epi32(16);
+    const __m512 low = iota16(), high = _mm512_add_ps(iota16(), _mm512_set1_ps(16.0f));
+    for (int64_t k = 0; k < K; k += 32, p += 24) {
+      const __m512 d = _mm512_set1_ps(load_f16(p)), m = _mm512_set1_ps(load_f16(p + 2));
+      const __m512 t0 = _mm512_fmadd_ps(low, d, m), t1 = _mm512_fmadd_ps(high, d, m);
+      uint32_t qh;
+      std::memcpy(&qh, p + 4, 4);
+      const __m512i v = bytes16(p + 8);
+      __m512i ql = _mm512_and_si512(v, nib), qhi = _mm512_srli_epi32(v, 4);
+      ql = _mm512_mask_or_epi32(ql, static_cast<__mmask16>(qh), ql, sixteen);
+      qhi = _mm512_mask_or_epi32(qhi, static_cast<__mmask16>(qh >> 16), qhi, sixteen);
+      f(k, _mm512_permutex2var_ps(t0, ql, t1), _mm512_permutex2var_ps(t0, qhi, t1));
+    }
+  }
+};
+
 struct Q8_0Rows {
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
@@ -311,6 +331,7 @@ void quant_linear_avx512(const QuantLinearBlock& b) {
     case QuantFmt::Q4_0: linear_rows<Q4_0Rows>(b); break;
     case QuantFmt::Q4_1: linear_rows<Q4_1Rows>(b); break;
     case QuantFmt::Q5_0: linear_rows<Q5_0Rows>(b); break;
+    case QuantFmt::Q5_1: linear_rows<Q5_1Rows>(b); break;
     case QuantFmt::Q8_0: linear_rows<Q8_0Rows>(b); break;
     case QuantFmt::Q4_K: linear_rows<QK45Rows<false>>(b); break;
     case QuantFmt::Q5_K: linear_rows<QK45Rows<true>>(b); break;
@@ -323,6 +344,7 @@ void quant_dequantize_row_avx512(QuantFmt fmt, const uint8_t* row, int64_t K, fl
     case QuantFmt::Q4_0: dequantize_row<Q4_0Rows>(row, K, out); break;
     case QuantFmt::Q4_1: dequantize_row<Q4_1Rows>(row, K, out); break;
     case QuantFmt::Q5_0: dequantize_row<Q5_0Rows>(row, K, out); break;
+    case QuantFmt::Q5_1: dequantize_row<Q5_1Rows>(row, K, out); break;
     case QuantFmt::Q8_0: dequantize_row<Q8_0Rows>(row, K, out); break;
     case QuantFmt::Q4_K: dequantize_row<QK45Rows<false>>(row, K, out); break;
     case QuantFmt::Q5_K: dequantize_row<QK45Rows<true>>(row, K, out); break;

@@ -8,13 +8,14 @@
 namespace specdec {
 
 // ggml type ids (gguf.GGMLQuantizationType) of the supported block formats.
-enum class QuantFmt : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum class QuantFmt : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 // Block layouts, byte offsets as stored in a GGUF file (little-endian, no padding, blocks packed
 // back to back with no alignment: every field is read with unaligned loads / memcpy).
 //   Q4_0 (32 weights, 18 B): f16 d | u8 qs[16]             w[j] = d * ((qs[j%16] >> 4*(j/16) & 15) - 8)
 //   Q4_1 (32 weights, 20 B): f16 d | f16 m | u8 qs[16]     w[j] = d * (nibble j) + m
 //   Q5_0 (32 weights, 22 B): f16 d | u32 qh | u8 qs[16]    w[j] = d * ((nibble j | bit j of qh << 4) - 16)
+//   Q5_1 (32 weights, 24 B): f16 d | f16 m | u32 qh | u8 qs[16]   w[j] = d * (nibble j | bit j of qh << 4) + m
 //   Q8_0 (32 weights, 34 B): f16 d | i8 qs[32]             w[j] = d * qs[j]
 //   Q4_K (256, 144 B): f16 d | f16 dmin | u8 scales[12] (8 6-bit scales + 8 6-bit mins) | u8 qs[128]
 //     sub-block s (32 weights): w = (d * sc[s]) * q - dmin * mn[s]; q = nibble (s % 2) of
@@ -40,6 +41,7 @@ inline bool quant_format_info(int fmt, QuantFormatInfo* info) {
     case QuantFmt::Q4_0: *info = {32, 18}; return true;
     case QuantFmt::Q4_1: *info = {32, 20}; return true;
     case QuantFmt::Q5_0: *info = {32, 22}; return true;
+    case QuantFmt::Q5_1: *info = {32, 24}; return true;
     case QuantFmt::Q8_0: *info = {32, 34}; return true;
     case QuantFmt::Q4_K: *info = {256, 144}; return true;
     case QuantFmt::Q5_K: *info = {256, 176}; return true;
@@ -89,7 +91,65 @@ void quant_dequantize_row_portable(QuantFmt fmt, const uint8_t* row, int64_t K, 
 void quant_linear_avx512(const QuantLinearBlock& blk);
 void quant_dequantize_row_avx512(QuantFmt fmt, const uint8_t* row, int64_t K, float* out);
 // AVX2 + FMA + F16C: 8 lanes; up to 4 rows of x straight from registers, a buffered row past 4.
+// (FLOAT activations only: INT8 runs the portable kernel on AVX2 CPUs.)
 void quant_linear_avx2(const QuantLinearBlock& blk);
 void quant_dequantize_row_avx2(QuantFmt fmt, const uint8_t* row, int64_t K, float* out);
+
+// INT8 activations (QuantActivation.INT8 in ops/quant.py). Each row of x is cut into blocks of
+// 32 along K; block b has d[b] = max|x| / 127 (fp32 division; 0 for an all-zero block) and
+// q[k] = round-half-to-even(x[k] / d[b]) (fp32 division; 0 when d[b] == 0), clamped to
+// [-127, 127]. The weight row is read as w[k] = scale[k / 16] * wq[k] + min[k / 32] with integer
+// quants wq (q - 8 for Q4_0, q - 16 for Q5_0, q for Q4_1 / Q5_1 / Q8_0 / Q4_K / Q5_K, q - 32 for
+// Q6_K) and exact fp32 scales (d, d * sc) and mins (m for Q4_1 / Q5_1, -dmin * mn for Q4_K /
+// Q5_K, 0 else):
+//   y[m, n] = sum_g scale[g] * d[g / 2] * (sum_{k in 16-group g} wq[k] q[k])
+//           + sum_b min[b] * d[b] * (sum_{k in block b} q[k])   (+ bias[n]),
+// the integer dots exact, the rest in fp32 in a fixed order per (x row, weight row) pair.
+// The quantized rows of x, padded with zeros to Kp = K rounded up to 64 (64 quants per VNNI
+// step; "lane" = 4 consecutive quants, one int32 lane of vpdpbusd):
+struct QuantizedX {
+  int64_t M, K, Kp;
+  const int8_t* q;          // [M, Kp] quants
+  const float* d;           // [M, Kp / 4] the block's d of each lane
+  const float* d_sum;       // [M, Kp / 4] d * (sum of the lane's 4 quants)
+  const float* block_d_sum; // [M, Kp / 32] d * (sum of the block's 32 quants)
+  const int32_t* neg_offset_sum;  // [M, Kp / 4] -offset * (sum of the lane's 4 quants), see below
+};
+// The VNNI kernel multiplies unsigned weight bytes by signed quants (vpdpbusd): a format whose
+// integer quant is wq = u - offset (u the unsigned stored value) starts each lane's integer dot
+// at -offset * (sum of the lane's quants), so the lane holds sum wq * q exactly. (Anonymous
+// namespace: see above.)
+namespace {
+inline int int8_weight_offset(QuantFmt fmt) {
+  switch (fmt) {
+    case QuantFmt::Q4_0: return 8;
+    case QuantFmt::Q5_0: return 16;
+    case QuantFmt::Q8_0: return 128;  // stored signed; u = wq + 128 (sign bit flipped)
+    case QuantFmt::Q6_K: return 32;
+    default: return 0;
+  }
+}
+}  // namespace
+// One block of output features [n_begin, n_end) for all M rows (bias as QuantLinearBlock).
+struct QuantLinearInt8Block {
+  QuantFmt fmt;
+  QuantizedX x;
+  const uint8_t* w;
+  int64_t w_stride;
+  const float* bias;
+  float* y;
+  int64_t y_stride;
+  int64_t n_begin, n_end;
+};
+// Portable: integer dots in int32, the sum in double (the correctness path).
+void quant_linear_int8_portable(const QuantLinearInt8Block& blk);
+// AVX-512 VNNI (+ F/BW/VL/DQ): 64 weights per vpdpbusd step, fp32 lane accumulators, up to 4
+// rows of x per pass over a weight row. Called only when cpu_has_avx512_vnni().
+void quant_linear_int8_avx512vnni(const QuantLinearInt8Block& blk);
+// Rows [m_begin, m_end) of x [M, K] fp32 quantized into QuantizedX's buffers (offset: the
+// format's int8_weight_offset). The portable version (quant.cpp) is the same bit for bit.
+void quant_quantize_x_avx512vnni(const float* x, int64_t K, int offset, int64_t Kp, int8_t* q,
+                                 float* d, float* d_sum, float* block_d_sum,
+                                 int32_t* neg_offset_sum, int64_t m_begin, int64_t m_end);
 
 }  // namespace specdec

@@ -1,5 +1,5 @@
 """Quantized-weight ops (csrc/quant.cpp) on every runnable ISA path: exact dequantization against
-the gguf package (bitwise, all 7 formats, extreme fp16 scales), quant_linear against an fp64
+the gguf package (bitwise, all 8 formats, extreme fp16 scales), quant_linear against an fp64
 reference by the 2x rule, batch invariance (a row alone == the same row inside M = 8/16/64
 batches, bitwise), quant_embedding, bad inputs, read-only weights, opcheck, eager == compiled."""
 import os
@@ -16,18 +16,37 @@ from torch.library import opcheck
 import specdec_inductor
 from specdec_inductor.ops import (QuantFormat, quant_block, quant_dequantize, quant_embedding,
                                   quant_linear, quant_row_bytes)
+from specdec_inductor.ops.quant import QuantActivation
 from specdec_inductor.ops.reference import (quant_dequantize_ref, quant_embedding_ref,
-                                            quant_linear_ref)
+                                            quant_linear_int8_terms_ref, quant_linear_ref)
 
 PATHS = specdec_inductor.runnable_isas()
 FORMATS = list(QuantFormat)
 # Byte offsets of each format's fp16 fields (d, and m / dmin) inside a block.
 F16_FIELDS = {
-    QuantFormat.Q4_0: [0], QuantFormat.Q4_1: [0, 2], QuantFormat.Q5_0: [0], QuantFormat.Q8_0: [0],
+    QuantFormat.Q4_0: [0], QuantFormat.Q4_1: [0, 2], QuantFormat.Q5_0: [0], QuantFormat.Q5_1: [0, 2],
+    QuantFormat.Q8_0: [0],
     QuantFormat.Q4_K: [0, 2], QuantFormat.Q5_K: [0, 2], QuantFormat.Q6_K: [208],
 }
 # fp16 values at the edges: largest finite, smallest subnormal, smallest normal, signed zeros.
 EXTREME_F16 = [65504.0, -65504.0, 2.0 ** -24, -(2.0 ** -24), 2.0 ** -14, 0.0, -0.0, 1.0, -3.5]
+
+
+def _cpu_has_vnni():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512_vnni" in f.read()
+    except OSError:
+        return False
+
+
+VNNI = _cpu_has_vnni()
+
+
+def int8_kernel_of(path):
+    """INT8 activations run the AVX-512 VNNI kernel on an AVX-512 path of a VNNI CPU (recorded
+    as 'avx512'), the portable kernel everywhere else."""
+    return "avx512" if kernel_of(path) == "avx512" and VNNI else "portable"
 
 
 def kernel_of(path):
@@ -236,6 +255,8 @@ _X = torch.randn(2, 64)
     (lambda: quant_linear(_X[:, :48], _W[:, :27], QuantFormat.Q4_0), "'x'"),  # K % 32 != 0
     (lambda: quant_linear(torch.randn(2, 256), _W, QuantFormat.Q4_K), "'weight'"),
     (lambda: quant_linear(_X, _W, 5), "'fmt'"),
+    (lambda: quant_linear(_X, _W, QuantFormat.Q4_0, activation=2), "'activation'"),
+    (lambda: torch.ops.specdec.quant_linear(_X, _W, int(QuantFormat.Q4_0), None, 2), "'activation'"),
     (lambda: torch.ops.specdec.quant_linear(_X, _W, 99), "'fmt'"),
     (lambda: torch.ops.specdec.quant_linear(_X, _W, -1), "'fmt'"),
     (lambda: quant_linear(_X, _W, QuantFormat.Q4_0, torch.randn(5)), "'bias'"),
@@ -268,6 +289,9 @@ def _samples():
             (x.bfloat16(), w, int(fmt), torch.randn(12, generator=gen).bfloat16()),
             (torch.randn(k, 4, generator=gen).t(), w, int(fmt), torch.randn(12, generator=gen)),
             (torch.randn(2, 5, k, generator=gen)[:, 1:4], w[2:9], int(fmt), None),  # sliced
+            (x, w, int(fmt), None, int(QuantActivation.INT8)),
+            (torch.randn(k, 4, generator=gen).t().bfloat16(), w, int(fmt),
+             torch.randn(12, generator=gen).bfloat16(), int(QuantActivation.INT8)),
         ]
     return out
 
@@ -301,7 +325,8 @@ class _QuantModel(torch.nn.Module):
         h = quant_embedding(ids, self.emb, QuantFormat.Q8_0)  # [B, T, 256]
         u = quant_linear(h, self.up, QuantFormat.Q4_K)  # [B, T, 40]
         d = quant_linear(h.bfloat16(), self.down, QuantFormat.Q6_K, self.bias)  # [B, T, 64]
-        return h, u, d
+        u8 = quant_linear(h, self.up, QuantFormat.Q4_K, activation=QuantActivation.INT8)  # [B, T, 40]
+        return h, u, d, u8
 
 
 def test_eager_equals_compiled(monkeypatch, tmp_path):
@@ -317,17 +342,99 @@ def test_eager_equals_compiled(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_threads_do_not_change_the_result(path):
+@pytest.mark.parametrize("activation", list(QuantActivation))
+def test_threads_do_not_change_the_result(path, activation):
     """Threads split the output features, never a sum: 1 thread == all threads, bitwise."""
     fmt = QuantFormat.Q6_K
     w = random_weight(fmt, 1001, 512, seed=31)  # enough rows to fan out
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(31))
     threads = torch.get_num_threads()
     with specdec_inductor.forced_isa(path):
-        many = quant_linear(x, w, fmt)
+        many = quant_linear(x, w, fmt, activation=activation)
         torch.set_num_threads(1)
         try:
-            one = quant_linear(x, w, fmt)
+            one = quant_linear(x, w, fmt, activation=activation)
         finally:
             torch.set_num_threads(threads)
     assert torch.equal(one, many)
+
+
+# --- INT8 activations ------------------------------------------------------------------------
+
+
+def _int8_x(m, k, gen, dtype):
+    """x [M, K] with the INT8 edge cases in row 0: an all-zero block and a block whose quants are
+    exact halves (max 127 -> d = 1: 2.5 -> 2, -3.5 -> -4, 0.5 -> 0, half to even)."""
+    x = torch.randn(m, k, generator=gen)
+    x[0, :32] = 0.0
+    if k >= 64:
+        x[0, 32:64] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5] * 4)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 64])
+def test_int8_linear_matches_reference(fmt, dtype, path, m):
+    """Against the fp64 value of the INT8 definition (exact integer dots): the only error allowed
+    is fp32 rounding, bounded by 2 * (K/64 + 8) * 2^-24 * (sum of |terms|) -- K/64 fused
+    multiply-adds per lane, the scale products, the 16-lane reduction and the bias -- plus the
+    final bf16 rounding (2^-8 relative) for bf16 x. An odd number of 32-weight blocks (K = 96)
+    exercises the unpaired last block."""
+    size = quant_block(fmt)[0]
+    k = 3 * 32 if size == 32 else 2 * 256
+    n = 11
+    bias = m % 2 == 1
+    seed = int(fmt) * 1000 + m
+    gen = torch.Generator().manual_seed(seed)
+    w = random_weight(fmt, n, k, seed)  # [N, row_bytes]
+    x = _int8_x(m, k, gen, dtype)  # [M, K]
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None  # [N]
+    specdec_inductor.reset_kernel_path_counts()
+    with specdec_inductor.forced_isa(path):
+        out = quant_linear(x, w, fmt, b, activation=QuantActivation.INT8)
+    assert specdec_inductor.kernel_path_counts() == {f"quant_linear_int8:{int8_kernel_of(path)}": 1}
+    assert out.dtype == dtype and out.shape == (m, n)
+    ref, magnitude = quant_linear_int8_terms_ref(x, w, fmt, b)  # [M, N] each, fp64
+    bound = 2 * (k / 64 + 8) * 2.0 ** -24 * magnitude
+    if dtype == torch.bfloat16:
+        bound = bound + 2.0 ** -8 * ref.abs()
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), (err - bound).max()
+    # The public reference agrees, and INT8 is a close approximation of FLOAT.
+    torch.testing.assert_close(out, quant_linear_ref(x, w, fmt, b, activation=QuantActivation.INT8),
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-5 * magnitude.max().item())
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int8_linear_is_batch_invariant(fmt, path):
+    """As test_linear_is_batch_invariant, with INT8 activations (rows quantized independently)."""
+    k = 2 * quant_block(fmt)[0] + (32 if quant_block(fmt)[0] == 32 else 0)
+    w = random_weight(fmt, 19, k, seed=int(fmt))  # [N, row_bytes]
+    b = torch.randn(19)  # [N]
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(int(fmt)))  # [64, K]
+    int8 = QuantActivation.INT8
+    with specdec_inductor.forced_isa(path):
+        for dtype in (torch.float32, torch.bfloat16):
+            xd, bd = x.to(dtype), b.to(dtype)
+            alone = torch.cat([quant_linear(xd[r:r + 1], w, fmt, bd, int8) for r in range(64)])  # [64, N]
+            for rows in (3, 8, 64):
+                for start in range(0, 64 - rows + 1, rows):
+                    batch = quant_linear(xd[start:start + rows], w, fmt, bd, int8)
+                    assert torch.equal(batch, alone[start:start + rows]), (dtype, rows, start)
+            for pos in range(8):
+                xs = xd[8:16].clone()
+                xs[pos] = xd[3]
+                assert torch.equal(quant_linear(xs, w, fmt, bd, int8)[pos], alone[3])
+
+
+def test_int8_default_is_float():
+    """activation defaults to FLOAT: the existing calls keep their exact results."""
+    w = random_weight(QuantFormat.Q4_K, 5, 256, seed=3)
+    x = torch.randn(2, 256)
+    assert torch.equal(quant_linear(x, w, QuantFormat.Q4_K),
+                       quant_linear(x, w, QuantFormat.Q4_K, activation=QuantActivation.FLOAT))
+    assert torch.equal(torch.ops.specdec.quant_linear(x, w, int(QuantFormat.Q4_K)),
+                       quant_linear(x, w, QuantFormat.Q4_K))

@@ -23,10 +23,24 @@ class QuantFormat(enum.IntEnum):
     Q4_0 = 2
     Q4_1 = 3
     Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+
+
+class QuantActivation(enum.IntEnum):
+    """How quant_linear multiplies x into the weights.
+
+    FLOAT: exact fp32 products of x and the exactly dequantized weights.
+    INT8: x is quantized to 8 bits per 32-value block first and the products are integer dot
+    products (as llama.cpp's Q8_0 / Q8_K activations): on AVX-512 VNNI one vpdpbusd does 64
+    multiply-adds, so decode and verify run at memory speed; the result differs from FLOAT by the
+    activation rounding (about 0.4 % of each block's largest |x|).
+    """
+    FLOAT = 0
+    INT8 = 1
 
 
 # fmt -> (weights per block, bytes per block); the layouts are described in csrc/quant_isa.h.
@@ -34,6 +48,7 @@ _BLOCKS = {
     QuantFormat.Q4_0: (32, 18),
     QuantFormat.Q4_1: (32, 20),
     QuantFormat.Q5_0: (32, 22),
+    QuantFormat.Q5_1: (32, 24),
     QuantFormat.Q8_0: (32, 34),
     QuantFormat.Q4_K: (256, 144),
     QuantFormat.Q5_K: (256, 176),
@@ -64,19 +79,42 @@ def quant_row_bytes(fmt: QuantFormat, k: int) -> int:
     return k // size * nbytes
 
 
-def quant_linear(x: Tensor, weight: Tensor, fmt: QuantFormat, bias: Optional[Tensor] = None) -> Tensor:
+def _activation(activation) -> QuantActivation:
+    try:
+        return QuantActivation(int(activation))
+    except ValueError:
+        raise ValueError(f"argument 'activation' must be one of {[a.name for a in QuantActivation]}, "
+                         f"got {activation!r}") from None
+
+
+def quant_linear(x: Tensor, weight: Tensor, fmt: QuantFormat, bias: Optional[Tensor] = None,
+                 activation: QuantActivation = QuantActivation.FLOAT) -> Tensor:
     """y = x @ dequantize(weight).T (+ bias), as `F.linear` on the dequantized weight.
 
     Args: x [..., K] float32 or bfloat16 (any strides); weight uint8 [N, quant_row_bytes(fmt, K)]
-    (rows dense: stride(1) == 1); fmt a QuantFormat; bias [N] of x's dtype or None.
+    (rows dense: stride(1) == 1); fmt a QuantFormat; bias [N] of x's dtype or None; activation a
+    QuantActivation.
     Returns y [..., N] of x's dtype, accumulated in fp32 (bf16 rounded once, at the end). Any
     number of rows M = prod(x.shape[:-1]), each row's result independent of M.
+
+    activation=INT8 (x taken in fp32, bf16 widened exactly; finite values):
+      - each row of x is cut into blocks of 32 along K; block b has d_b = max|x| / 127 (fp32
+        division) and quants q = round-half-to-even(x / d_b) (fp32 division) clamped to
+        [-127, 127]; an all-zero block has d_b = 0 and q = 0.
+      - the weight row is read as w[k] = scale[k // 16] * wq[k] + min[k // 32] with integer
+        quants wq (Q4_0: q - 8, Q5_0: q - 16, Q6_K: q - 32, others the stored q) and the file's
+        exact scales (d, d * sc) and mins (Q4_1 / Q5_1: m, Q4_K / Q5_K: -dmin * mn, others 0).
+      - y[m, n] = sum_g scale[g] * d_(g // 2) * (sum over the 16-group g of wq * q)
+                  + sum_b min[b] * d_b * (sum over block b of q)   (+ bias[n]),
+        the integer sums exact, the rest accumulated in fp32 in a fixed order.
+    `quant_linear_ref(..., activation=INT8)` computes the same in fp64.
     """
-    return torch.ops.specdec.quant_linear.default(x, weight, int(_format(fmt)), bias)
+    return torch.ops.specdec.quant_linear.default(x, weight, int(_format(fmt)), bias,
+                                                  int(_activation(activation)))
 
 
 @torch.library.register_fake("specdec::quant_linear")
-def _(x, weight, fmt, bias=None):
+def _(x, weight, fmt, bias=None, activation=0):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 

@@ -402,6 +402,9 @@ def quant_dequantize_ref(weight: Tensor, fmt) -> Tensor:
     elif fmt == QuantFormat.Q5_0:
         bits = (b[:, 2:6, None] >> torch.arange(8)) & 1  # [B, 4, 8]: bit j of the u32 qh
         w = _f16_field(blocks, 0) * ((nibbles(b[:, 6:22]) | bits.reshape(-1, 32) << 4) - 16).float()
+    elif fmt == QuantFormat.Q5_1:
+        bits = (b[:, 4:8, None] >> torch.arange(8)) & 1  # [B, 4, 8]: bit j of the u32 qh
+        w = _f16_field(blocks, 0) * (nibbles(b[:, 8:24]) | bits.reshape(-1, 32) << 4).float() + _f16_field(blocks, 2)
     elif fmt == QuantFormat.Q8_0:
         w = _f16_field(blocks, 0) * blocks[:, 2:34].view(torch.int8).float()
     elif fmt in (QuantFormat.Q4_K, QuantFormat.Q5_K):
@@ -428,8 +431,102 @@ def quant_dequantize_ref(weight: Tensor, fmt) -> Tensor:
     return w.reshape(n, -1)
 
 
-def quant_linear_ref(x: Tensor, weight: Tensor, fmt, bias: Optional[Tensor] = None) -> Tensor:
-    """x @ dequantize(weight).T + bias computed in fp64, rounded once to x's dtype."""
+def quant_int8_parts_ref(weight: Tensor, fmt) -> Tuple[Tensor, Tensor, Tensor]:
+    """The integer form of uint8 [N, row_bytes] ggml blocks used by INT8 activations:
+    w[n, k] = scale[n, k // 16] * wq[n, k] + minimum[n, k // 32] (exact). Returns wq [N, K] int64,
+    scale [N, K / 16] float64, minimum [N, K / 32] float64."""
+    from specdec_inductor.ops.quant import QuantFormat, quant_block
+
+    fmt = QuantFormat(int(fmt))
+    size, nbytes = quant_block(fmt)
+    n = weight.shape[0]
+    blocks = weight.reshape(-1, nbytes)  # [B, bytes]
+    b = blocks.to(torch.int64)  # [B, bytes]
+    nibbles = lambda qs: torch.cat([qs & 15, qs >> 4], 1)  # noqa: E731  [B, 16] -> [B, 32]
+    minimum = torch.zeros(blocks.shape[0], size // 32, dtype=torch.float64)  # [B, size / 32]
+    if fmt in (QuantFormat.Q4_0, QuantFormat.Q4_1, QuantFormat.Q5_0, QuantFormat.Q5_1, QuantFormat.Q8_0):
+        d = _f16_field(blocks, 0).double()  # [B, 1]
+        if fmt == QuantFormat.Q4_0:
+            wq = nibbles(b[:, 2:18]) - 8
+        elif fmt == QuantFormat.Q4_1:
+            wq = nibbles(b[:, 4:20])
+            minimum = _f16_field(blocks, 2).double()
+        elif fmt == QuantFormat.Q5_0:
+            bits = (b[:, 2:6, None] >> torch.arange(8)) & 1  # [B, 4, 8]: bit j of the u32 qh
+            wq = (nibbles(b[:, 6:22]) | bits.reshape(-1, 32) << 4) - 16
+        elif fmt == QuantFormat.Q5_1:
+            bits = (b[:, 4:8, None] >> torch.arange(8)) & 1
+            wq = nibbles(b[:, 8:24]) | bits.reshape(-1, 32) << 4
+            minimum = _f16_field(blocks, 2).double()
+        else:
+            wq = blocks[:, 2:34].view(torch.int8).long()
+        scale = d.expand(-1, 2)  # [B, 2]
+    elif fmt in (QuantFormat.Q4_K, QuantFormat.Q5_K):
+        sc, mn = _k_scale_min(b[:, 4:16])  # [B, 8] each
+        qs = b[:, 16:144] if fmt == QuantFormat.Q4_K else b[:, 48:176]  # [B, 128]
+        wq = torch.stack([qs.reshape(-1, 4, 32) & 15, qs.reshape(-1, 4, 32) >> 4], 2).reshape(-1, 8, 32)
+        if fmt == QuantFormat.Q5_K:
+            wq = wq | ((b[:, None, 16:48] >> torch.arange(8)[:, None]) & 1) << 4
+        wq = wq.reshape(-1, 256)  # [B, 256]
+        scale = (_f16_field(blocks, 0) * sc).double().repeat_interleave(2, 1)  # [B, 16]
+        minimum = -(_f16_field(blocks, 2) * mn).double()  # [B, 8]
+    else:  # Q6_K
+        ql, qh = b[:, 0:128], b[:, 128:192]
+        groups = []
+        for g in range(8):
+            h, t = divmod(g, 4)
+            lo = (ql[:, 64 * h + 32 * (t % 2):][:, :32] >> 4 * (t // 2)) & 15
+            hi = (qh[:, 32 * h:32 * h + 32] >> 2 * t) & 3
+            groups.append((lo | hi << 4) - 32)
+        wq = torch.cat(groups, 1)  # [B, 256]
+        scale = (_f16_field(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()).double()
+    return wq.reshape(n, -1), scale.reshape(n, -1), minimum.reshape(n, -1)
+
+
+def quantize_activation_int8_ref(x: Tensor) -> Tuple[Tensor, Tensor]:
+    """Rows of x [M, K] (K a multiple of 32) in 32-value blocks: d = max|x| / 127 and
+    q = round-half-to-even(x / d) clamped to [-127, 127], both divisions in fp32; an all-zero
+    block has d = 0, q = 0. Returns q [M, K] int64 and d [M, K / 32] float32."""
+    xb = x.float().reshape(x.shape[0], -1, 32)  # [M, K / 32, 32]
+    d = xb.abs().amax(-1) / 127  # [M, K / 32] fp32
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = torch.round(xb / safe[..., None]).clamp(-127, 127)  # torch.round: half to even
+    q = torch.where(d[..., None] == 0, torch.zeros_like(q), q)
+    return q.long().reshape(x.shape[0], -1), d
+
+
+def quant_linear_int8_terms_ref(x: Tensor, weight: Tensor, fmt, bias: Optional[Tensor] = None):
+    """quant_linear with INT8 activations in fp64 from exact integer dots (the definition in
+    ops/quant.py), and the sum of the absolute values of every term at the product level
+    (|scale * d * wq * q| per weight, |min * d * q|, |bias|): the scale of fp32 rounding error.
+    Returns (y [M, N] float64, magnitude [M, N] float64) for x [M, K]."""
+    wq, scale, minimum = quant_int8_parts_ref(weight, fmt)  # [N, K], [N, K/16], [N, K/32]
+    q, d = quantize_activation_int8_ref(x)  # [M, K], [M, K / 32]
+    m, k = q.shape
+    n = wq.shape[0]
+    qd, wqd = q.double(), wq.double()
+    dots = torch.einsum("mgj,ngj->mng", qd.reshape(m, -1, 16), wqd.reshape(n, -1, 16))  # [M, N, K/16]
+    absdots = torch.einsum("mgj,ngj->mng", qd.abs().reshape(m, -1, 16), wqd.abs().reshape(n, -1, 16))
+    d16 = d.double().repeat_interleave(2, 1)  # [M, K / 16]
+    sums = qd.reshape(m, -1, 32).sum(-1)  # [M, K / 32]
+    abssums = qd.abs().reshape(m, -1, 32).sum(-1)
+    y = (dots * scale[None] * d16[:, None]).sum(-1) + (d.double() * sums) @ minimum.T  # [M, N]
+    mag = (absdots * scale.abs()[None] * d16[:, None]).sum(-1) + (d.double() * abssums) @ minimum.abs().T
+    if bias is not None:
+        y = y + bias.double()
+        mag = mag + bias.double().abs()
+    return y, mag
+
+
+def quant_linear_ref(x: Tensor, weight: Tensor, fmt, bias: Optional[Tensor] = None,
+                     activation=0) -> Tensor:
+    """x @ dequantize(weight).T + bias computed in fp64, rounded once to x's dtype. With
+    activation=INT8, x is first quantized to 8 bits per 32-value block and the products are the
+    exact integer dots of the definition in ops/quant.py (quant_linear_int8_terms_ref)."""
+    if int(activation) == 1:
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        y, _ = quant_linear_int8_terms_ref(x2, weight, fmt, bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
     y = x.double() @ quant_dequantize_ref(weight, fmt).double().T  # [..., N]
     if bias is not None:
         y = y + bias.double()

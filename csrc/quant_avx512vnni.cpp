@@ -1,0 +1,408 @@
+// AVX-512 VNNI kernel of quant_linear with INT8 activations (quant_isa.h has the definition).
+// Built with -mavx512vnni and called only when cpu_has_avx512_vnni(): an AVX-512 CPU without
+// VNNI (Skylake-X) never reaches this file. One row of x (decode): each weight row is decoded in
+// registers and consumed at once; several rows: weight rows are decoded in pairs into a per-thread
+// buffer and multiplied into 4 rows of x at a time. Every 64 weights become 64 unsigned bytes (the stored quant, plus the format's offset for
+// the signed ones), one vpdpbusd per row of x multiplies them into the row's 64 int8 quants
+// (16 int32 lanes of 4 products, started at -offset * the lane's quant sum, so each lane holds
+// its exact integer dot), and the lanes are scaled into fp32 lane accumulators. A (x row, weight
+// row) pair sees the same operations whatever the number of rows: batch invariance.
+#include <immintrin.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "quant_isa.h"
+
+namespace specdec {
+namespace {
+
+inline float load_f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// 8 lanes of a, then 8 lanes of b.
+inline __m512 halves(float a, float b) {
+  return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+// The fp16 pairs at a and b (d and m of two blocks) as fp32 lanes: [a0, a1, b0, b1] in the low
+// 128 bits; the per-lane picks below spread them over lanes 0-7 (block a) and 8-15 (block b).
+inline __m512 f16_pairs(const uint8_t* a, const uint8_t* b) {
+  int32_t va, vb;
+  std::memcpy(&va, a, 4);
+  std::memcpy(&vb, b, 4);
+  return _mm512_castps128_ps512(_mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(va), vb, 1)));
+}
+
+// A zero block stands in for the missing partner of the last block of an odd count of 32-weight
+// blocks: scale 0, and its weights meet the zero padding of x's quants.
+alignas(64) const uint8_t kZeroBlock[64] = {};
+
+// The 32 nibbles of each of two 16-byte arrays as [lo(a) hi(a) lo(b) hi(b)] bytes: weight j of a
+// block is nibble j / 16 of byte j % 16.
+inline __m512i nibbles2(const uint8_t* a, const uint8_t* b) {
+  const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  __m512i v = _mm512_castsi128_si512(va);
+  v = _mm512_inserti32x4(v, va, 1);
+  v = _mm512_inserti32x4(v, vb, 2);
+  v = _mm512_inserti32x4(v, vb, 3);
+  v = _mm512_mask_srli_epi16(v, 0xFF00FF00u, v, 4);  // 128-bit lanes 1 and 3: high nibbles
+  return _mm512_and_si512(v, _mm512_set1_epi8(15));
+}
+
+// Each format's walker calls f(k, u, scale, min) for the weights [k, k + 64): u their unsigned
+// bytes, scale / min the fp32 weight scale / min of each int32 lane (4 weights).
+// 32-weight-block formats: blocks in pairs.
+template <QuantFmt kFmt>
+struct SmallBlocks {
+  static constexpr int64_t kBytes = kFmt == QuantFmt::Q4_0 ? 18 : kFmt == QuantFmt::Q4_1 ? 20
+                                  : kFmt == QuantFmt::Q5_0 ? 22 : kFmt == QuantFmt::Q5_1 ? 24 : 34;
+  static constexpr bool kHasMin = kFmt == QuantFmt::Q4_1 || kFmt == QuantFmt::Q5_1;
+  static constexpr bool kBlockMin = false;
+  template <class F>
+  static void row(const uint8_t* p, int64_t K, F&& f) {
+    const __m512i pick_d = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i pick_m = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+    for (int64_t k = 0; k < K; k += 64, p += 2 * kBytes) {
+      const uint8_t* a = p;
+      const uint8_t* b = k + 32 < K ? p + kBytes : kZeroBlock;
+      // d (and m) of both blocks in one conversion (Q8_0 / Q4_0 / Q5_0 read the next field's
+      // bytes as the unused half: every block is at least 18 bytes long).
+      const __m512 fields = f16_pairs(a, b);
+      const __m512 scale = _mm512_permutexvar_ps(pick_d, fields);
+      __m512 mn = _mm512_setzero_ps();
+      __m512i u;
+      if (kFmt == QuantFmt::Q8_0) {
+        const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2));
+        const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+        u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1),
+                             _mm512_set1_epi8(static_cast<char>(0x80)));  // q + 128
+      } else if (kFmt == QuantFmt::Q5_0 || kFmt == QuantFmt::Q5_1) {
+        const int qh_at = kFmt == QuantFmt::Q5_0 ? 2 : 4;
+        u = nibbles2(a + qh_at + 4, b + qh_at + 4);
+        uint32_t ha, hb;
+        std::memcpy(&ha, a + qh_at, 4);
+        std::memcpy(&hb, b + qh_at, 4);
+        const __mmask64 fifth = static_cast<__mmask64>(ha) | static_cast<__mmask64>(hb) << 32;
+        u = _mm512_mask_add_epi8(u, fifth, u, _mm512_set1_epi8(16));
+        if (kFmt == QuantFmt::Q5_1) mn = _mm512_permutexvar_ps(pick_m, fields);
+      } else if (kFmt == QuantFmt::Q4_1) {
+        u = nibbles2(a + 4, b + 4);
+        mn = _mm512_permutexvar_ps(pick_m, fields);
+      } else {
+        u = nibbles2(a + 2, b + 2);
+      }
+      f(k, u, scale, mn);
+    }
+  }
+};
+
+// Q4_K / Q5_K: the 64 weights of sub-blocks 2j and 2j + 1 are the low and high nibbles of the
+// same 32 bytes; scale d * sc, min -dmin * mn per sub-block.
+template <bool kFifthBit>
+struct KBlocks45 {
+  // The mins are applied once per 256-weight block (8 sub-block mins against the row's 8 block
+  // sums): mn carries them in lanes 0-7 on the block's first step (k % 256 == 0).
+  static constexpr bool kHasMin = false;
+  static constexpr bool kBlockMin = true;
+  template <class F>
+  static void row(const uint8_t* p, int64_t K, F&& f) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    // Lanes 0-7 take sub-block 2j, lanes 8-15 sub-block 2j + 1 (pick + 2j).
+    const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    // Scale s < 4: byte s & 63; s >= 4: (byte s + 4 & 15) | (byte s - 4 >> 6) << 4.
+    // Min s < 4: byte s + 4 & 63; s >= 4: (byte s + 4 >> 4) | (byte s >> 6) << 4.
+    const __m512i a_index = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+    const __m512i c_index = _mm512_setr_epi32(0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7);
+    const __m512i a_shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
+    const __m512i a_mask = _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+    const __m512i c_mask = _mm512_setr_epi32(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48);
+    for (int64_t k = 0; k < K; k += 256, p += kFifthBit ? 176 : 144) {
+      const float d = load_f16(p), dmin = load_f16(p + 2);
+      const uint8_t* qs = p + (kFifthBit ? 48 : 16);
+      __m256i qh = _mm256_setzero_si256();
+      if (kFifthBit) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+      // The block's 8 sub-block scales d * sc (lanes 0-7) and mins -dmin * mn (lanes 8-15),
+      // unpacked from the 12 scale bytes in vector lanes (k_scale_min's formula), then picked per
+      // lane below. Each product is exact.
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
+      const __m512i a = _mm512_permutexvar_epi32(a_index, b), c = _mm512_permutexvar_epi32(c_index, b);
+      const __m512i six_bit = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(a, a_shift), a_mask),
+                                              _mm512_and_si512(_mm512_srli_epi32(c, 2), c_mask));
+      const __m512 table = _mm512_mul_ps(_mm512_cvtepi32_ps(six_bit), halves(d, -dmin));
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+        __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nib)),
+                                       _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), 1);
+        if (kFifthBit) {
+          const __mmask32 lo = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * j))));
+          const __mmask32 hi = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * j + 1))));
+          const __mmask64 fifth = static_cast<__mmask64>(lo) | static_cast<__mmask64>(hi) << 32;
+          u = _mm512_mask_add_epi8(u, fifth, u, _mm512_set1_epi8(16));
+        }
+        f(k + 64 * j, u, _mm512_permutexvar_ps(_mm512_add_epi32(pick, _mm512_set1_epi32(2 * j)), table),
+          _mm512_castps256_ps512(_mm512_extractf32x8_ps(table, 1)));
+      }
+    }
+  }
+};
+
+// Q6_K: groups 2i and 2i + 1 (64 weights) share their high bits' bytes; the 6-bit quant
+// (0..63, wq = q - 32) is assembled at byte level; one int8 scale per 16 weights = per 4 lanes.
+struct KBlocks6 {
+  static constexpr bool kHasMin = false;
+  static constexpr bool kBlockMin = false;
+  template <class F>
+  static void row(const uint8_t* p, int64_t K, F&& f) {
+    const __m256i nib = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int64_t k = 0; k < K; k += 256, p += 210) {
+      const uint8_t* ql = p;
+      const uint8_t* qh = p + 128;
+      const uint8_t* sc = p + 192;
+      const __m512 d = _mm512_set1_ps(load_f16(p + 208));
+      for (int i = 0; i < 4; ++i) {
+        const int g = 2 * i, h = g / 4, t = g % 4;  // t even: groups g, g + 1 are t, t + 1
+        const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+        const int lshift = 4 * (t / 2);
+        const __m256i lo0 = _mm256_and_si256(_mm256_srl_epi16(l0, _mm_cvtsi32_si128(lshift)), nib);
+        const __m256i lo1 = _mm256_and_si256(_mm256_srl_epi16(l1, _mm_cvtsi32_si128(lshift)), nib);
+        const __m256i hi0 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * t)), three);
+        const __m256i hi1 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * t + 2)), three);
+        const __m256i q0 = _mm256_or_si256(lo0, _mm256_slli_epi16(hi0, 4));
+        const __m256i q1 = _mm256_or_si256(lo1, _mm256_slli_epi16(hi1, 4));
+        const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
+        int32_t s4;
+        std::memcpy(&s4, sc + 2 * g, 4);  // scales 2g .. 2g + 3
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_cvtsi32_si128(s4)));
+        const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_mul_ps(s, d));
+        f(k + 64 * i, u, scale, _mm512_setzero_ps());
+      }
+    }
+  }
+};
+
+// out[i] = row . x[m0 + i] for MB rows of x. Per row: a main and a min fp32 lane accumulator,
+// added and reduced in a fixed order at the end.
+template <int MB, class Rows, bool kOffset>
+inline void dot_rows(const uint8_t* row, const QuantizedX& X, int64_t m0, float* out) {
+  const int64_t lanes = X.Kp / 4;
+  __m512 acc[MB], acc_min[MB];
+  __m256 block_min[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = acc_min[i] = _mm512_setzero_ps();
+  for (int i = 0; i < MB; ++i) block_min[i] = _mm256_setzero_ps();
+  const float* block_d_sum = X.block_d_sum + m0 * (X.Kp / 32);
+  const int8_t* q = X.q + m0 * X.Kp;
+  const float* d = X.d + m0 * lanes;
+  const float* d_sum = X.d_sum + m0 * lanes;
+  const int32_t* neg = X.neg_offset_sum + m0 * lanes;
+  Rows::row(row, X.K, [&](int64_t k, __m512i u, __m512 scale, __m512 mn) {
+    for (int i = 0; i < MB; ++i) {
+      const __m512i qx = _mm512_loadu_si512(q + i * X.Kp + k);
+      const __m512i start = kOffset ? _mm512_loadu_si512(neg + i * lanes + k / 4) : _mm512_setzero_si512();
+      const __m512i dot = _mm512_dpbusd_epi32(start, u, qx);
+      const __m512 s = _mm512_mul_ps(scale, _mm512_loadu_ps(d + i * lanes + k / 4));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[i]);
+      if (Rows::kHasMin) acc_min[i] = _mm512_fmadd_ps(_mm512_loadu_ps(d_sum + i * lanes + k / 4), mn, acc_min[i]);
+      if (Rows::kBlockMin && k % 256 == 0) {
+        block_min[i] = _mm256_fmadd_ps(_mm256_loadu_ps(block_d_sum + i * (X.Kp / 32) + k / 32),
+                                       _mm512_castps512_ps256(mn), block_min[i]);
+      }
+    }
+  });
+  for (int i = 0; i < MB; ++i) {
+    if (Rows::kBlockMin) acc_min[i] = _mm512_zextps256_ps512(block_min[i]);  // upper lanes: 0
+    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc_min[i]));
+  }
+}
+
+// A weight row's 64-weight steps as the walker produces them, kept for several rows of x.
+struct Step {
+  __m512i u;
+  __m512 scale, mn;
+};
+
+// out0[i], out1[i] = rows a, b . x[m0 + i] for MB rows of x, from decoded steps: each load of x
+// feeds both weight rows. The operations on one (x row, weight row) pair are exactly those of
+// dot_rows (same values, accumulators, order and reduction): batch invariance.
+template <int MB, bool kHasMin, bool kBlockMin, bool kOffset>
+inline void dot_rows2(const Step* a, const Step* b, const QuantizedX& X, int64_t m0, float* out0,
+                      float* out1) {
+  const int64_t lanes = X.Kp / 4;
+  __m512 acc_a[MB], min_a[MB], acc_b[MB], min_b[MB];
+  __m256 block_a[MB], block_b[MB];
+  for (int i = 0; i < MB; ++i) acc_a[i] = min_a[i] = acc_b[i] = min_b[i] = _mm512_setzero_ps();
+  for (int i = 0; i < MB; ++i) block_a[i] = block_b[i] = _mm256_setzero_ps();
+  const float* block_d_sum = X.block_d_sum + m0 * (X.Kp / 32);
+  const int8_t* q = X.q + m0 * X.Kp;
+  const float* d = X.d + m0 * lanes;
+  const float* d_sum = X.d_sum + m0 * lanes;
+  const int32_t* neg = X.neg_offset_sum + m0 * lanes;
+  for (int64_t k = 0, c = 0; k < X.K; k += 64, ++c) {
+    const __m512i ua = a[c].u, ub = b[c].u;
+    const __m512 sa = a[c].scale, sb = b[c].scale;
+    for (int i = 0; i < MB; ++i) {
+      const __m512i qx = _mm512_loadu_si512(q + i * X.Kp + k);
+      const __m512i start = kOffset ? _mm512_loadu_si512(neg + i * lanes + k / 4) : _mm512_setzero_si512();
+      const __m512 dx = _mm512_loadu_ps(d + i * lanes + k / 4);
+      acc_a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, ua, qx)), _mm512_mul_ps(sa, dx), acc_a[i]);
+      acc_b[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, ub, qx)), _mm512_mul_ps(sb, dx), acc_b[i]);
+      if (kHasMin) {
+        const __m512 ds = _mm512_loadu_ps(d_sum + i * lanes + k / 4);
+        min_a[i] = _mm512_fmadd_ps(ds, a[c].mn, min_a[i]);
+        min_b[i] = _mm512_fmadd_ps(ds, b[c].mn, min_b[i]);
+      }
+      if (kBlockMin && k % 256 == 0) {
+        const __m256 bs = _mm256_loadu_ps(block_d_sum + i * (X.Kp / 32) + k / 32);
+        block_a[i] = _mm256_fmadd_ps(bs, _mm512_castps512_ps256(a[c].mn), block_a[i]);
+        block_b[i] = _mm256_fmadd_ps(bs, _mm512_castps512_ps256(b[c].mn), block_b[i]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    if (kBlockMin) {
+      min_a[i] = _mm512_zextps256_ps512(block_a[i]);
+      min_b[i] = _mm512_zextps256_ps512(block_b[i]);
+    }
+    out0[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc_a[i], min_a[i]));
+    out1[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc_b[i], min_b[i]));
+  }
+}
+
+// Per-thread buffer of decoded steps (64-byte aligned, grows only).
+struct StepBuffer {
+  Step* data = nullptr;
+  int64_t size = 0;
+  Step* get(int64_t n) {
+    if (n > size) {
+      std::free(data);
+      data = static_cast<Step*>(std::aligned_alloc(64, static_cast<size_t>(n) * sizeof(Step)));
+      if (data == nullptr) {
+        size = 0;
+        throw std::bad_alloc();
+      }
+      size = n;
+    }
+    return data;
+  }
+  ~StepBuffer() { std::free(data); }
+};
+thread_local StepBuffer t_steps;
+
+inline void store_outputs(const QuantLinearInt8Block& b, int64_t m, int mb, int64_t n, const float* out) {
+  for (int i = 0; i < mb; ++i) {
+    float v = out[i];
+    if (b.bias) v += b.bias[n];
+    b.y[(m + i) * b.y_stride + n] = v;
+  }
+}
+
+// One row of x (decode): each weight row is decoded in registers and consumed at once. Several
+// rows (verify, prefill): weight rows are decoded in pairs into a per-thread buffer, then
+// multiplied into 4 rows of x at a time (dot_rows2). Both give the same bits per output.
+template <class Rows, bool kOffset>
+void linear_rows(const QuantLinearInt8Block& b) {
+  if (b.x.M == 1) {
+    for (int64_t n = b.n_begin; n < b.n_end; ++n) {
+      float out;
+      dot_rows<1, Rows, kOffset>(b.w + n * b.w_stride, b.x, 0, &out);
+      store_outputs(b, 0, 1, n, &out);
+    }
+    return;
+  }
+  const int64_t steps = b.x.Kp / 64;
+  Step* buf = t_steps.get(2 * steps);
+  auto decode_into = [&b](int64_t n, Step* dst) {
+    Rows::row(b.w + n * b.w_stride, b.x.K, [dst](int64_t k, __m512i u, __m512 scale, __m512 mn) {
+      dst[k / 64] = Step{u, scale, mn};
+    });
+  };
+  for (int64_t n = b.n_begin; n < b.n_end; n += 2) {
+    const bool pair = n + 1 < b.n_end;
+    decode_into(n, buf);
+    // An unpaired last row runs against a copy of itself (its second result is dropped).
+    Step* second = buf;
+    if (pair) {
+      second = buf + steps;
+      decode_into(n + 1, second);
+    }
+    for (int64_t m = 0; m < b.x.M;) {
+      const int64_t left = b.x.M - m;
+      const int mb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      float out0[4], out1[4];
+      switch (mb) {
+        case 4: dot_rows2<4, Rows::kHasMin, Rows::kBlockMin, kOffset>(buf, second, b.x, m, out0, out1); break;
+        case 2: dot_rows2<2, Rows::kHasMin, Rows::kBlockMin, kOffset>(buf, second, b.x, m, out0, out1); break;
+        default: dot_rows2<1, Rows::kHasMin, Rows::kBlockMin, kOffset>(buf, second, b.x, m, out0, out1); break;
+      }
+      store_outputs(b, m, mb, n, out0);
+      if (pair) store_outputs(b, m, mb, n + 1, out1);
+      m += mb;
+    }
+  }
+}
+
+}  // namespace
+
+void quant_quantize_x_avx512vnni(const float* x, int64_t K, int offset, int64_t Kp, int8_t* q,
+                                 float* d, float* d_sum, float* block_d_sum,
+                                 int32_t* neg_offset_sum, int64_t m_begin, int64_t m_end) {
+  const __m512 zero = _mm512_setzero_ps(), lim = _mm512_set1_ps(127.0f);
+  const __m512i ones = _mm512_set1_epi8(1), neg_offset = _mm512_set1_epi32(-offset);
+  const int64_t lanes = Kp / 4;
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    const float* xm = x + m * K;
+    int8_t* qm = q + m * Kp;
+    for (int64_t k = 0; k < Kp; k += 64) {
+      float dk[2];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t kb = k + 32 * h;
+        __m512 v0 = zero, v1 = zero;
+        if (kb < K) {
+          v0 = _mm512_loadu_ps(xm + kb);
+          v1 = _mm512_loadu_ps(xm + kb + 16);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        dk[h] = amax / 127.0f;
+        // d == 0 only when every |x| < 127 * 2^-149: dividing by 1 gives quants 0 as well.
+        const __m512 div = _mm512_set1_ps(dk[h] == 0.0f ? 1.0f : dk[h]);
+        const __m512 r0 = _mm512_roundscale_ps(_mm512_div_ps(v0, div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 r1 = _mm512_roundscale_ps(_mm512_div_ps(v1, div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i i0 = _mm512_cvttps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(zero, lim), r0)));
+        const __m512i i1 = _mm512_cvttps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(zero, lim), r1)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qm + kb), _mm512_cvtsepi32_epi8(i0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qm + kb + 16), _mm512_cvtsepi32_epi8(i1));
+      }
+      const __m512i sum4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(qm + k));
+      const __m512 dl = halves(dk[0], dk[1]);
+      _mm512_storeu_ps(d + m * lanes + k / 4, dl);
+      _mm512_storeu_ps(d_sum + m * lanes + k / 4, _mm512_mul_ps(dl, _mm512_cvtepi32_ps(sum4)));
+      _mm512_storeu_si512(neg_offset_sum + m * lanes + k / 4, _mm512_mullo_epi32(sum4, neg_offset));
+      // Block sums (exact integers) times d: one rounding, as the portable quantizer.
+      block_d_sum[m * (Kp / 32) + k / 32] = dk[0] * static_cast<float>(_mm512_mask_reduce_add_epi32(0x00FF, sum4));
+      block_d_sum[m * (Kp / 32) + k / 32 + 1] = dk[1] * static_cast<float>(_mm512_mask_reduce_add_epi32(0xFF00, sum4));
+    }
+  }
+}
+
+void quant_linear_int8_avx512vnni(const QuantLinearInt8Block& b) {
+  switch (b.fmt) {
+    case QuantFmt::Q4_0: linear_rows<SmallBlocks<QuantFmt::Q4_0>, true>(b); break;
+    case QuantFmt::Q4_1: linear_rows<SmallBlocks<QuantFmt::Q4_1>, false>(b); break;
+    case QuantFmt::Q5_0: linear_rows<SmallBlocks<QuantFmt::Q5_0>, true>(b); break;
+    case QuantFmt::Q5_1: linear_rows<SmallBlocks<QuantFmt::Q5_1>, false>(b); break;
+    case QuantFmt::Q8_0: linear_rows<SmallBlocks<QuantFmt::Q8_0>, true>(b); break;
+    case QuantFmt::Q4_K: linear_rows<KBlocks45<false>, false>(b); break;
+    case QuantFmt::Q5_K: linear_rows<KBlocks45<true>, false>(b); break;
+    case QuantFmt::Q6_K: linear_rows<KBlocks6, true>(b); break;
+  }
+}
+
+}  // namespace specdec
