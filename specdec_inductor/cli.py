@@ -95,15 +95,19 @@ def _check_model_arg(value: Optional[str]) -> Optional[str]:
                      "file) nor a known model name")
 
 
-def load_checked(path: Optional[str], dtype: torch.dtype, dequantize: bool = False):
+def load_checked(path: Optional[str], dtype: torch.dtype, dequantize: bool = False,
+                 quant_activation: str = "auto"):
     """hf.load_model, with a damaged safetensors file (a truncated conversion cache, an
     interrupted download) reported by name with what to do, not as a raw traceback; a named
     model that was never fetched ends with the command that fetches it. `dequantize`: GGUF
     tensors become dense weights of `dtype` (default: kept quantized, except the default model,
-    see hf.DEFAULT_QUANTIZED)."""
+    see hf.DEFAULT_QUANTIZED); `quant_activation`: auto | float | int8 (ops.quant.QuantActivation)."""
     from specdec_inductor.engine.hf import load_model
     try:
-        return load_model(path, dtype, dequantize=True if dequantize else None)
+        from specdec_inductor.ops.quant import QuantActivation
+        act = None if quant_activation == "auto" else QuantActivation[quant_activation.upper()]
+        return load_model(path, dtype, dequantize=True if dequantize else None,
+                          quant_activation=act)
     except FileNotFoundError as exc:
         if path in known_models():
             raise SystemExit(f"specdec: {exc}")
@@ -227,9 +231,12 @@ def check_room(args, prompt_lens: List[int]) -> None:
 def cmd_generate(args) -> int:
     from specdec_inductor.engine.engine import GenerationStats
     t0 = time.perf_counter()
-    model, tokenizer = load_checked(args.model, DTYPES[args.dtype], args.dequantize)
+    model, tokenizer = load_checked(args.model, DTYPES[args.dtype], args.dequantize,
+                                    args.quant_activations)
+    quantized = getattr(model, "quant_activation", None)
     _log(f"[specdec] loaded {args.model or 'SmolLM2-135M-Instruct (GGUF)'} in "
-         f"{time.perf_counter() - t0:.1f} s ({args.dtype})")
+         f"{time.perf_counter() - t0:.1f} s ({args.dtype}"
+         + (f"; quantized {model.quantized_formats}, {quantized} activations)" if quantized else ")"))
     prompt_ids = encode(tokenizer, args.prompt, args.chat)
     check_room(args, [len(prompt_ids)])
     engine = build_engine(args, model)
@@ -332,7 +339,8 @@ def make_proposer(args, engine=None):
         from specdec_inductor.engine.hf import keep_first_layers
         from specdec_inductor.proposers.standalone import (StandaloneProposer,
                                                            check_draft_vocabulary)
-        draft, _ = load_checked(args.draft_model or args.model, DTYPES[args.dtype], args.dequantize)
+        draft, _ = load_checked(args.draft_model or args.model, DTYPES[args.dtype],
+                                args.dequantize, args.quant_activations)
         if args.draft_layers is not None:
             try:
                 keep_first_layers(draft, args.draft_layers)
@@ -431,8 +439,8 @@ def run_bench(args) -> dict:
     exactly args.max_new_tokens tokens (no eos stop) so tokens/s compare like for like."""
     from specdec_inductor.engine.engine import GenerationStats
     dtype = DTYPES[args.dtype]
-    model, tokenizer = load_checked(args.model, dtype, args.dequantize)
-    baseline, _ = load_checked(args.model, dtype, args.dequantize)
+    model, tokenizer = load_checked(args.model, dtype, args.dequantize, args.quant_activations)
+    baseline, _ = load_checked(args.model, dtype, args.dequantize, args.quant_activations)
     baseline.config._attn_implementation = "sdpa"
     prompts = [encode(tokenizer, p, args.chat) for p in BENCH_PROMPTS[:args.num_prompts]]
     check_room(args, [len(p) for p in prompts])
@@ -497,7 +505,8 @@ def run_method_bench(args) -> dict:
     batch 1, greedy, exactly args.max_new_tokens tokens each (no eos stop)."""
     from specdec_inductor.engine.engine import GenerationStats
     from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
-    model, tokenizer = load_checked(args.model, DTYPES[args.dtype], args.dequantize)
+    model, tokenizer = load_checked(args.model, DTYPES[args.dtype], args.dequantize,
+                                    args.quant_activations)
     prompts = [encode(tokenizer, p, args.chat) for p in BENCH_PROMPTS[:args.num_prompts]]
     check_room(args, [len(p) for p in prompts])
     engine = build_engine(args, model)
@@ -586,6 +595,11 @@ def make_parser() -> argparse.ArgumentParser:
                        help="GGUF models: dequantize the quantized tensors into dense --dtype "
                             "weights once at load (more memory; default: the GEMVs read the "
                             "file's quantized blocks)")
+        p.add_argument("--quant-activations", choices=["auto", "float", "int8"], default="auto",
+                       help="quantized layers: int8 quantizes activations per 32 values and "
+                            "runs integer dot products (as llama.cpp; AVX-512 VNNI), float "
+                            "multiplies them in fp32 with the exact weights; auto: int8 where "
+                            "the VNNI kernel runs, else float")
         p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
         p.add_argument("--max-new-tokens", type=int, default=64)
         p.add_argument("--max-len", type=int, default=512)

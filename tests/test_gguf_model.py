@@ -27,7 +27,7 @@ TYPES = {
 }
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 256, 4, 2, 512, 2
 # K-quant blocks: byte offsets of their fp16 scales (the rest is random codes).
-_K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+_K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82)}
 
 
 def _quant_op():
@@ -163,7 +163,8 @@ def test_unpermute_rows_undoes_llama_cpp_permute():
 @pytest.mark.parametrize("arch", list(TYPES))
 def test_tiny_quantized_matches_dequantized(tiny, arch):
     _quant_op()
-    model, tokenizer = load_gguf(tiny[arch])
+    from specdec_inductor.ops.quant import QuantActivation
+    model, tokenizer = load_gguf(tiny[arch], activation=QuantActivation.FLOAT)  # exact weights
     dense, _ = load_gguf(tiny[arch], dequantize=True)
     assert isinstance(model.model.embed_tokens, QuantEmbedding)
     assert isinstance(model.model.layers[1].mlp.down_proj, QuantLinear)
@@ -209,7 +210,8 @@ def test_quantized_weights_are_views_of_the_file(tiny):
 
 def test_smollm2_quantized_greedy_matches_dequantized():
     _quant_op()
-    model, tokenizer = load_gguf(default_gguf_path())
+    from specdec_inductor.ops.quant import QuantActivation
+    model, tokenizer = load_gguf(default_gguf_path(), activation=QuantActivation.FLOAT)
     dense, _ = load_gguf(default_gguf_path(), dequantize=True)
     assert model.quantized_formats == {"Q8_0": 1, "Q4_1": 210}
     for prompt in PROMPTS:
@@ -253,9 +255,9 @@ def test_bad_inputs(tiny, tmp_path, tokenizer_fields):
 
 def test_unsupported_tensor_type_names_the_tensor(tmp_path, tokenizer_fields):
     _quant_op()
-    path = str(tmp_path / "q5_1.gguf")
-    write_tiny_gguf(path, "llama", {**TYPES["llama"], "attn_v": Q.Q5_1}, tokenizer_fields)
-    with pytest.raises(ValueError, match="tensor 'blk.0.attn_v.weight' has type Q5_1"):
+    path = str(tmp_path / "q2_k.gguf")  # a format with no kernel of ours
+    write_tiny_gguf(path, "llama", {**TYPES["llama"], "attn_v": Q.Q2_K}, tokenizer_fields)
+    with pytest.raises(ValueError, match="tensor 'blk.0.attn_v.weight' has type Q2_K"):
         load_gguf(path)
     model, _ = load_gguf(path, dequantize=True)  # gguf-py dequantizes it
     assert model.model.layers[0].self_attn.v_proj.weight.dtype == torch.float32
@@ -272,3 +274,26 @@ def test_load_model_dispatch(monkeypatch):
     assert not hasattr(default.config, "quantization_config")
     with pytest.raises(ValueError, match="argument 'model'"):
         load_model("no-such-model")
+
+
+def test_activation_mode_reaches_every_quantized_layer(tiny):
+    """load_gguf's `activation` (default: ops.quant.default_activation()) is every QuantLinear's,
+    recorded on the model; INT8 runs the kernel it names and stays close to the exact weights'
+    logits (8-bit activations err by ~0.4% of each 32-value block's largest |x|)."""
+    _quant_op()
+    import specdec_inductor
+    from specdec_inductor.ops.quant import QuantActivation, default_activation
+    default, tokenizer = load_gguf(tiny["qwen2"])
+    assert default.quant_activation == default_activation().name
+    exact, _ = load_gguf(tiny["qwen2"], activation=QuantActivation.FLOAT)
+    int8, _ = load_gguf(tiny["qwen2"], activation=QuantActivation.INT8)
+    for model, mode in ((exact, "FLOAT"), (int8, "INT8")):
+        assert model.quant_activation == mode
+        assert {m.activation.name for m in model.modules() if isinstance(m, QuantLinear)} == {mode}
+    specdec_inductor.reset_kernel_path_counts()
+    got, ref = _logits(int8, tokenizer, PROMPTS[0]), _logits(exact, tokenizer, PROMPTS[0])
+    assert any(k.startswith("quant_linear_int8:") for k in specdec_inductor.kernel_path_counts())
+    assert not torch.equal(got, ref)  # the activations really were rounded
+    assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
+    dense, _ = load_gguf(tiny["qwen2"], dequantize=True)
+    assert dense.quant_activation is None

@@ -123,7 +123,7 @@ def test_cli_dequantize_reaches_the_loader(monkeypatch):
     from specdec_inductor import cli
     seen = []
 
-    def fake_load(path, dtype, dequantize=None):
+    def fake_load(path, dtype, dequantize=None, quant_activation=None):
         seen.append((path, dequantize))
         raise SystemExit("loaded")
     monkeypatch.setattr("specdec_inductor.engine.hf.load_model", fake_load)

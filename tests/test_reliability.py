@@ -76,7 +76,7 @@ def fake_model(monkeypatch):
     the tokenizer's eos id (the tokens the tiny model emits are known only after a run)."""
     model = tiny_model()
     tok = ByteTokenizer()
-    monkeypatch.setattr("specdec_inductor.engine.hf.load_model", lambda path, dtype, dequantize=None: (model, tok))
+    monkeypatch.setattr("specdec_inductor.engine.hf.load_model", lambda path, dtype, **kw: (model, tok))
     monkeypatch.delenv("SPECDEC_EAGER", raising=False)
     return model, tok
 
@@ -364,7 +364,7 @@ def test_training_stops_when_it_diverges(tmp_path):
 def test_standalone_draft_with_another_vocabulary_is_named(monkeypatch, tmp_path):
     target, draft = tiny_model(0), tiny_model(1, vocab=64)
     monkeypatch.setattr("specdec_inductor.engine.hf.load_model",
-                        lambda path, dtype, dequantize=None: (draft if path else target, ByteTokenizer()))
+                        lambda path, dtype, **kw: (draft if path else target, ByteTokenizer()))
     monkeypatch.delenv("SPECDEC_EAGER", raising=False)
     with pytest.raises(SystemExit, match=f"--draft-model: the draft model {tmp_path} has a "
                                          "vocabulary of 64 tokens, the target 96"):

@@ -62,23 +62,26 @@ class QuantLinear(nn.Module):
     """y = x @ W^T + b with W kept in a GGUF quant format: `weight` is uint8 [N, row_bytes],
     the file's bytes (never written; often a read-only mmap view)."""
 
-    def __init__(self, weight: Tensor, fmt, in_features: int, bias: Optional[Tensor] = None):
+    def __init__(self, weight: Tensor, fmt, in_features: int, bias: Optional[Tensor] = None,
+                 activation=None):
         super().__init__()
-        from specdec_inductor.ops.quant import QuantFormat
+        from specdec_inductor.ops.quant import QuantActivation, QuantFormat, default_activation
         self.fmt = QuantFormat(int(fmt))
+        # FLOAT: exact fp32 math; INT8: llama.cpp-style 8-bit activations (ops/quant.py).
+        self.activation = default_activation() if activation is None else QuantActivation(int(activation))
         self.in_features, self.out_features = in_features, weight.shape[0]
         self.register_buffer("weight", weight, persistent=False)  # [N, row_bytes] uint8
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         from specdec_inductor.ops.quant import quant_linear
-        return quant_linear(x, self.weight, self.fmt, self.bias)
+        return quant_linear(x, self.weight, self.fmt, self.bias, activation=self.activation)
 
     def select_rows(self, index: Tensor) -> "QuantLinear":
         """The layer restricted to output rows `index` (a draft vocabulary's LM head): rows are
         whole quant blocks, so this is exact and stays quantized (a copy of those rows)."""
         return QuantLinear(self.weight[index], self.fmt, self.in_features,
-                           None if self.bias is None else self.bias[index])
+                           None if self.bias is None else self.bias[index], self.activation)
 
     def dequantized_weight(self) -> Tensor:
         """The exact fp32 weight [N, K] (a new tensor; for code that needs dense rows)."""
@@ -87,7 +90,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"fmt={self.fmt.name}, bias={self.bias is not None}")
+                f"fmt={self.fmt.name}, activation={self.activation.name}, "
+                f"bias={self.bias is not None}")
 
 
 class QuantEmbedding(nn.Module):
@@ -269,14 +273,17 @@ def _set(model, name: str, module_or_tensor) -> None:
         owner._parameters[child] = nn.Parameter(module_or_tensor, requires_grad=False)
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = False):
+def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = False,
+              activation=None):
     """(model, tokenizer) in eval mode from a llama or qwen2 GGUF file.
 
     Quantized tensors stay in their GGUF format (QuantLinear / QuantEmbedding over the mapped
     file, which must stay in place while the model lives) unless `dequantize`, which makes every
     weight a dense `dtype` tensor. Dense GGUF tensors (norms, biases, F16 weights) load in
     `dtype`. A GGUF without output.weight (tied embeddings) gets an LM head over the
-    embedding's own bytes. `model.quantized_formats` counts the tensors kept per format."""
+    embedding's own bytes. `model.quantized_formats` counts the tensors kept per format.
+    `activation`: the QuantLinear layers' QuantActivation (None: ops.quant.default_activation(),
+    INT8 where its VNNI kernel runs, else FLOAT); `model.quant_activation` records it."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
     if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
@@ -352,12 +359,13 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
             _set(model, module_name, QuantEmbedding(weight, fmt, k, dtype))
             embedding_bytes = (weight, fmt)
         else:
-            _set(model, module_name, QuantLinear(weight, fmt, k, bias_t))
+            _set(model, module_name, QuantLinear(weight, fmt, k, bias_t, activation))
     if "output.weight" not in tensors:
         # Tied embeddings: the LM head reads the embedding table (the same bytes, no copy).
         embed = model.model.embed_tokens
         if isinstance(embed, QuantEmbedding):
-            model.lm_head = QuantLinear(embed.weight, embed.fmt, embed.embedding_dim)
+            model.lm_head = QuantLinear(embed.weight, embed.fmt, embed.embedding_dim,
+                                        activation=activation)
         else:
             model.lm_head.weight = embed.weight
     missing = [n for n, p in model.named_parameters() if p.is_meta]
@@ -365,6 +373,8 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
     if missing:
         raise ValueError(f"argument 'path': the GGUF lacks tensors for {', '.join(missing[:4])}")
     model.quantized_formats = dict(formats)
+    acts = {m.activation.name for m in model.modules() if isinstance(m, QuantLinear)}
+    model.quant_activation = acts.pop() if len(acts) == 1 else None  # None: dense model
     model.gguf_path = path
     model.eval()
     return model, tokenizer
