@@ -34,6 +34,7 @@ import specdec_inductor
 from specdec_inductor.cli import encode, shipped_head
 from specdec_inductor.engine.engine import Engine, GenerationStats
 from specdec_inductor.engine.hf import load_model
+from specdec_inductor.ops.quant import QuantActivation
 from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK
 from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
 from specdec_inductor.proposers.ngram import NgramProposer
@@ -133,7 +134,8 @@ def build_methods(args, model, engine):
         elif name == "standalone":
             if not args.draft_model:
                 raise SystemExit("--methods standalone needs --draft-model")
-            draft, _ = load_model(args.draft_model, torch.float32)
+            draft, _ = load_model(args.draft_model, torch.float32, dequantize=args.dequantize,
+                                  quant_activation=args.act)
             draft_engine = Engine(draft, max_batch=1, max_len=args.max_len, compile=not args.eager)
             k = min(args.num_draft_tokens, 5)
             methods[f"STANDALONE {args.draft_model} N={k}"] = SpeculativeGenerator(
@@ -168,6 +170,8 @@ def main():
     p.add_argument("--eager", action="store_true")
     p.add_argument("--dequantize", action="store_true",
                    help="ours on the fp32-dequantized weights instead of the quantized blocks")
+    p.add_argument("--quant-activations", choices=["float", "int8"], default="float",
+                   help="our quantized layers' activations (ops.quant.QuantActivation)")
     p.add_argument("--llamacpp-bin", default=None, help="llama.cpp bin dir (default: build it)")
     p.add_argument("--no-llamacpp", action="store_true")
     args = p.parse_args()
@@ -178,11 +182,13 @@ def main():
         raise SystemExit("--repeats must be >= 1")
     threads = torch.get_num_threads()
     target_file = model_file(args.model)
+    args.act = QuantActivation[args.quant_activations.upper()]
     draft_file = model_file(args.draft_model) if args.draft_model else None
 
     rss0 = rss_bytes()
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model, torch.float32, dequantize=args.dequantize)
+    model, tokenizer = load_model(args.model, torch.float32, dequantize=args.dequantize,
+                                  quant_activation=args.act)
     load_s = time.perf_counter() - t0
     engine = Engine(model, max_batch=1, max_len=args.max_len, compile=not args.eager,
                     prefill_chunk=64)
@@ -192,7 +198,8 @@ def main():
     first_token_s = time.perf_counter() - t0
     rss = rss_bytes() - rss0  # the target and its engine only (before any draft is loaded)
     print(f"# target {args.model or 'smollm2-135m'} ({os.path.getsize(target_file) / 1e6:.0f} MB "
-          f"GGUF{', dequantized to fp32' if args.dequantize else ''}); {threads} threads, ISA "
+          f"GGUF{', dequantized to fp32' if args.dequantize else ''}, activations "
+          f"{getattr(model, 'quant_activation', None)}); {threads} threads, ISA "
           f"{specdec_inductor.active_isa()}, torch {torch.__version__}; {args.max_new_tokens} new "
           f"tokens, greedy, eos ignored; medians of {args.repeats}")
     print(f"# load {load_s:.1f} s; first token {first_token_s:.1f} s after the load started "

@@ -96,18 +96,17 @@ def _check_model_arg(value: Optional[str]) -> Optional[str]:
 
 
 def load_checked(path: Optional[str], dtype: torch.dtype, dequantize: bool = False,
-                 quant_activation: str = "auto"):
+                 quant_activation: str = "float"):
     """hf.load_model, with a damaged safetensors file (a truncated conversion cache, an
     interrupted download) reported by name with what to do, not as a raw traceback; a named
     model that was never fetched ends with the command that fetches it. `dequantize`: GGUF
     tensors become dense weights of `dtype` (default: kept quantized, except the default model,
-    see hf.DEFAULT_QUANTIZED); `quant_activation`: auto | float | int8 (ops.quant.QuantActivation)."""
+    see hf.DEFAULT_QUANTIZED); `quant_activation`: float | int8 (ops.quant.QuantActivation)."""
     from specdec_inductor.engine.hf import load_model
     try:
         from specdec_inductor.ops.quant import QuantActivation
-        act = None if quant_activation == "auto" else QuantActivation[quant_activation.upper()]
         return load_model(path, dtype, dequantize=True if dequantize else None,
-                          quant_activation=act)
+                          quant_activation=QuantActivation[quant_activation.upper()])
     except FileNotFoundError as exc:
         if path in known_models():
             raise SystemExit(f"specdec: {exc}")
@@ -595,11 +594,12 @@ def make_parser() -> argparse.ArgumentParser:
                        help="GGUF models: dequantize the quantized tensors into dense --dtype "
                             "weights once at load (more memory; default: the GEMVs read the "
                             "file's quantized blocks)")
-        p.add_argument("--quant-activations", choices=["auto", "float", "int8"], default="auto",
-                       help="quantized layers: int8 quantizes activations per 32 values and "
-                            "runs integer dot products (as llama.cpp; AVX-512 VNNI), float "
-                            "multiplies them in fp32 with the exact weights; auto: int8 where "
-                            "the VNNI kernel runs, else float")
+        p.add_argument("--quant-activations", choices=["float", "int8"], default="float",
+                       help="quantized layers: float (default) multiplies in fp32 with the exact "
+                            "weights; int8 quantizes activations per 32 values and runs integer "
+                            "dot products as llama.cpp does (faster decode on AVX-512 VNNI; the "
+                            "8-bit rounding can make speculative greedy output differ from plain "
+                            "greedy)")
         p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
         p.add_argument("--max-new-tokens", type=int, default=64)
         p.add_argument("--max-len", type=int, default=512)

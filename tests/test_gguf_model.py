@@ -277,14 +277,14 @@ def test_load_model_dispatch(monkeypatch):
 
 
 def test_activation_mode_reaches_every_quantized_layer(tiny):
-    """load_gguf's `activation` (default: ops.quant.default_activation()) is every QuantLinear's,
-    recorded on the model; INT8 runs the kernel it names and stays close to the exact weights'
-    logits (8-bit activations err by ~0.4% of each 32-value block's largest |x|)."""
+    """load_gguf's `activation` (default FLOAT) is every QuantLinear's, recorded on the model;
+    INT8 runs the kernel it names and stays close to the exact weights' logits (8-bit
+    activations err by ~0.4% of each 32-value block's largest |x|)."""
     _quant_op()
     import specdec_inductor
-    from specdec_inductor.ops.quant import QuantActivation, default_activation
+    from specdec_inductor.ops.quant import QuantActivation, int8_path
     default, tokenizer = load_gguf(tiny["qwen2"])
-    assert default.quant_activation == default_activation().name
+    assert default.quant_activation == "FLOAT"
     exact, _ = load_gguf(tiny["qwen2"], activation=QuantActivation.FLOAT)
     int8, _ = load_gguf(tiny["qwen2"], activation=QuantActivation.INT8)
     for model, mode in ((exact, "FLOAT"), (int8, "INT8")):
@@ -292,7 +292,7 @@ def test_activation_mode_reaches_every_quantized_layer(tiny):
         assert {m.activation.name for m in model.modules() if isinstance(m, QuantLinear)} == {mode}
     specdec_inductor.reset_kernel_path_counts()
     got, ref = _logits(int8, tokenizer, PROMPTS[0]), _logits(exact, tokenizer, PROMPTS[0])
-    assert any(k.startswith("quant_linear_int8:") for k in specdec_inductor.kernel_path_counts())
+    assert f"quant_linear_int8:{int8_path()}" in specdec_inductor.kernel_path_counts()
     assert not torch.equal(got, ref)  # the activations really were rounded
     assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
     dense, _ = load_gguf(tiny["qwen2"], dequantize=True)

@@ -65,10 +65,12 @@ class QuantLinear(nn.Module):
     def __init__(self, weight: Tensor, fmt, in_features: int, bias: Optional[Tensor] = None,
                  activation=None):
         super().__init__()
-        from specdec_inductor.ops.quant import QuantActivation, QuantFormat, default_activation
+        from specdec_inductor.ops.quant import QuantActivation, QuantFormat
         self.fmt = QuantFormat(int(fmt))
-        # FLOAT: exact fp32 math; INT8: llama.cpp-style 8-bit activations (ops/quant.py).
-        self.activation = default_activation() if activation is None else QuantActivation(int(activation))
+        # FLOAT (default): exact fp32 math on the exact weights; INT8: llama.cpp-style 8-bit
+        # activations, faster, but a rounding step that verify and decode rows can fall on
+        # differently (ops/quant.py).
+        self.activation = QuantActivation(int(activation or 0))
         self.in_features, self.out_features = in_features, weight.shape[0]
         self.register_buffer("weight", weight, persistent=False)  # [N, row_bytes] uint8
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -282,8 +284,8 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
     weight a dense `dtype` tensor. Dense GGUF tensors (norms, biases, F16 weights) load in
     `dtype`. A GGUF without output.weight (tied embeddings) gets an LM head over the
     embedding's own bytes. `model.quantized_formats` counts the tensors kept per format.
-    `activation`: the QuantLinear layers' QuantActivation (None: ops.quant.default_activation(),
-    INT8 where its VNNI kernel runs, else FLOAT); `model.quant_activation` records it."""
+    `activation`: the QuantLinear layers' QuantActivation (None: FLOAT, exact weights and fp32
+    products; INT8: 8-bit activations as llama.cpp); `model.quant_activation` records it."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
     if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):

