@@ -344,6 +344,12 @@ void linear_rows(const QuantLinearInt8Block& b) {
       rows[j] = j < nw ? buf + j * steps : buf;
       if (j < nw) decode_into(n + j, buf + j * steps);
     }
+    // The next group's weight bytes into L2 while this group's dot products run: a weight
+    // stream from memory (the LM head) then overlaps its latency with the compute.
+    if (n + 2 * NB <= b.n_end) {
+      const char* next = reinterpret_cast<const char*>(b.w + (n + NB) * b.w_stride);
+      for (int64_t off = 0; off < NB * b.w_stride; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+    }
     for (int64_t m = 0; m < b.x.M;) {
       const int64_t left = b.x.M - m;
       const int mb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
