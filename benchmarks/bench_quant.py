@@ -9,7 +9,7 @@ to 8 bits per 32 values, integer dot products: the AVX-512 VNNI kernel where the
 the INT8 columns give its rate and its speedup over FLOAT and over F.linear.
 
     python benchmarks/bench_quant.py [--rows 1,8,16] [--repeats 7] [--path avx512] [--no-head]
-                                     [--threads 1]
+                                     [--threads 1] [--formats Q4_K,Q6_K] [--shapes 8960x1536]
 
 On a machine shared with other jobs, --threads 1 gives steadier numbers (an OpenMP barrier can
 wait a whole scheduler slice for a descheduled worker); the bandwidth probe then uses one thread
@@ -79,10 +79,14 @@ def main():
     ap.add_argument("--path", default=None, help="force an ISA path (default: the active one)")
     ap.add_argument("--no-head", action="store_true", help="skip the LM-head shapes (N > 40000)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--formats", default=None, help="only these formats, e.g. Q4_K,Q6_K")
+    ap.add_argument("--shapes", default=None, help="only these NxK shapes, e.g. 8960x1536,1536x8960")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
+    formats = None if args.formats is None else [QuantFormat[f] for f in args.formats.split(",")]
+    shapes = None if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     if args.path:
         specdec_inductor.set_active_isa(args.path)
     bw = read_bandwidth_gbs()
@@ -96,6 +100,8 @@ def main():
           f"{'FLOAT':>7} {'INT8':>7}")
     for fmt, n, k in CASES:
         if args.no_head and n > 40000:
+            continue
+        if (formats is not None and fmt not in formats) or (shapes is not None and (n, k) not in shapes):
             continue
         w = random_weight(fmt, n, k)  # [N, row_bytes]
         w_dq = quant_dequantize(w, fmt)  # [N, K] fp32

@@ -1,8 +1,9 @@
 // AVX-512 VNNI kernel of quant_linear with INT8 activations (quant_isa.h has the definition).
 // Built with -mavx512vnni and called only when cpu_has_avx512_vnni(): an AVX-512 CPU without
 // VNNI (Skylake-X) never reaches this file. One row of x (decode): each weight row is decoded in
-// registers and consumed at once; several rows: weight rows are decoded in pairs into a per-thread
-// buffer and multiplied into 4 rows of x at a time. Every 64 weights become 64 unsigned bytes (the stored quant, plus the format's offset for
+// registers and consumed at once; several rows: weight rows are decoded 4 at a time (2 for the
+// formats with min accumulators) into a per-thread buffer and multiplied into 4 rows of x at a
+// time. Every 64 weights become 64 unsigned bytes (the stored quant, plus the format's offset for
 // the signed ones), one vpdpbusd per row of x multiplies them into the row's 64 int8 quants
 // (16 int32 lanes of 4 products, started at -offset * the lane's quant sum, so each lane holds
 // its exact integer dot), and the lanes are scaled into fp32 lane accumulators. A (x row, weight
@@ -229,51 +230,58 @@ struct Step {
   __m512 scale, mn;
 };
 
-// out0[i], out1[i] = rows a, b . x[m0 + i] for MB rows of x, from decoded steps: each load of x
-// feeds both weight rows. The operations on one (x row, weight row) pair are exactly those of
-// dot_rows (same values, accumulators, order and reduction): batch invariance.
-template <int MB, bool kHasMin, bool kBlockMin, bool kOffset>
-inline void dot_rows2(const Step* a, const Step* b, const QuantizedX& X, int64_t m0, float* out0,
-                      float* out1) {
+// out[j * 4 + i] = weight row w[j] . x[m0 + i] for MB rows of x and NB weight rows, from decoded
+// steps: each load of x feeds all NB weight rows, each step of a weight row all MB rows of x.
+// The operations on one (x row, weight row) pair are exactly those of dot_rows (same values,
+// accumulators, order and reduction): batch invariance. The once-per-256-weights block-min FMAs
+// sit outside the per-step loop (their own accumulators, so the order is unchanged).
+template <int MB, int NB, bool kHasMin, bool kBlockMin, bool kOffset>
+inline void dot_rows_n(const Step* const* w, const QuantizedX& X, int64_t m0, float* out) {
   const int64_t lanes = X.Kp / 4;
-  __m512 acc_a[MB], min_a[MB], acc_b[MB], min_b[MB];
-  __m256 block_a[MB], block_b[MB];
-  for (int i = 0; i < MB; ++i) acc_a[i] = min_a[i] = acc_b[i] = min_b[i] = _mm512_setzero_ps();
-  for (int i = 0; i < MB; ++i) block_a[i] = block_b[i] = _mm256_setzero_ps();
+  __m512 acc[NB][MB], mins[NB][MB];
+  __m256 block[NB][MB];
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MB; ++i) {
+      acc[j][i] = mins[j][i] = _mm512_setzero_ps();
+      block[j][i] = _mm256_setzero_ps();
+    }
   const float* block_d_sum = X.block_d_sum + m0 * (X.Kp / 32);
   const int8_t* q = X.q + m0 * X.Kp;
   const float* d = X.d + m0 * lanes;
   const float* d_sum = X.d_sum + m0 * lanes;
   const int32_t* neg = X.neg_offset_sum + m0 * lanes;
-  for (int64_t k = 0, c = 0; k < X.K; k += 64, ++c) {
-    const __m512i ua = a[c].u, ub = b[c].u;
-    const __m512 sa = a[c].scale, sb = b[c].scale;
+  const auto step = [&](int64_t k, int64_t c) {
     for (int i = 0; i < MB; ++i) {
       const __m512i qx = _mm512_loadu_si512(q + i * X.Kp + k);
       const __m512i start = kOffset ? _mm512_loadu_si512(neg + i * lanes + k / 4) : _mm512_setzero_si512();
       const __m512 dx = _mm512_loadu_ps(d + i * lanes + k / 4);
-      acc_a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, ua, qx)), _mm512_mul_ps(sa, dx), acc_a[i]);
-      acc_b[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, ub, qx)), _mm512_mul_ps(sb, dx), acc_b[i]);
+      for (int j = 0; j < NB; ++j)
+        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[j][c].u, qx)),
+                                    _mm512_mul_ps(w[j][c].scale, dx), acc[j][i]);
       if (kHasMin) {
         const __m512 ds = _mm512_loadu_ps(d_sum + i * lanes + k / 4);
-        min_a[i] = _mm512_fmadd_ps(ds, a[c].mn, min_a[i]);
-        min_b[i] = _mm512_fmadd_ps(ds, b[c].mn, min_b[i]);
+        for (int j = 0; j < NB; ++j) mins[j][i] = _mm512_fmadd_ps(ds, w[j][c].mn, mins[j][i]);
       }
-      if (kBlockMin && k % 256 == 0) {
+    }
+  };
+  if (kBlockMin) {
+    // K formats: K % 256 == 0, so the steps come in whole blocks of 4.
+    for (int64_t k = 0, c = 0; k < X.K; k += 256, c += 4) {
+      for (int i = 0; i < MB; ++i) {
         const __m256 bs = _mm256_loadu_ps(block_d_sum + i * (X.Kp / 32) + k / 32);
-        block_a[i] = _mm256_fmadd_ps(bs, _mm512_castps512_ps256(a[c].mn), block_a[i]);
-        block_b[i] = _mm256_fmadd_ps(bs, _mm512_castps512_ps256(b[c].mn), block_b[i]);
+        for (int j = 0; j < NB; ++j)
+          block[j][i] = _mm256_fmadd_ps(bs, _mm512_castps512_ps256(w[j][c].mn), block[j][i]);
       }
+      for (int t = 0; t < 4; ++t) step(k + 64 * t, c + t);
     }
+  } else {
+    for (int64_t k = 0, c = 0; k < X.K; k += 64, ++c) step(k, c);
   }
-  for (int i = 0; i < MB; ++i) {
-    if (kBlockMin) {
-      min_a[i] = _mm512_zextps256_ps512(block_a[i]);
-      min_b[i] = _mm512_zextps256_ps512(block_b[i]);
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MB; ++i) {
+      if (kBlockMin) mins[j][i] = _mm512_zextps256_ps512(block[j][i]);  // upper lanes: 0
+      out[j * 4 + i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][i], mins[j][i]));
     }
-    out0[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc_a[i], min_a[i]));
-    out1[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc_b[i], min_b[i]));
-  }
 }
 
 // Per-thread buffer of decoded steps (64-byte aligned, grows only).
@@ -305,8 +313,10 @@ inline void store_outputs(const QuantLinearInt8Block& b, int64_t m, int mb, int6
 }
 
 // One row of x (decode): each weight row is decoded in registers and consumed at once. Several
-// rows (verify, prefill): weight rows are decoded in pairs into a per-thread buffer, then
-// multiplied into 4 rows of x at a time (dot_rows2). Both give the same bits per output.
+// rows (verify, prefill): NB weight rows are decoded into a per-thread buffer, then multiplied
+// into 4 rows of x at a time (dot_rows_n). Both give the same bits per output. The pass is bound
+// by the 4 vector ops per (x row, weight row, 64 weights) (vpdpbusd, convert, scale multiply,
+// FMA), not by memory: NB = 4 only spares loads of x (Q6_K / Q8_0 M = 8: -20%).
 template <class Rows, bool kOffset>
 void linear_rows(const QuantLinearInt8Block& b) {
   if (b.x.M == 1) {
@@ -317,33 +327,39 @@ void linear_rows(const QuantLinearInt8Block& b) {
     }
     return;
   }
+  // NB weight rows decoded per pass: 4 where the registers allow (no min accumulators), else 2.
+  constexpr int NB = Rows::kHasMin || Rows::kBlockMin ? 2 : 4;
   const int64_t steps = b.x.Kp / 64;
-  Step* buf = t_steps.get(2 * steps);
+  Step* buf = t_steps.get(NB * steps);
   auto decode_into = [&b](int64_t n, Step* dst) {
     Rows::row(b.w + n * b.w_stride, b.x.K, [dst](int64_t k, __m512i u, __m512 scale, __m512 mn) {
       dst[k / 64] = Step{u, scale, mn};
     });
   };
-  for (int64_t n = b.n_begin; n < b.n_end; n += 2) {
-    const bool pair = n + 1 < b.n_end;
-    decode_into(n, buf);
-    // An unpaired last row runs against a copy of itself (its second result is dropped).
-    Step* second = buf;
-    if (pair) {
-      second = buf + steps;
-      decode_into(n + 1, second);
+  for (int64_t n = b.n_begin; n < b.n_end; n += NB) {
+    const int nw = b.n_end - n < NB ? static_cast<int>(b.n_end - n) : NB;
+    // Missing rows of the last group run against a copy of the first (their results dropped).
+    const Step* rows[NB];
+    for (int j = 0; j < NB; ++j) {
+      rows[j] = j < nw ? buf + j * steps : buf;
+      if (j < nw) decode_into(n + j, buf + j * steps);
+    }
+    // The next group's weight bytes into L2 while this group's dot products run: a weight
+    // stream from memory (the LM head) then overlaps its latency with the compute.
+    if (n + 2 * NB <= b.n_end) {
+      const char* next = reinterpret_cast<const char*>(b.w + (n + NB) * b.w_stride);
+      for (int64_t off = 0; off < NB * b.w_stride; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
     }
     for (int64_t m = 0; m < b.x.M;) {
       const int64_t left = b.x.M - m;
       const int mb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-      float out0[4], out1[4];
+      float out[NB * 4];
       switch (mb) {
-        case 4: dot_rows2<4, Rows::kHasMin, Rows::kBlockMin, kOffset>(buf, second, b.x, m, out0, out1); break;
-        case 2: dot_rows2<2, Rows::kHasMin, Rows::kBlockMin, kOffset>(buf, second, b.x, m, out0, out1); break;
-        default: dot_rows2<1, Rows::kHasMin, Rows::kBlockMin, kOffset>(buf, second, b.x, m, out0, out1); break;
+        case 4: dot_rows_n<4, NB, Rows::kHasMin, Rows::kBlockMin, kOffset>(rows, b.x, m, out); break;
+        case 2: dot_rows_n<2, NB, Rows::kHasMin, Rows::kBlockMin, kOffset>(rows, b.x, m, out); break;
+        default: dot_rows_n<1, NB, Rows::kHasMin, Rows::kBlockMin, kOffset>(rows, b.x, m, out); break;
       }
-      store_outputs(b, m, mb, n, out0);
-      if (pair) store_outputs(b, m, mb, n + 1, out1);
+      for (int j = 0; j < nw; ++j) store_outputs(b, m, mb, n + j, out + 4 * j);
       m += mb;
     }
   }
