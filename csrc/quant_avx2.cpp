@@ -277,29 +277,15 @@ void dequantize_row(const uint8_t* row, int64_t K, float* out) {
 }  // namespace
 
 void quant_linear_avx2(const QuantLinearBlock& b) {
-  switch (b.fmt) {
-    case QuantFmt::Q4_0: linear_rows<Q4_0Rows>(b); break;
-    case QuantFmt::Q4_1: linear_rows<Q4_1Rows>(b); break;
-    case QuantFmt::Q5_0: linear_rows<Q5_0Rows>(b); break;
-    case QuantFmt::Q5_1: linear_rows<Q5_1Rows>(b); break;
-    case QuantFmt::Q8_0: linear_rows<Q8_0Rows>(b); break;
-    case QuantFmt::Q4_K: linear_rows<QK45Rows<false>>(b); break;
-    case QuantFmt::Q5_K: linear_rows<QK45Rows<true>>(b); break;
-    case QuantFmt::Q6_K: linear_rows<Q6_KRows>(b); break;
-  }
+#define SPECDEC_LINEAR_ROWS(Rows) linear_rows<Rows>(b)
+  SPECDEC_QUANT_FLOAT_DISPATCH(b.fmt, SPECDEC_LINEAR_ROWS)
+#undef SPECDEC_LINEAR_ROWS
 }
 
 void quant_dequantize_row_avx2(QuantFmt fmt, const uint8_t* row, int64_t K, float* out) {
-  switch (fmt) {
-    case QuantFmt::Q4_0: dequantize_row<Q4_0Rows>(row, K, out); break;
-    case QuantFmt::Q4_1: dequantize_row<Q4_1Rows>(row, K, out); break;
-    case QuantFmt::Q5_0: dequantize_row<Q5_0Rows>(row, K, out); break;
-    case QuantFmt::Q5_1: dequantize_row<Q5_1Rows>(row, K, out); break;
-    case QuantFmt::Q8_0: dequantize_row<Q8_0Rows>(row, K, out); break;
-    case QuantFmt::Q4_K: dequantize_row<QK45Rows<false>>(row, K, out); break;
-    case QuantFmt::Q5_K: dequantize_row<QK45Rows<true>>(row, K, out); break;
-    case QuantFmt::Q6_K: dequantize_row<Q6_KRows>(row, K, out); break;
-  }
+#define SPECDEC_DEQUANTIZE_ROW(Rows) dequantize_row<Rows>(row, K, out)
+  SPECDEC_QUANT_FLOAT_DISPATCH(fmt, SPECDEC_DEQUANTIZE_ROW)
+#undef SPECDEC_DEQUANTIZE_ROW
 }
 
 }  // namespace specdec

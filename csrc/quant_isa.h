@@ -152,4 +152,19 @@ void quant_quantize_x_avx512vnni(const float* x, int64_t K, int offset, int64_t 
                                  float* d, float* d_sum, float* block_d_sum,
                                  int32_t* neg_offset_sum, int64_t m_begin, int64_t m_end);
 
+// The FLOAT kernels' format dispatch, written once for the AVX2 and AVX-512 units: each unit
+// defines its own row types (Q4_0Rows ... Q6_KRows, QK45Rows<is_q5>) under these names and
+// calls CALL(RowsType) for `fmt`.
+#define SPECDEC_QUANT_FLOAT_DISPATCH(fmt, CALL)            \
+  switch (fmt) {                                           \
+    case QuantFmt::Q4_0: CALL(Q4_0Rows); break;            \
+    case QuantFmt::Q4_1: CALL(Q4_1Rows); break;            \
+    case QuantFmt::Q5_0: CALL(Q5_0Rows); break;            \
+    case QuantFmt::Q5_1: CALL(Q5_1Rows); break;            \
+    case QuantFmt::Q8_0: CALL(Q8_0Rows); break;            \
+    case QuantFmt::Q4_K: CALL(QK45Rows<false>); break;     \
+    case QuantFmt::Q5_K: CALL(QK45Rows<true>); break;      \
+    case QuantFmt::Q6_K: CALL(Q6_KRows); break;            \
+  }
+
 }  // namespace specdec
