@@ -11,6 +11,7 @@
 namespace specdec {
 void bind_ngram(pybind11::module& m);  // ngram.cpp
 void bind_linear_pack(pybind11::module& m);  // linear.cpp
+void bind_quant(pybind11::module& m);  // quant.cpp
 }
 
 TORCH_LIBRARY(specdec, m) {
@@ -54,14 +55,6 @@ PYBIND11_MODULE(_C, m) {
         "Path the kernels use now (SPECDEC_ISA or the best supported one).");
   m.def("set_active_isa", [](const std::string& name) { set_active_isa(isa_from_name(name)); },
         "Force a path; raises ValueError if this machine or build cannot run it.");
-  m.def("quant_int8_path", [] {
-    // The path quant_linear's INT8 activations take now: the VNNI kernel needs it built, the
-    // CPU's avx512_vnni and an active path of AVX-512 or better; else the portable loops.
-#ifdef SPECDEC_BUILT_AVX512VNNI
-    if (active_isa() >= Isa::AVX512 && cpu_has_avx512_vnni()) return std::string("avx512");
-#endif
-    return std::string("portable");
-  }, "Path of quant_linear with INT8 activations now: 'avx512' (VNNI) or 'portable'.");
   m.def("kernel_path_counts", &kernel_path_counts, "Calls per '<op>:<path>' since the last reset.");
   m.def("reset_kernel_path_counts", &reset_kernel_path_counts);
   m.def("peak_multiply_adds", [](bool bf16, int64_t iters) -> double {
@@ -103,4 +96,5 @@ PYBIND11_MODULE(_C, m) {
   }, "The path peak_multiply_adds(bf16) runs now ('' when none).");
   bind_ngram(m);
   bind_linear_pack(m);
+  bind_quant(m);
 }

@@ -292,6 +292,15 @@ Isa quant_path() {
   return Isa::PORTABLE;
 }
 
+// The INT8 path: the VNNI kernel where it was built, the CPU has avx512_vnni and AVX-512 or
+// better is active; the portable loops otherwise (also what _C.quant_int8_path() reports).
+Isa quant_int8_path() {
+#ifdef SPECDEC_BUILT_AVX512VNNI
+  if (active_isa() >= Isa::AVX512 && cpu_has_avx512_vnni()) return Isa::AVX512;
+#endif
+  return Isa::PORTABLE;
+}
+
 using DequantizeRowFn = void (*)(QuantFmt, const uint8_t*, int64_t, float*);
 
 DequantizeRowFn dequantize_row_for(Isa isa) {
@@ -340,6 +349,17 @@ int64_t row_grain(int64_t item_bytes, int64_t M) {
   return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, item_bytes * std::max<int64_t>(1, M)));
 }
 
+// Output rows [0, N) in blocks of 8 across threads: fn(n_begin, n_end) per chunk, the chunk
+// sized by row_grain (FLOAT and INT8 split alike).
+template <class Fn>
+void for_row_blocks(int64_t N, int64_t row_bytes, int64_t M, const Fn& fn) {
+  constexpr int64_t kRowBlock = 8;
+  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, blocks, row_grain(kRowBlock * row_bytes, M), [&](int64_t begin, int64_t end) {
+    fn(begin * kRowBlock, std::min(N, end * kRowBlock));
+  });
+}
+
 // y [M, N] = x2 [M, K] W^T + bias with INT8 activations (quant_isa.h). Returns the path that ran.
 Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fmt,
                       const float* bias, at::Tensor& y, int64_t row_bytes) {
@@ -351,10 +371,7 @@ Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fm
   at::Tensor d_sum = at::empty({M, Kp / 4}, x2.options());                       // [M, Kp/4]
   at::Tensor block_d_sum = at::empty({M, Kp / 32}, x2.options());                // [M, Kp/32]
   at::Tensor neg_offset_sum = at::empty({M, Kp / 4}, x2.options().dtype(at::kInt));  // [M, Kp/4]
-  Isa isa = Isa::PORTABLE;
-#ifdef SPECDEC_BUILT_AVX512VNNI
-  if (active_isa() >= Isa::AVX512 && cpu_has_avx512_vnni()) isa = Isa::AVX512;
-#endif
+  const Isa isa = quant_int8_path();
   at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 16) / K), [&](int64_t begin, int64_t end) {
 #ifdef SPECDEC_BUILT_AVX512VNNI
     if (isa == Isa::AVX512) {
@@ -375,12 +392,10 @@ Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fm
        block_d_sum.const_data_ptr<float>(), neg_offset_sum.const_data_ptr<int32_t>()},
       static_cast<const uint8_t*>(weight.const_data_ptr()), weight.stride(0), bias,
       y.data_ptr<float>(), N, 0, 0};
-  constexpr int64_t kRowBlock = 8;
-  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, blocks, row_grain(kRowBlock * row_bytes, M), [&](int64_t begin, int64_t end) {
+  for_row_blocks(N, row_bytes, M, [&](int64_t n_begin, int64_t n_end) {
     QuantLinearInt8Block part = blk;
-    part.n_begin = begin * kRowBlock;
-    part.n_end = std::min(N, end * kRowBlock);
+    part.n_begin = n_begin;
+    part.n_end = n_end;
 #ifdef SPECDEC_BUILT_AVX512VNNI
     if (isa == Isa::AVX512) {
       quant_linear_int8_avx512vnni(part);
@@ -439,12 +454,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t f
                            static_cast<const uint8_t*>(weight.const_data_ptr()), weight.stride(0),
                            b32.defined() ? b32.const_data_ptr<float>() : nullptr,
                            y.data_ptr<float>(), N, 0, 0};
-      constexpr int64_t kRowBlock = 8;
-      const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
-      at::parallel_for(0, blocks, row_grain(kRowBlock * row_bytes, rows), [&](int64_t begin, int64_t end) {
+      for_row_blocks(N, row_bytes, rows, [&](int64_t n_begin, int64_t n_end) {
         QuantLinearBlock part = blk;
-        part.n_begin = begin * kRowBlock;
-        part.n_end = std::min(N, end * kRowBlock);
+        part.n_begin = n_begin;
+        part.n_end = n_end;
 #ifdef SPECDEC_BUILT_AVX512
         if (isa == Isa::AVX512) {
           quant_linear_avx512(part);
@@ -522,6 +535,11 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& weight, int6
 }
 
 }  // namespace
+
+void bind_quant(pybind11::module& m) {
+  m.def("quant_int8_path", [] { return std::string(isa_name(quant_int8_path())); },
+        "Path of quant_linear with INT8 activations now: 'avx512' (VNNI) or 'portable'.");
+}
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("quant_linear(Tensor x, Tensor weight, int fmt, Tensor? bias=None, int activation=0) -> Tensor");

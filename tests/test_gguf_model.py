@@ -30,10 +30,6 @@ HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 256, 4, 2, 512, 2
 _K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82)}
 
 
-def _quant_op():
-    return pytest.importorskip("specdec_inductor.ops.quant",
-                               reason="the quantized kernels (ops/quant.py) are not merged")
-
 
 def random_tensor(rng, qtype, n, k):
     """[n, k] weights in `qtype`: numpy array ready for GGUFWriter.add_tensor."""
@@ -162,7 +158,6 @@ def test_unpermute_rows_undoes_llama_cpp_permute():
 
 @pytest.mark.parametrize("arch", list(TYPES))
 def test_tiny_quantized_matches_dequantized(tiny, arch):
-    _quant_op()
     from specdec_inductor.ops.quant import QuantActivation
     model, tokenizer = load_gguf(tiny[arch], activation=QuantActivation.FLOAT)  # exact weights
     dense, _ = load_gguf(tiny[arch], dequantize=True)
@@ -197,7 +192,6 @@ def _mapped_file(address):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_quantized_weights_are_views_of_the_file(tiny):
-    _quant_op()
     model, _ = load_gguf(tiny["qwen2"])
     _, tensors = read_gguf(tiny["qwen2"])
     mapped = {t.name: t.data for t in tensors}
@@ -209,7 +203,6 @@ def test_quantized_weights_are_views_of_the_file(tiny):
 
 
 def test_smollm2_quantized_greedy_matches_dequantized():
-    _quant_op()
     from specdec_inductor.ops.quant import QuantActivation
     model, tokenizer = load_gguf(default_gguf_path(), activation=QuantActivation.FLOAT)
     dense, _ = load_gguf(default_gguf_path(), dequantize=True)
@@ -222,8 +215,6 @@ def test_smollm2_quantized_greedy_matches_dequantized():
 
 @pytest.mark.parametrize("dequantize", [True, False], ids=["dense", "quantized"])
 def test_tiny_model_through_engine_eager_and_compiled(tiny, dequantize, tmp_path, monkeypatch):
-    if not dequantize:
-        _quant_op()
     from specdec_inductor.engine.engine import Engine
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     model, tokenizer = load_gguf(tiny["qwen2"], dequantize=dequantize)
@@ -254,7 +245,6 @@ def test_bad_inputs(tiny, tmp_path, tokenizer_fields):
 
 
 def test_unsupported_tensor_type_names_the_tensor(tmp_path, tokenizer_fields):
-    _quant_op()
     path = str(tmp_path / "q2_k.gguf")  # a format with no kernel of ours
     write_tiny_gguf(path, "llama", {**TYPES["llama"], "attn_v": Q.Q2_K}, tokenizer_fields)
     with pytest.raises(ValueError, match="tensor 'blk.0.attn_v.weight' has type Q2_K"):
@@ -280,7 +270,6 @@ def test_activation_mode_reaches_every_quantized_layer(tiny):
     """load_gguf's `activation` (default FLOAT) is every QuantLinear's, recorded on the model;
     INT8 runs the kernel it names and stays close to the exact weights' logits (8-bit
     activations err by ~0.4% of each 32-value block's largest |x|)."""
-    _quant_op()
     import specdec_inductor
     from specdec_inductor.ops.quant import QuantActivation, int8_path
     default, tokenizer = load_gguf(tiny["qwen2"])

@@ -20,6 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from specdec_inductor.ops.quant import (QuantActivation, QuantFormat, quant_dequantize,
+                                        quant_embedding, quant_linear)
+
 # GGUF architectures we map, and whether llama.cpp's converter row-permuted their q/k weights
 # (it does for llama-style rotary: HF's rotate-half layout -> GGML's interleaved pairs).
 ARCHITECTURES = {"llama": True, "qwen2": False}
@@ -65,7 +68,6 @@ class QuantLinear(nn.Module):
     def __init__(self, weight: Tensor, fmt, in_features: int, bias: Optional[Tensor] = None,
                  activation=None):
         super().__init__()
-        from specdec_inductor.ops.quant import QuantActivation, QuantFormat
         self.fmt = QuantFormat(int(fmt))
         # FLOAT (default): exact fp32 math on the exact weights; INT8: llama.cpp-style 8-bit
         # activations, faster, but a rounding step that verify and decode rows can fall on
@@ -76,7 +78,6 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        from specdec_inductor.ops.quant import quant_linear
         return quant_linear(x, self.weight, self.fmt, self.bias, activation=self.activation)
 
     def select_rows(self, index: Tensor) -> "QuantLinear":
@@ -87,7 +88,6 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self) -> Tensor:
         """The exact fp32 weight [N, K] (a new tensor; for code that needs dense rows)."""
-        from specdec_inductor.ops.quant import quant_dequantize
         return quant_dequantize(self.weight, self.fmt)
 
     def extra_repr(self) -> str:
@@ -101,13 +101,11 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, weight: Tensor, fmt, embedding_dim: int, dtype: torch.dtype):
         super().__init__()
-        from specdec_inductor.ops.quant import QuantFormat
         self.fmt = QuantFormat(int(fmt))
         self.num_embeddings, self.embedding_dim, self.dtype = weight.shape[0], embedding_dim, dtype
         self.register_buffer("weight", weight, persistent=False)  # [V, row_bytes] uint8
 
     def forward(self, ids: Tensor) -> Tensor:
-        from specdec_inductor.ops.quant import quant_embedding
         return quant_embedding(ids, self.weight, self.fmt, self.dtype)
 
     def extra_repr(self) -> str:
@@ -295,14 +293,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
     if arch not in ARCHITECTURES:
         raise ValueError(f"argument 'path': GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(ARCHITECTURES)})")
-    supported = set()
-    if not dequantize:
-        try:
-            from specdec_inductor.ops.quant import QuantFormat
-        except ImportError as e:
-            raise RuntimeError("quantized GGUF weights need specdec_inductor.ops.quant; "
-                               "pass dequantize=True for dense weights") from e
-        supported = {f.name for f in QuantFormat}
+    supported = set() if dequantize else {f.name for f in QuantFormat}
     meta = gguf_metadata_dir(path)
     config = AutoConfig.from_pretrained(meta)
     tokenizer = AutoTokenizer.from_pretrained(meta)
