@@ -18,8 +18,6 @@ too.
 import argparse
 import os
 import platform
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +25,8 @@ import torch.nn.functional as F
 import specdec_inductor
 from specdec_inductor.ops import QuantFormat, quant_block, quant_dequantize, quant_linear
 from specdec_inductor.ops.quant import QuantActivation
+
+from bench_linear import median_times, read_bandwidth_gbs  # benchmarks/ is on sys.path
 
 QWEN = [(1536, 1536), (8960, 1536), (1536, 8960), (151936, 1536)]  # (N, K)
 SMOL = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
@@ -45,31 +45,6 @@ def random_weight(fmt, n, k):
         vals = (torch.rand(blocks.shape[0]) * 0.01).to(torch.float16)
         blocks[:, off:off + 2] = vals.view(torch.uint8).reshape(-1, 2)
     return blocks.reshape(n, -1)
-
-
-def read_bandwidth_gbs(nbytes=1 << 30):
-    """Best of 5 torch.sum over a 1 GiB fp32 buffer (all threads): the read rate to compare with."""
-    x = torch.ones(nbytes // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
-
-
-def median_times(runs, repeats):
-    """Median seconds of each callable over `repeats` rounds in which they take turns."""
-    for run in runs:
-        run()
-    times = [[] for _ in runs]
-    for _ in range(repeats):
-        for run, t in zip(runs, times):
-            t0 = time.perf_counter()
-            run()
-            t.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
 
 
 def main():
