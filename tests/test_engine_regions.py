@@ -124,3 +124,51 @@ def test_changed_parameter_layout_is_refused():
         engine.generate(PROMPTS, 3)
     engine.pool.check_consistent()
     assert engine.pool.num_free_slots == engine.pool.num_slots
+
+
+@needs_regions
+def test_each_step_traces_the_layer_once_and_stamps_out_the_rest():
+    """Dynamo traces the first layer's region of a step and reuses it for the others (a
+    re-trace per layer was most of a warm start's time): the StepBatch reaches the region
+    narrowed to the layer's own pool tensors, as flat positional inputs."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+    compilation_time_metrics.clear()
+    graphs0 = counters["stats"]["unique_graphs"]
+    engine = Engine(tiny_llama(), max_batch=2, max_len=64, compile=True, prefill_chunk=8)
+    tokens = engine.generate(PROMPTS, 6)
+    graphs = counters["stats"]["unique_graphs"] - graphs0
+    traced = len(compilation_time_metrics.get("invoke_subgraph_trace", []))
+    reused = len(compilation_time_metrics.get("invoke_subgraph_reuse_stamp_out", []))
+    assert graphs >= 2  # decode and extend at least
+    assert traced == graphs  # one layer trace per step graph
+    assert reused == graphs * (LAYERS - 1)
+    eager = Engine(tiny_llama(), max_batch=2, max_len=64, compile=False, prefill_chunk=8)
+    assert eager.generate(PROMPTS, 6) == tokens
+    for e in (engine, eager):
+        e.pool.check_consistent()
+
+
+@needs_regions
+def test_sliding_and_full_layers_get_a_region_each():
+    """Gemma-2 style layers alternate sliding-window and full attention: a region is reused
+    only by layers of its own kind (the window is a constant of the trace), and the compiled
+    tokens equal eager's."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+    torch.manual_seed(11)
+    config = transformers.Gemma2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        sliding_window=3, attn_logit_softcapping=5.0, final_logit_softcapping=None)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert config.layer_types.count("sliding_attention") == 2
+    prompts = [[5, 17, 42, 8, 61, 3, 9, 70, 5, 17]]
+    eager = Engine(model, max_batch=1, max_len=64, compile=False, prefill_chunk=8).generate(prompts, 8)
+    compilation_time_metrics.clear()
+    graphs0 = counters["stats"]["unique_graphs"]
+    engine = Engine(model, max_batch=1, max_len=64, compile=True, prefill_chunk=8)
+    assert engine.generate(prompts, 8) == eager
+    graphs = counters["stats"]["unique_graphs"] - graphs0
+    assert len(compilation_time_metrics.get("invoke_subgraph_trace", [])) == 2 * graphs
+    assert len(compilation_time_metrics.get("invoke_subgraph_reuse_stamp_out", [])) == 2 * graphs
+    engine.pool.check_consistent()

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import types
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -51,36 +51,65 @@ class StepBatch:
     # the forward by the capture hooks (engine.py); None when the step captures no layer inputs.
     captured: Optional[Dict[int, Optional[Tensor]]] = None
 
+    def for_layer(self, layer: int) -> "LayerBatch":
+        """What decoder layer `layer`'s attention reads of this step (see LayerBatch)."""
+        return LayerBatch(self.kind is StepKind.DECODE, self.backend.value, self.pool.k[layer],
+                          self.pool.v[layer], self.pool.req_to_token, self.req_rows,
+                          self.prefix_lens, self.extend_lens, self.slots, self.tree_mask,
+                          self.pool.max_len)
+
+
+class LayerBatch(NamedTuple):
+    """One layer's view of a StepBatch: tensors and constants only, the layer's own K/V pool
+    tensors among them. A decoder layer region (compile_layers_once) gets this instead of the
+    StepBatch, so that every layer's call has the same structure and Dynamo can stamp out the
+    first layer's traced region for the others: a StepBatch (an arbitrary object) makes a
+    region input Dynamo cannot fingerprint, and a pool tensor picked by the layer's index inside
+    the region would be a different captured constant per layer."""
+    decode: bool
+    backend: str  # ab.AttentionBackend value
+    k_pool: Tensor  # [num_slots, H_kv, D] of this layer
+    v_pool: Tensor
+    req_to_token: Tensor
+    req_rows: Tensor
+    prefix_lens: Tensor
+    extend_lens: Tensor
+    slots: Tensor
+    tree_mask: Optional[Tensor]
+    max_len: int
+
 
 def _specdec_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                        scaling: Optional[float] = None, dropout: float = 0.0,
                        **kwargs) -> Tuple[Tensor, None]:
     """transformers attention function: query [B, H, T, D], key/value [B, H_kv, T, D] (after
     RoPE); returns (out [B, T, H, D], None)."""
-    batch: Optional[StepBatch] = kwargs.get("specdec_batch")
+    batch = kwargs.get("specdec_batch")
     if batch is None:
         raise RuntimeError("the 'specdec' attention needs pool metadata: call the model with "
                            "specdec_batch=StepBatch(...) (see specdec_inductor.engine.hf)")
     if dropout:
         raise ValueError("specdec attention is inference-only: dropout must be 0")
-    layer = module.layer_idx
-    k_pool, v_pool = batch.pool.k[layer], batch.pool.v[layer]
+    if isinstance(batch, StepBatch):  # a model traced without layer regions
+        batch = batch.for_layer(module.layer_idx)
+    backend = ab.AttentionBackend(batch.backend)
+    k_pool, v_pool = batch.k_pool, batch.v_pool
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = kwargs.get("sliding_window") or -1
-    if window >= batch.pool.max_len:
+    if window >= batch.max_len:
         # No row holds more than max_len positions, so such a window never excludes a key;
         # dropping it lets tree verify (which has no row-position window) run on e.g. Mistral.
         window = -1
     softcap = kwargs.get("softcap") or 0.0
     q = query.transpose(1, 2)  # [B, T, H, D]
-    ab.store_kv(batch.backend, k_pool, v_pool, key.transpose(1, 2), value.transpose(1, 2),
+    ab.store_kv(backend, k_pool, v_pool, key.transpose(1, 2), value.transpose(1, 2),
                 batch.slots)
-    req_to_token = batch.pool.req_to_token
-    if batch.kind is StepKind.DECODE:
-        out = ab.decode_attention(batch.backend, q[:, 0], k_pool, v_pool, req_to_token,
+    req_to_token = batch.req_to_token
+    if batch.decode:
+        out = ab.decode_attention(backend, q[:, 0], k_pool, v_pool, req_to_token,
                                   batch.req_rows, batch.prefix_lens + 1, scale, window, softcap)
         return out.unsqueeze(1), None  # [B, 1, H, D]
-    out = ab.extend_attention(batch.backend, q, k_pool, v_pool, req_to_token, batch.req_rows,
+    out = ab.extend_attention(backend, q, k_pool, v_pool, req_to_token, batch.req_rows,
                               batch.prefix_lens, batch.extend_lens, batch.tree_mask, scale,
                               window, softcap)
     return out, None  # [B, T, H, D]
@@ -105,9 +134,77 @@ def use_specdec_attention(model) -> None:
     model.config._attn_implementation = ATTN_IMPLEMENTATION
 
 
-# One nested-compile-region wrapper per decoder layer class: every layer of a model must call
-# the same function object for Dynamo to reuse one traced region across them.
+# One nested-compile-region forward per decoder layer class: every layer of a model must call
+# the same region function object for Dynamo to reuse one traced region across them.
 _REGION_FORWARDS: Dict[type, object] = {}
+
+
+# How a layer call's arguments are laid out as the region's flat positional inputs: per
+# argument (keyword name or None for a positional one, kind, leaf count). Kinds: "leaf" (one
+# value), "tuple" (a tuple or list of values), "layer" (a LayerBatch).
+_Layout = Tuple[Tuple[Optional[str], str, int], ...]
+# Layouts by name: the region gets the name, a plain string (a tuple would be a nested input).
+_LAYOUTS: Dict[str, _Layout] = {}
+
+
+def _flatten_call(args, kwargs) -> Tuple[str, list]:
+    """(layout name, flat values) of a layer call, with the StepBatch already narrowed."""
+    layout, flat = [], []
+    for name, value in [(None, a) for a in args] + list(kwargs.items()):
+        if isinstance(value, LayerBatch):
+            layout.append((name, "layer", len(value)))
+            flat.extend(value)
+        elif isinstance(value, (tuple, list)):
+            layout.append((name, "tuple", len(value)))
+            flat.extend(value)
+        else:
+            layout.append((name, "leaf", 1))
+            flat.append(value)
+    key = repr(layout)
+    _LAYOUTS.setdefault(key, tuple(layout))
+    return key, flat
+
+
+def _unflatten_call(key: str, flat):
+    """The (args, kwargs) _flatten_call laid out (tuples come back as tuples)."""
+    args, kwargs, i = [], {}, 0
+    for name, kind, n in _LAYOUTS[key]:
+        part = flat[i:i + n]
+        i += n
+        value = LayerBatch(*part) if kind == "layer" else tuple(part) if kind == "tuple" else part[0]
+        if name is None:
+            args.append(value)
+        else:
+            kwargs[name] = value
+    return args, kwargs
+
+
+def _layer_region(forward):
+    """A decoder layer forward (its class's `forward`) as a nested compile region taking only
+    flat positional inputs: the layer module, the layout's name and tensors / constants. Dynamo
+    fingerprints such a call cheaply (a pytree flatten of nested keyword arguments, traced per
+    layer, costs more than tracing a small layer) and stamps out the first layer's region for
+    every later layer whose inputs match."""
+    def region(layer, layout, *flat):
+        args, kwargs = _unflatten_call(layout, flat)
+        return forward(layer, *args, **kwargs)
+    return torch.compiler.nested_compile_region(region)
+
+
+def _region_forward(region):
+    """A decoder layer's forward that calls `region` (_layer_region) with the step's StepBatch
+    narrowed to this layer (StepBatch.for_layer, outside the region: the layer's pool tensors
+    become region inputs instead of a per-layer constant inside it)."""
+    def forward(self, *args, **kwargs):
+        batch = kwargs.get("specdec_batch")
+        attn = getattr(self, "self_attn", None)
+        if isinstance(batch, StepBatch) and isinstance(getattr(attn, "layer_idx", None), int):
+            kwargs["specdec_batch"] = batch.for_layer(attn.layer_idx)
+        layout, flat = _flatten_call(args, kwargs)
+        return region(self, layout, *flat)
+    return forward
+
+
 # Regions whose body mutates an input (the KV pool) are proven here on torch 2.13 only; older
 # torch (2.11 on the AMX machine) keeps one graph with every layer lowered on its own.
 MIN_TORCH_FOR_REGIONS = "2.13"
@@ -134,7 +231,7 @@ def compile_layers_once(model) -> int:
     for layer in layers:
         cls = type(layer)
         if cls not in _REGION_FORWARDS:
-            _REGION_FORWARDS[cls] = torch.compiler.nested_compile_region(cls.forward)
+            _REGION_FORWARDS[cls] = _region_forward(_layer_region(cls.forward))
         layer.forward = types.MethodType(_REGION_FORWARDS[cls], layer)  # same function again
     return len(layers)
 
