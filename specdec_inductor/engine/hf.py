@@ -139,49 +139,46 @@ def use_specdec_attention(model) -> None:
 _REGION_FORWARDS: Dict[type, object] = {}
 
 
-# How a layer call's arguments are laid out as the region's flat positional inputs: per
-# argument (keyword name or None for a positional one, kind, leaf count). Kinds: "leaf" (one
-# value), "tuple" (a tuple or list of values), "layer" (a LayerBatch).
-_Layout = Tuple[Tuple[Optional[str], str, int], ...]
-# Layouts by name: the region gets the name, a plain string (a tuple would be a nested input).
-_LAYOUTS: Dict[str, _Layout] = {}
+# How a layer call's arguments are laid out as the region's flat positional inputs: one plain
+# string (a tuple would be a nested input; a registry of layouts would be global state that
+# tracing mutates, i.e. a recompile), ";"-separated entries "name,kind,count" (name empty for
+# a positional argument). Kinds: "leaf" (one value), "tuple" (a tuple or list of values),
+# "layer" (a LayerBatch).
 
 
 def _flatten_call(args, kwargs) -> Tuple[str, list]:
-    """(layout name, flat values) of a layer call, with the StepBatch already narrowed."""
+    """(layout, flat values) of a layer call, with the StepBatch already narrowed."""
     layout, flat = [], []
-    for name, value in [(None, a) for a in args] + list(kwargs.items()):
+    for name, value in [("", a) for a in args] + list(kwargs.items()):
         if isinstance(value, LayerBatch):
-            layout.append((name, "layer", len(value)))
-            flat.extend(value)
+            kind, values = "layer", list(value)
         elif isinstance(value, (tuple, list)):
-            layout.append((name, "tuple", len(value)))
-            flat.extend(value)
+            kind, values = "tuple", list(value)
         else:
-            layout.append((name, "leaf", 1))
-            flat.append(value)
-    key = repr(layout)
-    _LAYOUTS.setdefault(key, tuple(layout))
-    return key, flat
+            kind, values = "leaf", [value]
+        layout.append(f"{name},{kind},{len(values)}")
+        flat.extend(values)
+    return ";".join(layout), flat
 
 
-def _unflatten_call(key: str, flat):
+def _unflatten_call(layout: str, flat):
     """The (args, kwargs) _flatten_call laid out (tuples come back as tuples)."""
     args, kwargs, i = [], {}, 0
-    for name, kind, n in _LAYOUTS[key]:
-        part = flat[i:i + n]
-        i += n
+    for entry in layout.split(";") if layout else []:
+        name, kind, count = entry.split(",")
+        part = flat[i:i + int(count)]
+        i += int(count)
         value = LayerBatch(*part) if kind == "layer" else tuple(part) if kind == "tuple" else part[0]
-        if name is None:
-            args.append(value)
-        else:
+        if name:
             kwargs[name] = value
+        else:
+            args.append(value)
     return args, kwargs
 
 
 def _layer_region(forward):
     """A decoder layer forward (its class's `forward`) as a nested compile region taking only
-    flat positional inputs: the layer module, the layout's name and tensors / constants. Dynamo
+    flat positional inputs: the layer module, the layout string and tensors / constants. Dynamo
     fingerprints such a call cheaply (a pytree flatten of nested keyword arguments, traced per
     layer, costs more than tracing a small layer) and stamps out the first layer's region for
     every later layer whose inputs match."""
