@@ -12,6 +12,8 @@ Ratios "vs llama.cpp" divide by llama.cpp's plain decode on the same prompt. Med
 --repeats (runs take turns within a repeat) and over prompts at the end. Also printed: load
 time, time to the first token (load + compile + prefill, this process: cold with a fresh
 TORCHINDUCTOR_CACHE_DIR), resident memory against the file size plus the KV pool.
+--compare-rows: per prompt and method, how many verify rows reproduce our AR's decode logits
+bit for bit (greedy speculation can equal AR only where they do).
 
     bash benchmarks/build_llamacpp.sh        # once (~10 min on 2 cores)
     specdec fetch-model qwen2.5-coder-1.5b   # and qwen2.5-coder-0.5b for the draft
