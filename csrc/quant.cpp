@@ -8,8 +8,8 @@
 // parallel region per call. Batch invariance: a row of quant_linear's output is bitwise the same
 // whatever the number of rows of x and wherever the row sits (see QuantLinearBlock).
 // INT8 activations (activation = 1; definition in quant_isa.h): x is quantized once per call
-// into per-thread buffers that only grow, then the AVX-512 VNNI kernel (quant_avx512vnni.cpp) runs when
-// active_isa() >= AVX512 and the CPU has AVX-512 VNNI (recorded as "quant_linear_int8:avx512"),
+// into per-thread buffers that only grow, then the AVX-512 VNNI kernel (quant_avx512vnni.cpp)
+// runs when active_isa() >= AVX512 and the CPU has AVX-512 VNNI ("quant_linear_int8:avx512"),
 // the portable one otherwise ("quant_linear_int8:portable"; no AVX2 INT8 kernel yet).
 #include <torch/extension.h>
 
