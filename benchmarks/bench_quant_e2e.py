@@ -12,6 +12,8 @@ Ratios "vs llama.cpp" divide by llama.cpp's plain decode on the same prompt. Med
 --repeats (runs take turns within a repeat) and over prompts at the end. Also printed: load
 time, time to the first token (load + compile + prefill, this process: cold with a fresh
 TORCHINDUCTOR_CACHE_DIR), resident memory against the file size plus the KV pool.
+--compare-rows: per prompt and method, how many verify rows reproduce our AR's decode logits
+bit for bit (greedy speculation can equal AR only where they do).
 
     bash benchmarks/build_llamacpp.sh        # once (~10 min on 2 cores)
     specdec fetch-model qwen2.5-coder-1.5b   # and qwen2.5-coder-0.5b for the draft
@@ -124,6 +126,51 @@ def llamacpp_runs(bindir, target, draft, prompt_text, new_tokens, threads, n_dra
 
 # ---- ours ----
 
+class RowRecorder:
+    """Records the logits of every decode step and verify row of an Engine by position, to
+    check that a verify row reproduces the decode row bit for bit (--compare-rows): greedy
+    speculation equals AR only where they agree."""
+
+    def __init__(self, engine):
+        self.rows, self.on = [], False
+        decode, verify = engine.decode, engine.verify
+
+        def recorded_decode(tokens, req_rows, seq_lens, aux=None):
+            out = decode(tokens, req_rows, seq_lens, aux)
+            if self.on:
+                self.rows.append(("decode", int(seq_lens[0]), [int(tokens[0])], out[1][:1].clone()))
+            return out
+
+        def recorded_verify(tokens, positions, req_rows, seq_lens, tree_mask, aux=None):
+            out = verify(tokens, positions, req_rows, seq_lens, tree_mask, aux)
+            if self.on:
+                self.rows.append(("verify", int(seq_lens[0]), tokens[0].tolist(), out[1][0].clone()))
+            return out
+
+        engine.decode, engine.verify = recorded_decode, recorded_verify
+
+    def compare(self, ar_rows, verify_rows, sequence):
+        """(same, different, largest |difference|) over the verify rows of a chain whose tokens
+        up to that row are the AR sequence's (row j of a verify at seq_len s is position s + j)."""
+        decoded = {pos: logits[0] for kind, pos, _, logits in ar_rows if kind == "decode"}
+        same = different = 0
+        worst = 0.0
+        for kind, start, tokens, logits in verify_rows:
+            if kind != "verify":
+                continue
+            for j in range(len(tokens)):
+                pos = start + j
+                if pos not in decoded or tokens[:j + 1] != sequence[start:pos + 1]:
+                    break
+                if torch.equal(decoded[pos], logits[j]):
+                    same += 1
+                else:
+                    different += 1
+                    worst = max(worst, (decoded[pos] - logits[j]).abs().max().item())
+        return same, different, worst
+
+
+
 def build_methods(args, model, engine):
     """{label: SpeculativeGenerator} for --methods."""
     methods = {}
@@ -156,6 +203,20 @@ def build_methods(args, model, engine):
     return methods
 
 
+def compare_rows(recorder, engine, methods, kind, ids, max_new_tokens):
+    """Prints, per method, how many verify rows reproduce our AR's decode logits bitwise."""
+    recorder.rows, recorder.on = [], True
+    ar = engine.generate([ids], max_new_tokens)[0]
+    ar_rows = recorder.rows
+    for label, spec in methods.items():
+        recorder.rows = []
+        out = spec.generate([ids], max_new_tokens)[0]
+        same, different, worst = recorder.compare(ar_rows, recorder.rows, ids + ar)
+        print(f"# {kind} {label}: verify rows == decode rows bitwise: {same}, different: "
+              f"{different} (largest |logit difference| {worst:.3g}); tokens == AR: {out == ar}")
+    recorder.on = False
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model name or .gguf (default: SmolLM2-135M Q4_1)")
@@ -174,6 +235,9 @@ def main():
                    help="our quantized layers' activations (ops.quant.QuantActivation)")
     p.add_argument("--llamacpp-bin", default=None, help="llama.cpp bin dir (default: build it)")
     p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--compare-rows", action="store_true",
+                   help="check that each verify row's logits equal the decode step's bit for bit "
+                        "(one extra AR and speculative run per prompt, untimed)")
     args = p.parse_args()
     for name in args.prompts.split(","):
         if name not in PROMPTS:
@@ -209,6 +273,7 @@ def main():
           f" = {rss / (os.path.getsize(target_file) + kv):.2f}x (file + KV pool {kv / 1e6:.0f} MB);"
           f" peak RSS of the process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
     methods = build_methods(args, model, engine)
+    recorder = RowRecorder(engine) if args.compare_rows else None
 
     bindir = None if args.no_llamacpp else llamacpp_bin(args.llamacpp_bin)
     print("| prompt | engine | tok/s | vs our AR | vs llama.cpp plain | accepted | tokens == our AR |")
@@ -220,6 +285,8 @@ def main():
         engine.generate([ids], 2)
         for spec in methods.values():
             spec.generate([ids], spec.proposer.num_draft_tokens + 2)
+        if recorder is not None:
+            compare_rows(recorder, engine, methods, kind, ids, args.max_new_tokens)
         rates = {}  # label -> [tok/s]
         accepted, same = {}, {}
         for _ in range(args.repeats):

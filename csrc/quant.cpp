@@ -8,8 +8,8 @@
 // parallel region per call. Batch invariance: a row of quant_linear's output is bitwise the same
 // whatever the number of rows of x and wherever the row sits (see QuantLinearBlock).
 // INT8 activations (activation = 1; definition in quant_isa.h): x is quantized once per call
-// into per-call buffers, then the AVX-512 VNNI kernel (quant_avx512vnni.cpp) runs when
-// active_isa() >= AVX512 and the CPU has AVX-512 VNNI (recorded as "quant_linear_int8:avx512"),
+// into per-thread buffers that only grow, then the AVX-512 VNNI kernel (quant_avx512vnni.cpp)
+// runs when active_isa() >= AVX512 and the CPU has AVX-512 VNNI ("quant_linear_int8:avx512"),
 // the portable one otherwise ("quant_linear_int8:portable"; no AVX2 INT8 kernel yet).
 #include <torch/extension.h>
 
@@ -366,30 +366,36 @@ Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fm
   const int64_t M = x2.size(0), K = x2.size(1), N = weight.size(0);
   const int64_t Kp = (K + 63) / 64 * 64;
   const int offset = int8_weight_offset(static_cast<QuantFmt>(fmt));
-  at::Tensor q = at::empty({M, Kp}, x2.options().dtype(at::kChar));              // [M, Kp]
-  at::Tensor d = at::empty({M, Kp / 4}, x2.options());                           // [M, Kp/4]
-  at::Tensor d_sum = at::empty({M, Kp / 4}, x2.options());                       // [M, Kp/4]
-  at::Tensor block_d_sum = at::empty({M, Kp / 32}, x2.options());                // [M, Kp/32]
-  at::Tensor neg_offset_sum = at::empty({M, Kp / 4}, x2.options().dtype(at::kInt));  // [M, Kp/4]
+  // QuantizedX's arrays in per-thread buffers that only grow (a decode step calls this ~200
+  // times: no allocation per call). Workers of the parallel regions below only read them while
+  // this call runs.
+  thread_local std::vector<int8_t> q_buf;
+  thread_local std::vector<float> f_buf;
+  thread_local std::vector<int32_t> neg_buf;
+  const int64_t lanes = M * (Kp / 4);
+  q_buf.resize(static_cast<size_t>(M * Kp));
+  f_buf.resize(static_cast<size_t>(2 * lanes + M * (Kp / 32)));
+  neg_buf.resize(static_cast<size_t>(lanes));
+  int8_t* q = q_buf.data();                    // [M, Kp]
+  float* d = f_buf.data();                     // [M, Kp/4]
+  float* d_sum = d + lanes;                    // [M, Kp/4]
+  float* block_d_sum = d_sum + lanes;          // [M, Kp/32]
+  int32_t* neg_offset_sum = neg_buf.data();    // [M, Kp/4]
   const Isa isa = quant_int8_path();
   at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 16) / K), [&](int64_t begin, int64_t end) {
 #ifdef SPECDEC_BUILT_AVX512VNNI
     if (isa == Isa::AVX512) {
-      quant_quantize_x_avx512vnni(x2.const_data_ptr<float>(), K, offset, Kp, q.data_ptr<int8_t>(),
-                                  d.data_ptr<float>(), d_sum.data_ptr<float>(),
-                                  block_d_sum.data_ptr<float>(), neg_offset_sum.data_ptr<int32_t>(),
-                                  begin, end);
+      quant_quantize_x_avx512vnni(x2.const_data_ptr<float>(), K, offset, Kp, q, d, d_sum,
+                                  block_d_sum, neg_offset_sum, begin, end);
       return;
     }
 #endif
-    quantize_x_rows(x2.const_data_ptr<float>(), K, offset, Kp, q.data_ptr<int8_t>(),
-                    d.data_ptr<float>(), d_sum.data_ptr<float>(), block_d_sum.data_ptr<float>(),
-                    neg_offset_sum.data_ptr<int32_t>(), begin, end);
+    quantize_x_rows(x2.const_data_ptr<float>(), K, offset, Kp, q, d, d_sum, block_d_sum,
+                    neg_offset_sum, begin, end);
   });
   const QuantLinearInt8Block blk{
       static_cast<QuantFmt>(fmt),
-      {M, K, Kp, q.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), d_sum.const_data_ptr<float>(),
-       block_d_sum.const_data_ptr<float>(), neg_offset_sum.const_data_ptr<int32_t>()},
+      {M, K, Kp, q, d, d_sum, block_d_sum, neg_offset_sum},
       static_cast<const uint8_t*>(weight.const_data_ptr()), weight.stride(0), bias,
       y.data_ptr<float>(), N, 0, 0};
   for_row_blocks(N, row_bytes, M, [&](int64_t n_begin, int64_t n_end) {

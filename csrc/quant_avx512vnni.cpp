@@ -43,17 +43,21 @@ inline __m512 f16_pairs(const uint8_t* a, const uint8_t* b) {
 // blocks: scale 0, and its weights meet the zero padding of x's quants.
 alignas(64) const uint8_t kZeroBlock[64] = {};
 
+// Byte shifts per 128-bit lane for nibbles2 (lanes 1 and 3: 4) and per 256-bit half for the K
+// formats' 32-byte nibble arrays (upper half: 4), as 16-bit lanes (vpsrlvw).
+inline __m512i odd_lane_shift4() {
+  return _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFF00FF00u, 4);
+}
+inline __m512i upper_half_shift4() {
+  return _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 4);
+}
+
 // The 32 nibbles of each of two 16-byte arrays as [lo(a) hi(a) lo(b) hi(b)] bytes: weight j of a
-// block is nibble j / 16 of byte j % 16.
+// block is nibble j / 16 of byte j % 16. Two broadcast loads, one shift, one mask.
 inline __m512i nibbles2(const uint8_t* a, const uint8_t* b) {
-  const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
-  const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  __m512i v = _mm512_castsi128_si512(va);
-  v = _mm512_inserti32x4(v, va, 1);
-  v = _mm512_inserti32x4(v, vb, 2);
-  v = _mm512_inserti32x4(v, vb, 3);
-  v = _mm512_mask_srli_epi16(v, 0xFF00FF00u, v, 4);  // 128-bit lanes 1 and 3: high nibbles
-  return _mm512_and_si512(v, _mm512_set1_epi8(15));
+  __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+  v = _mm512_mask_broadcast_i32x4(v, 0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  return _mm512_and_si512(_mm512_srlv_epi16(v, odd_lane_shift4()), _mm512_set1_epi8(15));
 }
 
 // Each format's walker calls f(k, u, scale, min) for the weights [k, k + 64): u their unsigned
@@ -113,7 +117,7 @@ struct KBlocks45 {
   static constexpr bool kBlockMin = true;
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
-    const __m256i nib = _mm256_set1_epi8(15);
+    const __m512i nib = _mm512_set1_epi8(15), high_shift = upper_half_shift4();
     // Lanes 0-7 take sub-block 2j, lanes 8-15 sub-block 2j + 1 (pick + 2j).
     const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     // Scale s < 4: byte s & 63; s >= 4: (byte s + 4 & 15) | (byte s - 4 >> 6) << 4.
@@ -137,9 +141,9 @@ struct KBlocks45 {
                                               _mm512_and_si512(_mm512_srli_epi32(c, 2), c_mask));
       const __m512 table = _mm512_mul_ps(_mm512_cvtepi32_ps(six_bit), halves(d, -dmin));
       for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-        __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nib)),
-                                       _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), 1);
+        // The 32 bytes in both halves, the upper half shifted: [low nibbles | high nibbles].
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)));
+        __m512i u = _mm512_and_si512(_mm512_srlv_epi16(v, high_shift), nib);
         if (kFifthBit) {
           const __mmask32 lo = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * j))));
           const __mmask32 hi = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * j + 1))));
@@ -160,26 +164,26 @@ struct KBlocks6 {
   static constexpr bool kBlockMin = false;
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
-    const __m256i nib = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    const __m512i nib = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    // High-bit shifts of groups (t, t + 1) in the two halves: 2t and 2t + 2, for t = 0 and 2.
+    const __m512i high_shift[2] = {
+        _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 2),
+        _mm512_mask_set1_epi16(_mm512_set1_epi16(4), 0xFFFF0000u, 6)};
     for (int64_t k = 0; k < K; k += 256, p += 210) {
       const uint8_t* ql = p;
       const uint8_t* qh = p + 128;
       const uint8_t* sc = p + 192;
       const __m512 d = _mm512_set1_ps(load_f16(p + 208));
       for (int i = 0; i < 4; ++i) {
-        const int g = 2 * i, h = g / 4, t = g % 4;  // t even: groups g, g + 1 are t, t + 1
-        const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
-        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
-        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
-        const int lshift = 4 * (t / 2);
-        const __m256i lo0 = _mm256_and_si256(_mm256_srl_epi16(l0, _mm_cvtsi32_si128(lshift)), nib);
-        const __m256i lo1 = _mm256_and_si256(_mm256_srl_epi16(l1, _mm_cvtsi32_si128(lshift)), nib);
-        const __m256i hi0 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * t)), three);
-        const __m256i hi1 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * t + 2)), three);
-        const __m256i q0 = _mm256_or_si256(lo0, _mm256_slli_epi16(hi0, 4));
-        const __m256i q1 = _mm256_or_si256(lo1, _mm256_slli_epi16(hi1, 4));
-        const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
+        const int g = 2 * i, h = i / 2, t = 2 * (i % 2);  // groups g, g + 1 are t, t + 1 of half h
+        // Low bits: the 64 bytes of ql half h (group t from the first 32, t + 1 from the next),
+        // nibble t / 2; high bits: the 32 bytes of qh half h in both halves, bits 2t / 2t + 2.
+        const __m512i lbits = _mm512_loadu_si512(ql + 64 * h);
+        const __m512i hbits = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
+        const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(lbits, 2 * t), nib);
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(hbits, high_shift[i % 2]), three);
+        const __m512i u = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
         int32_t s4;
         std::memcpy(&s4, sc + 2 * g, 4);  // scales 2g .. 2g + 3
         const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_cvtsi32_si128(s4)));

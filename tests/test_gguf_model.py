@@ -286,3 +286,43 @@ def test_activation_mode_reaches_every_quantized_layer(tiny):
     assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
     dense, _ = load_gguf(tiny["qwen2"], dequantize=True)
     assert dense.quant_activation is None
+
+
+@pytest.mark.parametrize("activation", ["FLOAT", "INT8"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_speculation_on_a_quantized_target_equals_its_ar(tiny, activation, compiled, tmp_path,
+                                                         monkeypatch):
+    """Greedy STANDALONE (a draft that is the target itself, so nearly every draft reaches a
+    verify row, and a 1-layer cut that gets rejected often) and NGRAM on the quantized target
+    emit exactly the target's own AR tokens in the same activation mode, batch 1 and a ragged
+    batch of 2: every verify row reproduces the decode row bit for bit (INT8 rounds x to 8
+    bits, so a verify row that differed in the last bit of any layer input would show)."""
+    from specdec_inductor.engine.engine import Engine
+    from specdec_inductor.engine.hf import keep_first_layers
+    from specdec_inductor.ops.quant import QuantActivation
+    from specdec_inductor.proposers.ngram import NgramProposer
+    from specdec_inductor.proposers.standalone import StandaloneProposer
+    from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+    import specdec_inductor
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    act = QuantActivation[activation]
+    model, tokenizer = load_gguf(tiny["qwen2"], activation=act)
+    self_draft, _ = load_gguf(tiny["qwen2"], activation=act)
+    cut_draft = keep_first_layers(load_gguf(tiny["qwen2"], activation=act)[0], 1)
+    engine = Engine(model, max_batch=2, max_len=96, compile=compiled, prefill_chunk=16)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    specdec_inductor.reset_kernel_path_counts()
+    plain = {b: engine.generate(prompts[:b], 24) for b in (1, 2)}
+    kernel = "quant_linear_int8" if act == QuantActivation.INT8 else "quant_linear"
+    assert any(k.startswith(kernel + ":") for k in specdec_inductor.kernel_path_counts())
+    proposers = [StandaloneProposer(Engine(d, max_batch=2, max_len=96, compile=compiled,
+                                           prefill_chunk=16), 5) for d in (self_draft, cut_draft)]
+    proposers.append(NgramProposer(num_draft_tokens=4))
+    accepted = []
+    for proposer in proposers:
+        spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
+        for b in (1, 2):
+            stats = SpeculativeStats()
+            assert spec.generate(prompts[:b], 24, stats=stats) == plain[b], (type(proposer), b)
+            accepted.append(stats.mean_accepted_length)
+    assert accepted[0] > 4.0  # the self-draft's chains were verified, not skipped

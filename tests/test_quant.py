@@ -343,9 +343,9 @@ def test_eager_equals_compiled(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("activation", list(QuantActivation))
-def test_threads_do_not_change_the_result(path, activation):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_threads_do_not_change_the_result(path, activation, fmt):
     """Threads split the output features, never a sum: 1 thread == all threads, bitwise."""
-    fmt = QuantFormat.Q6_K
     w = random_weight(fmt, 1001, 512, seed=31)  # enough rows to fan out
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(31))
     threads = torch.get_num_threads()
@@ -410,24 +410,34 @@ def test_int8_linear_matches_reference(fmt, dtype, path, m):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_int8_linear_is_batch_invariant(fmt, path):
-    """As test_linear_is_batch_invariant, with INT8 activations (rows quantized independently)."""
+    """As test_linear_is_batch_invariant, with INT8 activations (rows quantized independently):
+    every M in 1..16 and 64 (each remainder of the 4-row passes and of the 2- or 4-row weight
+    groups), every position of a row in an 8-row batch, 1 thread or all; on the path asserted."""
     k = 2 * quant_block(fmt)[0] + (32 if quant_block(fmt)[0] == 32 else 0)
     w = random_weight(fmt, 19, k, seed=int(fmt))  # [N, row_bytes]
     b = torch.randn(19)  # [N]
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(int(fmt)))  # [64, K]
     int8 = QuantActivation.INT8
+    threads = torch.get_num_threads()
+    specdec_inductor.reset_kernel_path_counts()
     with specdec_inductor.forced_isa(path):
         for dtype in (torch.float32, torch.bfloat16):
             xd, bd = x.to(dtype), b.to(dtype)
             alone = torch.cat([quant_linear(xd[r:r + 1], w, fmt, bd, int8) for r in range(64)])  # [64, N]
-            for rows in (3, 8, 64):
-                for start in range(0, 64 - rows + 1, rows):
+            for rows in list(range(2, 17)) + [64]:
+                for start in range(0, 64 - rows + 1, max(rows, 13)):
                     batch = quant_linear(xd[start:start + rows], w, fmt, bd, int8)
                     assert torch.equal(batch, alone[start:start + rows]), (dtype, rows, start)
             for pos in range(8):
                 xs = xd[8:16].clone()
                 xs[pos] = xd[3]
                 assert torch.equal(quant_linear(xs, w, fmt, bd, int8)[pos], alone[3])
+            torch.set_num_threads(1)
+            try:
+                assert torch.equal(quant_linear(xd[:16], w, fmt, bd, int8), alone[:16])
+            finally:
+                torch.set_num_threads(threads)
+    assert set(specdec_inductor.kernel_path_counts()) == {f"quant_linear_int8:{int8_kernel_of(path)}"}
 
 
 def test_int8_default_is_float():

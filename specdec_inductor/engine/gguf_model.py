@@ -70,8 +70,10 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.fmt = QuantFormat(int(fmt))
         # FLOAT (default): exact fp32 math on the exact weights; INT8: llama.cpp-style 8-bit
-        # activations, faster, but a rounding step that verify and decode rows can fall on
-        # differently (ops/quant.py).
+        # activations, faster. Both kernels give a row the same bits whatever M, but where a
+        # compiled verify graph hands a layer activations that differ from the decode graph's
+        # in the last bits, INT8's rounding can turn that into different tokens
+        # (docs/decisions.md, INT8 activations and speculation).
         self.activation = QuantActivation(int(activation or 0))
         self.in_features, self.out_features = in_features, weight.shape[0]
         self.register_buffer("weight", weight, persistent=False)  # [N, row_bytes] uint8

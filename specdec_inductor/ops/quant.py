@@ -37,7 +37,9 @@ class QuantActivation(enum.IntEnum):
     INT8: x is quantized to 8 bits per 32-value block first and the products are integer dot
     products (as llama.cpp's Q8_0 / Q8_K activations): on AVX-512 VNNI one vpdpbusd does 64
     multiply-adds, so decode and verify run at memory speed; the result differs from FLOAT by the
-    activation rounding (about 0.4 % of each block's largest |x|).
+    activation rounding (about 0.4 % of each block's largest |x|). Rows are batch invariant as
+    with FLOAT (x is quantized row by row), but a last-bit difference in x can move a quant by
+    one step, so INT8 needs inputs that are themselves bitwise the same in decode and verify.
     """
     FLOAT = 0
     INT8 = 1
