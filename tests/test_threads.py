@@ -40,13 +40,28 @@ class FakeClock:
         return self.now
 
 
-def governor(max_threads=2, cores=2):
+class FakeThreads:
+    """A per-OS-thread count (as omp_set_num_threads'), starting at `initial` in every thread;
+    `applied` lists every set."""
+
+    def __init__(self, initial):
+        self.initial, self.local, self.applied = initial, threading.local(), []
+
+    def set(self, n):
+        self.local.count = n
+        self.applied.append(n)
+
+    def get(self):
+        return getattr(self.local, "count", self.initial)
+
+
+def governor(max_threads=2, cores=2, initial=None):
     clock = FakeClock()
     cpu = FakeCpu(clock)
-    applied = []
+    counts = FakeThreads(initial)
     gov = ThreadGovernor(max_threads, source=cpu, cores=cores, clock=clock,
-                         set_threads=applied.append, window_s=0.25)
-    return gov, cpu, applied
+                         set_threads=counts.set, get_threads=counts.get, window_s=0.25)
+    return gov, cpu, counts.applied
 
 
 def run_windows(gov, cpu, others, n):
@@ -128,7 +143,7 @@ def test_governor_reads_the_source_once_per_window():
 
 def test_governor_applies_the_count_in_every_stepping_thread():
     # omp_set_num_threads is per OS thread: a step run from another thread sets it there too.
-    gov, cpu, applied = governor()
+    gov, cpu, applied = governor(initial=1)
     gov.tick()
     seen = []
     worker = threading.Thread(target=lambda: seen.append(gov.tick()))
@@ -137,19 +152,30 @@ def test_governor_applies_the_count_in_every_stepping_thread():
     assert seen == [2] and applied == [2, 2]
 
 
+def test_governor_reapplies_a_count_changed_behind_it():
+    # Another governor (a benchmark's fixed runs) or the user changed the thread's count: the
+    # next tick sets it back, even within a window.
+    gov, cpu, applied = governor()
+    gov.tick()
+    gov.set_threads(1)
+    gov.tick()
+    assert applied == [2, 1, 2]
+
+
 def test_fixed_governor_never_reads_and_keeps_its_count():
     cpu = FakeCpu(FakeClock())
-    applied = []
-    gov = ThreadGovernor(3, fixed=True, source=cpu, clock=cpu.clock, set_threads=applied.append)
+    counts = FakeThreads(2)
+    gov = ThreadGovernor(3, fixed=True, source=cpu, clock=cpu.clock, set_threads=counts.set,
+                         get_threads=counts.get)
     for _ in range(5):
         cpu.advance(1.0, others=2.0)
         assert gov.tick() == 3
-    assert cpu.reads == 0 and applied == [3] and not gov.adaptive
+    assert cpu.reads == 0 and counts.applied == [3] and not gov.adaptive
 
 
 def test_governor_without_a_source_warns_and_keeps_max():
     with pytest.warns(UserWarning, match="no CPU usage source"):
-        gov = ThreadGovernor(2, source=None, set_threads=lambda n: None)
+        gov = ThreadGovernor(2, source=None, set_threads=lambda n: None, get_threads=lambda: 1)
     assert not gov.adaptive and gov.tick() == 2
 
 

@@ -135,12 +135,14 @@ class ThreadGovernor:
             (warned once, and `adaptive` is then False).
         cores: cores this process may use (default: its CPU affinity).
         clock: seconds, monotonic (tests pass a fake one).
-        set_threads: applies a count in the calling thread (default torch.set_num_threads).
+        set_threads, get_threads: set / read the calling thread's count (default
+            torch.set_num_threads / torch.get_num_threads).
     """
 
     def __init__(self, max_threads: int, *, fixed: bool = False, source=None,
                  cores: Optional[int] = None, clock: Callable[[], float] = time.monotonic,
                  set_threads: Callable[[int], None] = torch.set_num_threads,
+                 get_threads: Callable[[], int] = torch.get_num_threads,
                  window_s: float = WINDOW_S):
         if isinstance(max_threads, bool) or not isinstance(max_threads, int) or max_threads < 1:
             raise ValueError(f"argument 'max_threads' must be an int >= 1, got {max_threads!r}")
@@ -151,10 +153,10 @@ class ThreadGovernor:
         self.adaptive = not fixed and source is not None
         self.source = source
         self.cores = len(os.sched_getaffinity(0)) if cores is None else cores
-        self.clock, self.set_threads, self.window_s = clock, set_threads, window_s
+        self.clock, self.window_s = clock, window_s
+        self.set_threads, self.get_threads = set_threads, get_threads
         self.threads = max_threads
         self.stats = GovernorStats()
-        self._local = threading.local()  # .applied: the count last set in this OS thread
         self._up_streak = 0
         self._window_start: Optional[float] = None
         self._last: Optional[CpuSample] = None
@@ -162,14 +164,15 @@ class ThreadGovernor:
 
     def tick(self) -> int:
         """Called between steps by the stepping thread: updates the count once per window and
-        applies it in this thread when it differs from what this thread last had. Returns it."""
+        applies it in this thread when the thread's count differs (read back every tick, not
+        remembered: another governor, the user or a new OS thread may have another). Returns
+        it."""
         if self.adaptive:
             now = self.clock()
             if now >= self._next_read:
                 self._read_window(now)
-        if getattr(self._local, "applied", None) != self.threads:
+        if self.get_threads() != self.threads:
             self.set_threads(self.threads)
-            self._local.applied = self.threads
         return self.threads
 
     def _read_window(self, now: float) -> None:
