@@ -258,7 +258,7 @@ class CountingGovernor(ThreadGovernor):
         return super().tick()
 
 
-def test_engine_steps_tick_the_governor(restore_governor):
+def tiny_engine(compile):
     transformers = pytest.importorskip("transformers")
     from specdec_inductor.engine.engine import Engine
     torch.manual_seed(0)
@@ -266,7 +266,11 @@ def test_engine_steps_tick_the_governor(restore_governor):
                                       num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=128)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    engine = Engine(model, max_batch=1, max_len=64, compile=False, prefill_chunk=8)
+    return Engine(model, max_batch=1, max_len=64, compile=compile, prefill_chunk=8)
+
+
+def test_engine_steps_tick_the_governor(restore_governor):
+    engine = tiny_engine(compile=False)
     torch.set_num_threads(2)
     gov = threads.configure(CountingGovernor(1))
     engine.generate([[1, 2, 3]], max_new_tokens=5)  # one prefill chunk + 4 decode steps
@@ -283,6 +287,19 @@ def test_engine_steps_tick_the_governor(restore_governor):
     worker.start()
     worker.join()
     assert seen == [1]
+
+
+def test_thread_count_changes_do_not_recompile(restore_governor):
+    # Dynamo guards torch.get_num_threads() in its global state; the engine drops that guard,
+    # so the governor's switches reuse the compiled steps.
+    torch._dynamo.reset()
+    engine = tiny_engine(compile=True)
+    threads.configure(2)
+    expected = engine.generate([[1, 2, 3]], max_new_tokens=4)
+    threads.configure(1)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert engine.generate([[1, 2, 3]], max_new_tokens=4) == expected
+    assert torch.get_num_threads() == 1
 
 
 # -- compile_graph at the governor's maximum -----------------------------------------------

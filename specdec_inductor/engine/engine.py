@@ -63,8 +63,9 @@ def _skip_model_guards(guard_entries) -> List[bool]:
     SmolLM2). Safe because each engine has its own code objects (`_own_code`) and the engine
     owns its model and pool: the model's modules, their classes, parameters and config, and the
     pool's buffers must not be replaced after the Engine is made (values may be updated in
-    place; parameters and pool buffers are graph inputs read on every call)."""
-    return [not _engine_owned(e.name) for e in guard_entries]
+    place; parameters and pool buffers are graph inputs read on every call). Also drops the
+    global-state guard, which holds the thread count the governor varies (threads.keeps_guard)."""
+    return [not _engine_owned(e.name) and threads.keeps_guard(e) for e in guard_entries]
 
 
 def _engine_owned(name: str) -> bool:

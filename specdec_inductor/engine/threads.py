@@ -16,8 +16,9 @@ in the thread that calls it, so the engine ticks at the start of each public ste
 stepping thread. A tick is a clock read and two compares except once per window (a read of
 /proc/stat and /proc/self/stat, ~tens of us). Compiled kernels follow the runtime count because
 Inductor emits `#pragma omp parallel` without num_threads when it compiles at os.cpu_count()
-threads; lowerings/compile.py compiles at the governor's maximum (`compiling`) and asks for
-dynamic threads when that maximum is another number.
+threads; lowerings/compile.py compiles at the governor's maximum (`at_max`) and asks for
+dynamic threads when that maximum is another number. Dynamo guards the thread count among its
+global state: the engine's guard filter drops that guard (keeps_guard).
 """
 import contextlib
 import math
@@ -203,6 +204,17 @@ class ThreadGovernor:
             yield
         finally:
             torch.set_num_threads(before)
+
+
+def keeps_guard(entry) -> bool:
+    """Dynamo guard filter predicate for the engine's step graphs: False for the global-state
+    guard. It snapshots torch.get_num_threads() with grad mode, autocast, the default dtype and
+    the deterministic / reduced-precision flags, so every count the governor sets would re-trace
+    every graph (and fail `fail_on_recompile`). The engine's public steps run under
+    inference_mode, so grad mode is fixed; the other settings, changed after a graph is traced,
+    are not seen by it (as the model's parameter layout is not: engine._skip_model_guards).
+    Torch-function modes keep their own guard."""
+    return entry.guard_type != "GLOBAL_STATE"
 
 
 _governor: Optional[ThreadGovernor] = None
