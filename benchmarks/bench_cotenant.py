@@ -18,7 +18,7 @@ default "0,1": idle, then one co-tenant) the runs take turns within every round 
 Printed: medians of decode tok/s per condition, the ratio loaded / idle, the ratio to our AR
 with the governor (spec methods) and the governor's time share at each thread count.
 
-    python benchmarks/bench_cotenant.py                      # ~8 min on the 2-core machine
+    python benchmarks/bench_cotenant.py     # five engines compile first (~4 min quiet, 2 cores)
     python benchmarks/bench_cotenant.py --tenants 0,1,2 --tenant matmul --pin
 """
 import argparse
@@ -241,19 +241,24 @@ def measure(args, ours, bindir, gguf, ov):
         procs = start_tenants(count, args.tenant, args.pin)
         try:
             rows = results.setdefault(count, {})
+
+            def record(label, rate, share=None):  # printed as it comes: a cut run keeps its data
+                rows.setdefault(label, []).append((rate, share))
+                print(f"# {count} co-tenant(s), round {r + 1}: {label}: {rate:.1f} tok/s"
+                      + ("" if share is None else f", {share:.0%} of the time at 1 thread"),
+                      flush=True)
+
             for r in range(args.rounds):
                 labels = [lab for lab in ours.runs if count == 0 or "dynamic" not in lab]
                 labels = labels[r % 2:] + labels[:r % 2]  # order shifts by round
                 for label in labels:
-                    rows.setdefault(label, []).append(ours.run(label))
+                    record(label, *ours.run(label))
                 if bindir:
                     for t in sorted({1, ours.max_threads}):
-                        rows.setdefault(f"llama.cpp Q4_1, {t} thread{'s' * (t > 1)}", []).append(
-                            (llamacpp_rate(bindir, gguf, args.new_tokens, t), None))
+                        record(f"llama.cpp Q4_1, {t} thread{'s' * (t > 1)}",
+                               llamacpp_rate(bindir, gguf, args.new_tokens, t))
                 if ov:
-                    rows.setdefault("OpenVINO GenAI Q4_1, default threads", []).append(
-                        (ov.rate(), None))
-                print(f"# {count} co-tenant(s), round {r + 1}/{args.rounds} done", flush=True)
+                    record("OpenVINO GenAI Q4_1, default threads", ov.rate())
         finally:
             stop_tenants(procs)
     return results
