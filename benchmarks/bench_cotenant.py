@@ -120,7 +120,8 @@ class Ours:
         return run
 
     def _spec(self, spec):
-        spec.generate([self.ids], spec.proposer.num_draft_tokens + 2)  # compiles its graphs
+        # A whole generation first: the verify sizes its drafts reach each compile a graph.
+        spec.generate([self.ids], self.args.new_tokens)
 
         def run():
             stats = SpeculativeStats()
