@@ -183,7 +183,8 @@ class ThreadGovernor:
             others = max(0.0, (sample.busy - self._last.busy) - (sample.own - self._last.own))
             self.stats.others_cores = others / wall
             self.stats.windows += 1
-            self.stats.seconds_at[self.threads] = self.stats.seconds_at.get(self.threads, 0.0) + wall
+            spent = self.stats.seconds_at
+            spent[self.threads] = spent.get(self.threads, 0.0) + wall
             free = self.cores - self.stats.others_cores
             new, self._up_streak = next_thread_count(self.threads, free, self.max_threads,
                                                      self._up_streak)
