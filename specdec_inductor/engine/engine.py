@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from specdec_inductor.engine import attention_backend as ab
+from specdec_inductor.engine import threads
 from specdec_inductor.engine.hf import StepBatch, StepKind, model_shape, use_specdec_attention
 from specdec_inductor.engine.hf import compile_layers_once as hf_compile_layers_once
 from specdec_inductor.engine.kv_pool import KVPool
@@ -62,8 +63,9 @@ def _skip_model_guards(guard_entries) -> List[bool]:
     SmolLM2). Safe because each engine has its own code objects (`_own_code`) and the engine
     owns its model and pool: the model's modules, their classes, parameters and config, and the
     pool's buffers must not be replaced after the Engine is made (values may be updated in
-    place; parameters and pool buffers are graph inputs read on every call)."""
-    return [not _engine_owned(e.name) for e in guard_entries]
+    place; parameters and pool buffers are graph inputs read on every call). Also drops the
+    global-state guard, which holds the thread count the governor varies (threads.keeps_guard)."""
+    return [not _engine_owned(e.name) and threads.keeps_guard(e) for e in guard_entries]
 
 
 def _engine_owned(name: str) -> bool:
@@ -412,6 +414,7 @@ class Engine:
                extend_lens: Tensor, tree_mask: Optional[Tensor] = None,
                aux: Optional[Tensor] = None):
         """One EXTEND step (a prefill chunk or a verify(N) pass); logits [B, T, V]."""
+        threads.tick()
         return self._extend_fn(*map(_inference, (input_ids, positions, req_rows, prefix_lens,
                                                  extend_lens, tree_mask, aux)))
 
@@ -424,6 +427,7 @@ class Engine:
         seq_len (kernels.md section 6). Returns (argmax [B, N], logits [B, N, V]) (+ hidden
         [B, N, k*H] with capture_hidden), as decode; the argmax is the decode step's own
         (torch's first index on ties). Its own graph per (bucket, N)."""
+        threads.tick()
         return self._verify_fn(*map(_inference, (tokens, positions, req_rows, seq_lens,
                                                  tree_mask, aux)))
 
@@ -432,6 +436,7 @@ class Engine:
                aux: Optional[Tensor] = None):
         """One DECODE step; (next tokens [B], logits [B, V]) (+ hidden [B, k*H] with
         capture_hidden); aux [B, A] is the model's auxiliary input, if it takes one."""
+        threads.tick()
         return self._decode_fn(*map(_inference, (tokens, req_rows, seq_lens, aux)))
 
     @torch.inference_mode()
@@ -464,6 +469,7 @@ class Engine:
                                "Engine")
 
     def _prefill(self, prompts, req_rows, aux):
+        threads.tick()
         self._check_layout()
         bs = req_rows.shape[0]
         lens = [len(p) for p in prompts] + [1] * (bs - len(prompts))
