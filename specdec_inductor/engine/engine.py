@@ -93,6 +93,25 @@ def _engine_owned(name: str) -> bool:
 ENGINE_INDUCTOR_OPTIONS = {"size_asserts": False}
 
 
+def batch_invariant_options(hidden_size: int) -> dict:
+    """Inductor options that keep every row's reductions serial in the step graphs, so a verify
+    row reproduces the decode step's row bit for bit (greedy speculation == plain greedy).
+    Inductor parallelizes a loop nest over its outer ranges while each thread keeps at least
+    cpp.min_chunk_size elements: a one-row decode graph has no row range to split, so its
+    RMSNorm sum over the hidden size gets split across threads (partial sums added at the
+    end), while a verify graph splits rows and sums each one serially, another summation
+    order. A minimum chunk above the hidden size never splits a reduction over it (1.5B
+    Qwen2.5-Coder, hidden 1536, at 2 threads: the decode graph's norms were split at the default
+    512, and INT8 activations turned those last bits into different tokens); graphs of several
+    rows still split their rows."""
+    return {"cpp.min_chunk_size": max(4096, hidden_size + 1)}
+
+
+def _hidden_size(model) -> int:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(cfg, "hidden_size", 0) or 0)
+
+
 def _param_layout(model) -> List[Tuple[str, torch.Size, Tuple[int, ...], torch.dtype]]:
     """(name, shape, strides, dtype) of every parameter: what the compiled steps assume."""
     return [(name, p.shape, p.stride(), p.dtype) for name, p in model.named_parameters()]
@@ -238,7 +257,8 @@ class Engine:
             if backend == "specdec":
                 from specdec_inductor.backend import specdec_backend
                 backend = functools.partial(specdec_backend, options={
-                    **ENGINE_INDUCTOR_OPTIONS, **(compile_options or {})})
+                    **ENGINE_INDUCTOR_OPTIONS, **batch_invariant_options(_hidden_size(model)),
+                    **(compile_options or {})})
             self._layout = _param_layout(model)
             guard_options = ({"guard_filter_fn": _skip_model_guards}
                              if os.environ.get("SPECDEC_MODEL_GUARDS", "0") in ("", "0") else {})
