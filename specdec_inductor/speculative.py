@@ -396,10 +396,7 @@ class SpeculativeGenerator:
             rows = ids + [engine.pool.padding_row] * (bucket - bs)
             req_rows = torch.tensor(rows, dtype=torch.int64)  # [B]
             t0 = time.perf_counter()
-            if captures:
-                first_logits, prompt_hidden = engine.prefill_with_hidden(prompts, req_rows)
-            else:
-                first_logits = engine.prefill(prompts, req_rows)  # [B, V]
+            _, first_logits, prompt_hidden = engine.prefill(prompts, req_rows)  # [B, V]
             first = (sampler.sample(first_logits[:bs]) if sampler is not None
                      else first_logits.argmax(-1))  # [bs]
             stats.prefill_s += time.perf_counter() - t0
@@ -454,9 +451,9 @@ class SpeculativeGenerator:
                     tokens = torch.tensor([o[-1] for o in out] + [0] * (bucket - bs)).view(bucket, 1)
                 t1 = time.perf_counter()
                 if size == 1:  # nothing to verify: a plain decode step of the roots
-                    res = engine.decode(tokens[:, 0].contiguous(), req_rows, seq_lens)
-                    predicts, logits = res[0], res[1]
-                    hidden = res[2].unsqueeze(1) if captures else None  # [B, 1, k*H]
+                    predicts, logits, hidden = engine.decode(tokens[:, 0].contiguous(), req_rows,
+                                                             seq_lens)
+                    hidden = hidden.unsqueeze(1) if captures else None  # [B, 1, k*H]
                     predicts = (sampler.sample(logits[:bs]) if sampler is not None
                                 else predicts[:bs])  # [bs]
                     accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [bs, 1]
@@ -466,9 +463,9 @@ class SpeculativeGenerator:
                         hit_rate = self._update_hit_rate(hit_rate, hits, drafted)
                         shadow = None
                 else:
-                    res = engine.verify(tokens, positions, req_rows, seq_lens, mask)
-                    target, logits = res[0], res[1]  # [B, N] argmax (in the graph), [B, N, V]
-                    hidden = res[2] if captures else None
+                    # [B, N] argmax (in the graph), [B, N, V], [B, N, k*H] or None
+                    target, logits, hidden = engine.verify(tokens, positions, req_rows, seq_lens,
+                                                           mask)
                     if sampler is None:
                         predicts, accept_index, accept_num = ops.verify_tree_greedy(
                             tokens[:bs], *linkage, target[:bs], min(steps, size))

@@ -289,7 +289,7 @@ class EagleProposer:
         while any(len(st.tokens) > keep and not st.done for st in states):
             take = [0 if st.done else max(0, min(chunk, len(st.tokens) - keep)) for st in states]
             args = self._extend_inputs(states, take, req_rows)
-            logits, g = eng.extend(*args[:5], None, args[5])
+            _, logits, g = eng.extend(*args[:5], None, args[5])
             for b, st in enumerate(states):
                 if take[b] and not st.tokens:
                     last_logits[b], last_g[b] = logits[b, take[b] - 1], g[b, take[b] - 1]
