@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from specdec_inductor.proposers.chain import (admit_draft_requests, chain_tree,
                                               finish_draft_requests)
 from specdec_inductor.proposers.tree_draft import TreeDrafter, check_tree_shape
-from specdec_inductor.speculative import DraftTree
+from specdec_inductor.speculative import DraftTree, Proposer
 
 # T of a draft head's EXTEND graph (the Engine's prefill_chunk). After the prompt, each step
 # feeds the head the accepted drafts plus the bonus token: at most depth + 1 (5 for the shipped
@@ -220,7 +220,7 @@ class _EagleRequest:
     virtual_rows: List[int] = field(default_factory=list)  # trees: one draft-pool row per beam
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     """Greedy EAGLE chains of K = N - 1 drafts (topk = 1) or EAGLE-2 top-k trees from
     `draft_engine` (an Engine over an EagleDraftModel made with capture_hidden=[-1]); the
     target Engine needs capture_hidden=[-1] too.

@@ -24,7 +24,7 @@ from torch import Tensor
 from specdec_inductor.proposers.chain import (admit_draft_requests, chain_tree,
                                               finish_draft_requests)
 from specdec_inductor.proposers.tree_draft import TreeDrafter, check_tree_shape
-from specdec_inductor.speculative import DraftTree
+from specdec_inductor.speculative import DraftTree, Proposer
 
 
 CATCH_UP_TOKENS = 2
@@ -53,7 +53,7 @@ class _DraftRequest:
     virtual_rows: List[int] = field(default_factory=list)  # trees: one draft-pool row per beam
 
 
-class StandaloneProposer:
+class StandaloneProposer(Proposer):
     """Greedy chain (topk = 1) or top-k tree drafts from `draft_engine` (an Engine over the
     draft model).
 
