@@ -32,13 +32,15 @@ def tiny_model(family="llama", seed=0):
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def repetitive_prompts(count, seed=1):
-    """Prompts with repeated phrases, so n-gram drafts are often right (and sometimes wrong)."""
+def repetitive_prompts(count, seed=1, shapes=None):
+    """Prompts with repeated phrases, so n-gram drafts are often right (and sometimes wrong);
+    prompt i is shaped like prompt i % shapes (default: all differ, growing with i)."""
     gen = torch.Generator().manual_seed(seed)
     prompts = []
     for i in range(count):
-        phrase = torch.randint(0, 96, (4 + i,), generator=gen).tolist()
-        noise = torch.randint(0, 96, (3 * i + 1,), generator=gen).tolist()
+        k = i if shapes is None else i % shapes
+        phrase = torch.randint(0, 96, (4 + k,), generator=gen).tolist()
+        noise = torch.randint(0, 96, (3 * k + 1,), generator=gen).tolist()
         prompts.append(phrase + noise + phrase + phrase[:2])
     return prompts
 

@@ -17,29 +17,9 @@ from specdec_inductor.proposers.standalone import StandaloneProposer  # noqa: E4
 from specdec_inductor.speculative import (Proposer, SpeculativeGenerator,  # noqa: E402
                                           SpeculativeStats)
 from specdec_inductor.testing import write_random_eagle_checkpoint  # noqa: E402
+from test_speculative import repetitive_prompts, tiny_model  # noqa: E402  (tests/ is on the path)
 
-VOCAB = 96
 METHODS = ["plain", "ngram", "standalone", "eagle", "eagle-tree"]
-
-
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=256)
-    config._attn_implementation = "sdpa"
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
-def repetitive_prompts(count, seed=1):
-    """Prompts with repeated phrases, so drafts are often right (and sometimes wrong)."""
-    gen = torch.Generator().manual_seed(seed)
-    prompts = []
-    for i in range(count):
-        phrase = torch.randint(0, VOCAB, (4 + i % 3,), generator=gen).tolist()
-        noise = torch.randint(0, VOCAB, (3 * (i % 4) + 1,), generator=gen).tolist()
-        prompts.append(phrase + noise + phrase + phrase[:2])
-    return prompts
 
 
 def _setup(method, tmp_path, capacity=3, compiled=False):
@@ -82,7 +62,7 @@ def _run_to_done(spec, batch, request):
 @pytest.mark.parametrize("method", METHODS)
 def test_requests_joining_mid_run_emit_their_solo_greedy_tokens(method, tmp_path):
     engine, spec, draft = _setup(method, tmp_path)
-    prompts = repetitive_prompts(4)
+    prompts = repetitive_prompts(4, shapes=4)
     budgets = [20, 12, 12, 16]
     solo = [engine.generate([p], n)[0] for p, n in zip(prompts, budgets)]
     stats = SpeculativeStats()
@@ -175,7 +155,7 @@ def test_compiled_steps_never_recompile_while_requests_join_and_leave(tmp_path):
     recompiles, and every request's tokens equal plain greedy's of the same engine."""
     torch._dynamo.reset()
     engine, spec, _ = _setup("ngram", tmp_path, capacity=4, compiled=True)
-    prompts = repetitive_prompts(24, seed=7)
+    prompts = repetitive_prompts(24, seed=7, shapes=4)
     rng = random.Random(0)
     budgets = [rng.randrange(4, 40) for _ in prompts]
     spec.compile_verify(batch_size=4)
@@ -203,3 +183,58 @@ def test_compiled_steps_never_recompile_while_requests_join_and_leave(tmp_path):
         want = engine.generate([r.prompt for r in rs], max(r.max_new_tokens for r in rs))
         assert [r.tokens for r in rs] == [w[:r.max_new_tokens] for w, r in zip(want, rs)]
     _all_free(engine)
+
+
+def _commit_reference(table, rows, seq_lens, accept_index, predicts, size):
+    """The per-request commit the loop ran before it was tensor ops: each live request's path
+    tokens, its accepted slots moved to the front of its tree positions, seq_len advanced."""
+    table, seq_lens = table.clone(), seq_lens.clone()
+    tokens = []
+    for b, path in enumerate(accept_index.tolist()):
+        path = [i for i in path if i >= 0]
+        tokens.append([int(predicts[i]) for i in path])
+        local = [i - b * size for i in path]
+        rest = [i for i in range(size) if i not in local]
+        start = int(seq_lens[b])
+        slots = table[rows[b], start:start + size].clone()
+        table[rows[b], start:start + size] = slots[local + rest]
+        seq_lens[b] += len(path)
+    return table, seq_lens, tokens
+
+
+def test_commit_ops_match_the_per_request_commit_eager_and_compiled():
+    from specdec_inductor import ops
+    from specdec_inductor.speculative.commit import commit_step
+    gen = torch.Generator().manual_seed(0)
+    bs, bucket, size, steps, padding_row = 3, 4, 6, 4, 5
+    table = torch.randperm(6 * 40, generator=gen).view(6, 40).to(torch.int32)
+    table[padding_row] = 999  # the padding row maps every position to the sink
+    rows = torch.tensor([2, 0, 4, padding_row])
+    seq_lens = torch.tensor([7, 3, 12, 1])
+    roots = torch.tensor([11, 12, 13, 0])
+    mask = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
+                         [1, 1, 0, 1, 0, 0], [1, 1, 0, 1, 1, 0], [1, 0, 1, 0, 0, 1]],
+                        dtype=torch.bool).flatten().repeat(bs)  # the same tree for each
+    _, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens[:bs], size)
+    candidates = torch.randint(0, 9, (bs, size), generator=gen)
+    target = candidates.roll(-1, dims=1)  # every request accepts along some path
+    target[1] = candidates[1, 2]  # request 1: only node 2's token at the root
+    predicts, accept_index, accept_num = ops.verify_tree_greedy(candidates, ridx, nxt, sib,
+                                                                target, steps)
+    want_table, want_lens, want_tokens = _commit_reference(table, rows, seq_lens, accept_index,
+                                                           predicts, size)
+    assert max(int(a) for a in accept_num) > 0
+    compiled = torch.compile(commit_step, fullgraph=True)
+    for fn in (commit_step, compiled):
+        t, lens, r = table.clone(), seq_lens.clone(), roots.clone()
+        done = fn(t, rows, lens, r, padding_row, predicts, accept_index, accept_num, size)
+        assert torch.equal(t, want_table)
+        assert torch.equal(lens[:bs], want_lens[:bs]) and lens[bs] == 1  # padding untouched
+        assert [[x for x in row if x >= 0] for row in done.tokens.tolist()] == want_tokens
+        assert r[:bs].tolist() == [tok[-1] for tok in want_tokens] and r[bs] == 0
+    # A finished request's row is the padding row: nothing of its own moves.
+    t, lens, r = table.clone(), seq_lens.clone(), roots.clone()
+    finished = rows.clone()
+    finished[1] = padding_row
+    commit_step(t, finished, lens, r, padding_row, predicts, accept_index, accept_num, size)
+    assert torch.equal(t[0], table[0]) and lens[1] == seq_lens[1] and r[1] == roots[1]
