@@ -138,7 +138,7 @@ class StepOutput(NamedTuple):
     read them by name (or unpack three) and never guess an arity."""
     argmax: Optional[Tensor]  # decode [B], verify [B, N], prefill [B]; None for extend
     logits: Tensor  # decode / prefill [B, V], verify / extend [B, T, V] (last_only: [B, 1, V])
-    hidden: Optional[Tensor]  # captured [.., k*H] rows (prefill: [B, P, k*H]); None without capture_hidden
+    hidden: Optional[Tensor]  # captured rows [.., k*H] (prefill: [B, P, k*H]); None: no capture
 
 
 @dataclass

@@ -157,10 +157,14 @@ class SpeculativeGenerator:
         self.proposer = proposer
         n = proposer.num_draft_tokens if proposer is not None else 1
         self.num_draft_tokens = n
-        self.adaptive = (proposer is not None and proposer.cheap_drafts) if adaptive is None else adaptive
+        if adaptive is None:
+            adaptive = proposer is not None and proposer.cheap_drafts
+        self.adaptive = adaptive
         self._gate_from_costs = min_accepted is None and not self.adaptive
-        self._min_accepted = verify_cost_per_node * (n - 1) if min_accepted is None else min_accepted
-        self.backoff_steps, self.gate_min_steps, self.grow_at = backoff_steps, gate_min_steps, grow_at
+        if min_accepted is None:
+            min_accepted = verify_cost_per_node * (n - 1)
+        self._min_accepted, self.backoff_steps = min_accepted, backoff_steps
+        self.gate_min_steps, self.grow_at = gate_min_steps, grow_at
         # Measured by compile_verify (compiled engines) unless probe_cost is given.
         self.costs = StepCosts(probe_cost=1.0 if probe_cost is None else probe_cost)
         self._calibrate = probe_cost is None
@@ -219,7 +223,8 @@ class SpeculativeGenerator:
         step_times(engine, sizes, rounds=0, batch_size=batch_size)
         if self._gate_from_costs:
             n = self.num_draft_tokens
-            times = step_times(engine, [1, n], rounds=self.calibration_rounds, batch_size=batch_size)
+            times = step_times(engine, [1, n], rounds=self.calibration_rounds,
+                               batch_size=batch_size)
             self.costs.verify_cost, self.costs.decode_s = times[n] / times[1], times[1]
         if self.adaptive and self._calibrate and self.tree_sizes[0] == 1:
             # The adaptive size's probe cost (a decode graph compiles here if none has yet).
@@ -253,11 +258,13 @@ class SpeculativeGenerator:
             try:
                 yield batch
             finally:
-                if batch.requests:
-                    self.retire(batch, *batch.requests)
-                graphs1, recompiles1 = dynamo_counts()
-                stats.graphs += graphs1 - graphs0
-                stats.recompiles += recompiles1 - recompiles0
+                try:
+                    if batch.requests:
+                        self.retire(batch, *batch.requests)
+                finally:
+                    graphs1, recompiles1 = dynamo_counts()
+                    stats.graphs += graphs1 - graphs0
+                    stats.recompiles += recompiles1 - recompiles0
 
     @torch.inference_mode()
     def admit(self, batch: Batch, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -268,7 +275,8 @@ class SpeculativeGenerator:
         All or nothing: on an error nothing joins and their slots are freed."""
         self.engine.check_request(prompts, max_new_tokens)
         if max_new_tokens < 1:
-            raise ValueError(f"argument 'max_new_tokens' must be >= 1 to admit, got {max_new_tokens}")
+            raise ValueError(f"argument 'max_new_tokens' must be >= 1 to admit, got "
+                             f"{max_new_tokens}")
         if len(batch.requests) + len(prompts) > batch.capacity:
             raise ValueError(f"argument 'prompts': {len(prompts)} more requests do not fit a batch "
                              f"of {len(batch.requests)} with capacity {batch.capacity}")
@@ -276,7 +284,8 @@ class SpeculativeGenerator:
         generators = [request_generator(p) for p in params]
         engine, proposer = self.engine, self.proposer
         # The tree needs N positions past the last committed token: reserve them up front.
-        admitted = engine.pool.admit([len(p) for p in prompts], max_new_tokens + self.num_draft_tokens)
+        admitted = engine.pool.admit([len(p) for p in prompts],
+                                     max_new_tokens + self.num_draft_tokens)
         ids = [r.row for r in admitted]
         started = False  # set before start is called: a start that fails midway is finished
         try:
@@ -288,7 +297,7 @@ class SpeculativeGenerator:
             first_tokens = (sampler.sample(first.logits[:len(ids)]) if sampler is not None
                             else first.argmax[:len(ids)]).tolist()
             batch.stats.prefill_s += time.perf_counter() - t0
-            new = [ActiveRequest(r, list(p), max_new_tokens, eos_token_id, s, g,
+            new = [ActiveRequest(r, [int(t) for t in p], max_new_tokens, eos_token_id, s, g,
                                  batch.policy.new_request())
                    for r, p, s, g in zip(admitted, prompts, params, generators)]
             for r, tok in zip(new, first_tokens):
@@ -298,7 +307,8 @@ class SpeculativeGenerator:
                 contexts = [r.prompt + r.tokens for r in new]
                 started = True
                 if proposer.needs_target_hidden:
-                    proposer.start(ids, contexts, [hidden[b, :len(p)] for b, p in enumerate(prompts)])
+                    proposer.start(ids, contexts,
+                                   [hidden[b, :len(p)] for b, p in enumerate(prompts)])
                 else:
                     proposer.start(ids, contexts)
         except BaseException:
@@ -369,7 +379,8 @@ class SpeculativeGenerator:
         if self.proposer is not None:
             lists = [emitted.get(r, []) for r in reqs]
             if self.proposer.needs_target_hidden:
-                self.proposer.commit(ids, lists, self._path_hidden(accepted.hidden, done.path, host, live))
+                self.proposer.commit(ids, lists,
+                                     self._path_hidden(accepted.hidden, done.path, host, live))
             else:
                 self.proposer.commit(ids, lists)
         t3 = time.perf_counter()
@@ -405,7 +416,8 @@ class SpeculativeGenerator:
         return _Step(*out, hidden)
 
     @staticmethod
-    def _emit(batch: Batch, live: List[bool], host: List[List[int]]) -> Dict[ActiveRequest, List[int]]:
+    def _emit(batch: Batch, live: List[bool],
+              host: List[List[int]]) -> Dict[ActiveRequest, List[int]]:
         """Hand each live request its step's tokens (cut at its stop) and count them."""
         stats, emitted = batch.stats, {}
         for b, (r, is_live, h) in enumerate(zip(batch.requests, live, host)):
@@ -423,8 +435,10 @@ class SpeculativeGenerator:
         """The target hidden rows of each request's accepted path, root first ([accepted + 1,
         k*H]; none for a request that had finished)."""
         bs, steps = path.shape
-        rows = hidden[:bs].gather(1, path.clamp(min=0).unsqueeze(-1).expand(bs, steps, hidden.shape[-1]))
-        return [rows[b, :h[0] + 1] if x else rows[b, :0] for b, (h, x) in enumerate(zip(host, live))]
+        index = path.clamp(min=0).unsqueeze(-1).expand(bs, steps, hidden.shape[-1])  # [B, S, k*H]
+        rows = hidden[:bs].gather(1, index)
+        return [rows[b, :h[0] + 1] if x else rows[b, :0]
+                for b, (h, x) in enumerate(zip(host, live))]
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,

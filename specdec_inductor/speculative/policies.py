@@ -135,7 +135,8 @@ class AcceptanceGate(DraftPolicy):
         live_accepted = torch.tensor([a for a, x in zip(accepted, live) if x], dtype=torch.float32)
         self.accepted_sum += float(live_accepted.mean())
         self.draft_steps += 1
-        if self.draft_steps >= self.min_steps and self.accepted_sum / self.draft_steps < self.threshold():
+        mean = self.accepted_sum / self.draft_steps
+        if self.draft_steps >= self.min_steps and mean < self.threshold():
             self.cooldown = min(64, self.backoff_steps << self.failures)
             self.failures += 1
         else:
