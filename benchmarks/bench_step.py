@@ -63,11 +63,15 @@ def main():
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-batch", type=int, default=8,
+                        help="the engine's max_batch (its KV pool's shape: keep it across runs "
+                             "that should share compiled graphs)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
-    engine = Engine(model, max_batch=max(batches), max_len=512, compile=True, prefill_chunk=64)
+    engine = Engine(model, max_batch=max(args.max_batch, *batches), max_len=512, compile=True,
+                    prefill_chunk=64)
     timer = InGraphTimer(engine)
     ids = tokenizer(PROMPT)["input_ids"]
     methods = {"ngram": SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=8)),
