@@ -45,20 +45,41 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-class Sampler:
-    """Target distributions and uniforms for a batch of `len(params)` requests."""
+def request_params(sampling: Union[None, SamplingParams, Sequence[SamplingParams]],
+                   batch: int) -> List[SamplingParams]:
+    """One SamplingParams per request from None (all greedy), one for all, or one each."""
+    if sampling is None:
+        return [SamplingParams()] * batch
+    params = [sampling] * batch if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(params) != batch:
+        raise ValueError(f"argument 'sampling' has {len(params)} entries for {batch} prompts")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"argument 'sampling' [{i}] must be a SamplingParams, got {type(p)}")
+    return params
 
-    def __init__(self, params: Sequence[SamplingParams]):
+
+def request_generator(params: SamplingParams) -> Optional[torch.Generator]:
+    """A request's own uniform stream (None when greedy): its draws do not depend on which
+    other requests share its batch."""
+    if params.greedy:
+        return None
+    g = torch.Generator()
+    g.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+    return g
+
+
+class Sampler:
+    """Target distributions and uniforms for a batch of `len(params)` requests; generators:
+    each request's stream (request_generator), made here when not given."""
+
+    def __init__(self, params: Sequence[SamplingParams],
+                 generators: Optional[Sequence[Optional[torch.Generator]]] = None):
         self.params = list(params)
         self.greedy = torch.tensor([p.greedy for p in self.params])  # [B]
-        self.generators: List[Optional[torch.Generator]] = []
-        for p in self.params:
-            if p.greedy:
-                self.generators.append(None)
-                continue
-            g = torch.Generator()
-            g.manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
-            self.generators.append(g)
+        self.generators: List[Optional[torch.Generator]] = (
+            list(generators) if generators is not None
+            else [request_generator(p) for p in self.params])
         self.temperature = torch.tensor([p.temperature if not p.greedy else 1.0
                                          for p in self.params])  # [B]
         self.top_k = torch.tensor([p.top_k for p in self.params], dtype=torch.int64)  # [B]
@@ -68,14 +89,7 @@ class Sampler:
     def for_batch(sampling: Union[None, SamplingParams, Sequence[SamplingParams]],
                   batch: int) -> Optional["Sampler"]:
         """None when every request is greedy (the loop then verifies with plain argmax)."""
-        if sampling is None:
-            return None
-        params = [sampling] * batch if isinstance(sampling, SamplingParams) else list(sampling)
-        if len(params) != batch:
-            raise ValueError(f"argument 'sampling' has {len(params)} entries for {batch} prompts")
-        for i, p in enumerate(params):
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"argument 'sampling' [{i}] must be a SamplingParams, got {type(p)}")
+        params = request_params(sampling, batch)
         return None if all(p.greedy for p in params) else Sampler(params)
 
     def target_probs(self, logits: Tensor) -> Tensor:

@@ -436,7 +436,7 @@ def test_sliding_window_model_verify_equals_stock_paths():
     engine.prefill([prompt], row)
     seq_lens = torch.tensor([len(prompt)])
     positions = seq_lens.view(1, 1) + torch.tensor([depths])  # [1, N]
-    argmax, logits = engine.verify(torch.tensor([tokens]), positions, row, seq_lens, mask.flatten())
+    argmax, logits, _ = engine.verify(torch.tensor([tokens]), positions, row, seq_lens, mask.flatten())
     for i in range(n):
         torch.testing.assert_close(logits[0, i], stock[i], atol=1e-4, rtol=1e-4)
     assert torch.equal(argmax[0], torch.stack(stock).argmax(-1))  # verify's greedy picks

@@ -37,14 +37,14 @@ def test_verify_rows_equal_decode_rows_bitwise():
         (req,) = engine.pool.admit([len(PROMPT)], 16)
         try:
             rows = torch.tensor([req.row])
-            first = int(engine.prefill([PROMPT], rows)[0].argmax())
+            first = int(engine.prefill([PROMPT], rows).argmax[0])
             n = len(PROMPT)
             decoded = [first]
             decode_logits = []
             for step in range(4):  # decode steps at positions n .. n+3
                 out = engine.decode(torch.tensor([decoded[-1]]), rows, torch.tensor([n + step]))
-                decode_logits.append(out[1][0].clone())
-                decoded.append(int(out[0][0]))
+                decode_logits.append(out.logits[0].clone())
+                decoded.append(int(out.argmax[0]))
             # The same tokens again, each as the root of a verify(4) at its position (the KV
             # it rewrites is the same), its children other tokens.
             mask, depth = star_tree(4)
@@ -52,7 +52,7 @@ def test_verify_rows_equal_decode_rows_bitwise():
                 tokens = torch.tensor([[decoded[step], 1, 2, 3]])
                 positions = (n + step) + depth.view(1, 4)
                 out = engine.verify(tokens, positions, rows, torch.tensor([n + step]), mask)
-                assert torch.equal(out[1][0, 0], decode_logits[step]), step
+                assert torch.equal(out.logits[0, 0], decode_logits[step]), step
         finally:
             engine.pool.release(req)
         engine.pool.check_consistent()

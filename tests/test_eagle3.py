@@ -79,7 +79,7 @@ def test_captured_rows_equal_hf_hidden_states(compiled, indices):
                     capture_hidden=indices)
     reqs = engine.pool.admit([len(p) for p in ps], 2)
     rows = torch.tensor([r.row for r in reqs])
-    last, hidden = engine.prefill_with_hidden(ps, rows)  # [B, V], [B, P, k*H]
+    _, last, hidden = engine.prefill_with_hidden(ps, rows)  # [B, V], [B, P, k*H]
     nxt = last.argmax(-1)
     tokens, logits, step_hidden = engine.decode(nxt, rows, torch.tensor([len(p) for p in ps]))
     for b, p in enumerate(ps):
@@ -270,7 +270,7 @@ def test_head_forward_equals_plain_torch(tmp_path, own_embedding, bias):
     req = draft.pool.admit([8], 1)[0]
     rows = torch.tensor([req.row])
     zero, eight = torch.zeros(1, dtype=torch.int64), torch.full((1,), 8)
-    logits, g = draft.extend(ids, torch.arange(8).view(1, 8), rows, zero, eight, None, feats)
+    _, logits, g = draft.extend(ids, torch.arange(8).view(1, 8), rows, zero, eight, None, feats)
     want_logits, want_g = reference_head(tmp_path, sd, ids[0], _fc(sd, feats[0]))
     torch.testing.assert_close(g[0], want_g, atol=1e-5, rtol=1e-5)
     hot = sd["t2d"].nonzero().flatten()
@@ -481,8 +481,8 @@ def test_trees_rank_the_draft_vocabulary_like_the_full_one(tmp_path):
     feats = torch.randn(1, 8, 3 * HIDDEN, generator=gen)  # [1, T, 3H]
     req = draft.pool.admit([8], 1)[0]
     zero, eight = torch.zeros(1, dtype=torch.int64), torch.full((1,), 8)
-    logits, _ = draft.extend(ids, torch.arange(8).view(1, 8), torch.tensor([req.row]), zero,
-                             eight, None, feats)
+    logits = draft.extend(ids, torch.arange(8).view(1, 8), torch.tensor([req.row]), zero,
+                          eight, None, feats).logits
     draft.pool.release(req)
     assert logits.shape[-1] == head.draft_to_target.numel()  # [1, T, Vd] draft columns
     # The same logits scattered into the whole target vocabulary (-inf elsewhere), ranked by a
@@ -517,8 +517,8 @@ def test_extend_keeps_each_requests_last_row_only_where_asked(tmp_path):
     rows = torch.tensor([r.row for r in reqs])
     zero, lens = torch.zeros(2, dtype=torch.int64), torch.tensor([8, 5])  # ragged
     pos = torch.arange(8).view(1, 8).expand(2, 8)
-    full, g_full = draft.extend_step(ids, pos, rows, zero, lens, None, feats)
-    kept, g_kept = draft.extend_step(ids, pos, rows, zero, lens, None, feats, last_only=True)
+    _, full, g_full = draft.extend_step(ids, pos, rows, zero, lens, None, feats)
+    _, kept, g_kept = draft.extend_step(ids, pos, rows, zero, lens, None, feats, last_only=True)
     draft.pool.release(reqs[0])
     draft.pool.release(reqs[1])
     vd = head.draft_to_target.numel()  # the logits' columns: the draft vocabulary

@@ -93,7 +93,7 @@ def test_compiled_logits_match_stock_model(compiled_engine):
     (req,) = engine.pool.admit([len(prompt)], 1)
     rows = torch.tensor([req.row, engine.pool.padding_row])
     try:
-        last = engine.prefill([prompt], rows)
+        last = engine.prefill([prompt], rows).logits
     finally:
         engine.pool.release(req)
     torch.testing.assert_close(last[0], stock, atol=1e-4, rtol=1e-4)

@@ -48,11 +48,11 @@ def test_prefill_and_decode_logits_match_stock(arch, attention):
     assert engine.attention_backend is ab.AttentionBackend(attention)
     reqs = engine.pool.admit([len(p) for p in PROMPTS], max_new_tokens=2)
     rows = torch.tensor([r.row for r in reqs] + [engine.pool.padding_row])  # bucket of 4
-    last = engine.prefill(PROMPTS, rows)  # [4, V]
+    last = engine.prefill(PROMPTS, rows).logits  # [4, V]
     for b, s in enumerate(stock):
         torch.testing.assert_close(last[b], s[-1], atol=1e-4, rtol=1e-4)
     seq_lens = torch.tensor([len(p) for p in PROMPTS] + [1])
-    tokens, logits = engine.decode(last.argmax(-1), rows, seq_lens)
+    tokens, logits, _ = engine.decode(last.argmax(-1), rows, seq_lens)
     assert tokens[:3].tolist() == [int(s.argmax()) for s in stock_next]
     for b, s in enumerate(stock_next):
         torch.testing.assert_close(logits[b], s, atol=1e-4, rtol=1e-4)
@@ -77,7 +77,7 @@ def test_prefill_runs_the_lm_head_on_last_rows_only(arch):
                         prefill_chunk=8)
         assert engine.keeps_last_rows
         reqs = engine.pool.admit([len(p) for p in prompts], 1)
-        last = engine.prefill(prompts, torch.tensor([r.row for r in reqs]))
+        last = engine.prefill(prompts, torch.tensor([r.row for r in reqs])).logits
     finally:
         hook.remove()
     assert seen == [(2, 2, TINY["hidden_size"])] * 2, seen  # 2 chunks x [B, B, H], not [B, 8, H]
@@ -102,7 +102,7 @@ def test_extend_logits_all_positions_match_stock(arch):
         ids[b, :len(p)] = torch.tensor(p)
     lens = torch.tensor([len(p) for p in prompts])
     logits = engine.extend(ids, torch.arange(9).expand(2, 9), torch.tensor([r.row for r in reqs]),
-                           torch.zeros(2, dtype=torch.int64), lens)
+                           torch.zeros(2, dtype=torch.int64), lens).logits
     for b, s in enumerate(stock):
         torch.testing.assert_close(logits[b, :len(prompts[b])], s, atol=1e-4, rtol=1e-4)
 

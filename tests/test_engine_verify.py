@@ -55,7 +55,7 @@ def test_verify_tree_logits_equal_stock_paths(compiled):
     seq_lens = torch.tensor([len(PROMPT)])
     positions = seq_lens.view(1, 1) + torch.tensor([DEPTHS])  # [1, N]
     mask = ancestor_mask().flatten()  # QLEN_ONLY [B*N*N]
-    argmax, logits = engine.verify(torch.tensor([TREE_TOKENS]), positions, rows, seq_lens, mask)
+    argmax, logits, _ = engine.verify(torch.tensor([TREE_TOKENS]), positions, rows, seq_lens, mask)
     for i in range(4):
         torch.testing.assert_close(logits[0, i], stock[i], atol=1e-4, rtol=1e-4)
     assert torch.equal(argmax, logits.argmax(-1))  # the graph's own argmax, [1, N]

@@ -11,7 +11,8 @@ transformers = pytest.importorskip("transformers")
 
 from specdec_inductor.engine.engine import Engine  # noqa: E402
 from specdec_inductor.proposers.ngram import NgramProposer  # noqa: E402
-from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats, step_times  # noqa: E402
+from specdec_inductor.speculative import (Proposer, SpeculativeGenerator, SpeculativeStats,  # noqa: E402
+                                          step_times)
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -31,13 +32,15 @@ def tiny_model(family="llama", seed=0):
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def repetitive_prompts(count, seed=1):
-    """Prompts with repeated phrases, so n-gram drafts are often right (and sometimes wrong)."""
+def repetitive_prompts(count, seed=1, shapes=None):
+    """Prompts with repeated phrases, so n-gram drafts are often right (and sometimes wrong);
+    prompt i is shaped like prompt i % shapes (default: all differ, growing with i)."""
     gen = torch.Generator().manual_seed(seed)
     prompts = []
     for i in range(count):
-        phrase = torch.randint(0, 96, (4 + i,), generator=gen).tolist()
-        noise = torch.randint(0, 96, (3 * i + 1,), generator=gen).tolist()
+        k = i if shapes is None else i % shapes
+        phrase = torch.randint(0, 96, (4 + k,), generator=gen).tolist()
+        noise = torch.randint(0, 96, (3 * k + 1,), generator=gen).tolist()
         prompts.append(phrase + noise + phrase + phrase[:2])
     return prompts
 
@@ -109,7 +112,7 @@ def test_tree_sizes_pick_the_smallest_verify_that_holds_the_drafts():
         SpeculativeGenerator(None, NgramProposer(num_draft_tokens=4), tree_sizes=(0, 4))
 
 
-class _WrongChainProposer:
+class _WrongChainProposer(Proposer):
     """Always drafts a full chain of tokens the target (almost) never picks."""
 
     num_draft_tokens = 5
@@ -199,7 +202,7 @@ def test_compile_verify_compiles_every_verify_size_before_the_first_draft():
     engine.pool.check_consistent()
 
 
-class _ScriptedChainProposer:
+class _ScriptedChainProposer(Proposer):
     """Cheap drafts of one request's known greedy continuation: right, except during the
     proposals numbered in `wrong`, whose chains hold tokens the target does not pick."""
 

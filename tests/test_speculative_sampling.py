@@ -14,7 +14,7 @@ from specdec_inductor import ops  # noqa: E402
 from specdec_inductor.engine.engine import Engine  # noqa: E402
 from specdec_inductor.proposers.ngram import NgramProposer  # noqa: E402
 from specdec_inductor.sampler import Sampler, SamplingParams  # noqa: E402
-from specdec_inductor.speculative import DraftTree, SpeculativeGenerator  # noqa: E402
+from specdec_inductor.speculative import DraftTree, Proposer, SpeculativeGenerator  # noqa: E402
 
 VOCAB = 48
 PROMPT = [3, 17, 5, 9, 3, 17, 5]
@@ -43,7 +43,7 @@ def _probs(model, seqs, params):
     return s.target_probs(logits.unsqueeze(1))[:, 0]
 
 
-class _TableProposer:
+class _TableProposer(Proposer):
     """Drafts, on each request's first step only, a 4-node tree rooted at the prefill's token
     x0: two siblings (the target's two likeliest x1) and, under the first, its likeliest x2.
     Later steps draft nothing, so they run the loop's plain (sampled) decode step."""

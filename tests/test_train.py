@@ -265,7 +265,7 @@ def test_eagle3_training_time_test_matches_drafting(data3_and_target, tmp_path):
     rows = torch.tensor([req.row])
     for i in (0, 3, t - 5):
         ids = tokens[1:i + 2].view(1, -1)  # x_1 .. x_{i+1}
-        logits, g = engine.extend(ids, torch.arange(i + 1).view(1, -1), rows,
+        _, logits, g = engine.extend(ids, torch.arange(i + 1).view(1, -1), rows,
                                   torch.tensor([0]), torch.tensor([i + 1]), None,
                                   feats[:i + 1].view(1, i + 1, -1))
         assert logits.shape[-1] == vocab.numel()  # the draft vocabulary's columns

@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from specdec_inductor.engine.engine import Engine, batch_buckets  # noqa: E402
+from specdec_inductor.engine.engine import Engine, StepOutput, batch_buckets  # noqa: E402
 from specdec_inductor.engine.kv_pool import KVPool  # noqa: E402
 from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head  # noqa: E402
 from specdec_inductor.proposers.standalone import StandaloneProposer  # noqa: E402
@@ -112,7 +112,7 @@ class PathEngine:
                 assert torch.equal(aux[i], path_code(seq[:-1])), "a beam got another node's g"
             logits[i] = path_logits(seq, self.vocab, self.allowed)
             codes[i] = path_code(seq)
-        return (logits.argmax(-1), logits) if aux is None else (logits.argmax(-1), logits, codes)
+        return StepOutput(logits.argmax(-1), logits, None if aux is None else codes)
 
     decode_step = decode  # what TreeDrafter calls (an eager fake: never compiled)
 

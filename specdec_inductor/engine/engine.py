@@ -18,7 +18,7 @@ import time
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -154,6 +154,14 @@ def _inference(t: Optional[Tensor]) -> Optional[Tensor]:
     return t if t is None or t.is_inference() else t.clone()
 
 
+class StepOutput(NamedTuple):
+    """What every step returns, whatever the engine captures: fields are fixed, so callers
+    read them by name (or unpack three) and never guess an arity."""
+    argmax: Optional[Tensor]  # decode [B], verify [B, N], prefill [B]; None for extend
+    logits: Tensor  # decode / prefill [B, V], verify / extend [B, T, V] (last_only: [B, 1, V])
+    hidden: Optional[Tensor]  # captured rows [.., k*H] (prefill: [B, P, k*H]); None: no capture
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -191,8 +199,8 @@ class Engine:
         prefill_chunk: new tokens per prefill step (the EXTEND graph's T).
         capture_hidden: indices into the model's `hidden_states` output whose rows every step
             also returns, concatenated on the last dim in the order given ([B, T, k*H]);
-            EAGLE-style proposers draft from them. Steps then return (logits, hidden) /
-            (tokens, logits, hidden), and prefill_with_hidden works. Convention (that of HF
+            EAGLE-style proposers draft from them. Every step's StepOutput then carries them
+            as `hidden`, and prefill_with_hidden works. Convention (that of HF
             `output_hidden_states`, for a model with L decoder layers): index i in [0, L) is the
             input of decoder layer i (= the output of layer i - 1; 0 = the embeddings); L and -1
             are the final, normed hidden state; other negative indices count from L + 1. On a
@@ -346,9 +354,9 @@ class Engine:
                      last_only: bool = False):
         """T new tokens per request at `positions` [B, T] (sequence positions; for a tree, the
         node depths); their KV goes to positions prefix_lens + t of the request's row.
-        Returns logits [B, T, V] (rows t >= extend_lens[b] are padding); with last_only (a
-        prefill chunk; its own graph) those of row extend_lens[b] - 1 only, [B, 1, V], where
-        that saves LM-head rows."""
+        Returns StepOutput(None, logits [B, T, V] (rows t >= extend_lens[b] are padding),
+        hidden); with last_only (a prefill chunk; its own graph) the logits of row
+        extend_lens[b] - 1 only, [B, 1, V], where that saves LM-head rows."""
         bs, t_max = input_ids.shape
         t = torch.arange(t_max).view(1, t_max)
         # Padding requests (the pool's padding row) store nothing: store_kv rejects a slot
@@ -366,12 +374,12 @@ class Engine:
         else:
             last = None
         logits, hidden = self._forward(input_ids, positions, batch, aux, last)
-        return logits if hidden is None else (logits, hidden)  # [B, T or 1, V] (, [B, T, k*H])
+        return StepOutput(None, logits, hidden)  # [B, T or 1, V], [B, T, k*H] or None
 
     def _decode_step(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor,
                      aux: Optional[Tensor] = None):
-        """One token per request at position seq_lens[b]; returns (argmax [B], logits [B, V])
-        (and hidden [B, k*H] with capture_hidden)."""
+        """One token per request at position seq_lens[b]; returns StepOutput(argmax [B],
+        logits [B, V], hidden [B, k*H] or None)."""
         bs = tokens.shape[0]
         slots = self.pool.req_to_token[req_rows, seq_lens].view(bs, 1)  # [B, 1]
         slots = torch.where((req_rows != self.pool.padding_row).view(bs, 1), slots, -1)
@@ -380,9 +388,7 @@ class Engine:
         logits, hidden = self._forward(tokens.view(bs, 1), seq_lens.view(bs, 1), batch,
                                        None if aux is None else aux.view(bs, 1, -1))
         logits = logits[:, 0]  # [B, V]
-        if hidden is None:
-            return logits.argmax(-1), logits
-        return logits.argmax(-1), logits, hidden[:, 0]
+        return StepOutput(logits.argmax(-1), logits, None if hidden is None else hidden[:, 0])
 
     def _verify_step(self, tokens: Tensor, positions: Tensor, req_rows: Tensor,
                      seq_lens: Tensor, tree_mask: Tensor, aux: Optional[Tensor] = None):
@@ -392,8 +398,7 @@ class Engine:
         extend_lens = torch.full_like(seq_lens, tokens.shape[1])  # [B]
         out = self._extend_step(tokens, positions, req_rows, seq_lens, extend_lens, tree_mask,
                                 aux)
-        logits, hidden = out if isinstance(out, tuple) else (out, None)
-        return (logits.argmax(-1), logits) + (() if hidden is None else (hidden,))
+        return StepOutput(out.logits.argmax(-1), out.logits, out.hidden)
 
     def decode_step(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor,
                     aux: Optional[Tensor] = None):
@@ -433,7 +438,8 @@ class Engine:
     def extend(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor, prefix_lens: Tensor,
                extend_lens: Tensor, tree_mask: Optional[Tensor] = None,
                aux: Optional[Tensor] = None):
-        """One EXTEND step (a prefill chunk or a verify(N) pass); logits [B, T, V]."""
+        """One EXTEND step (a prefill chunk or a verify(N) pass); StepOutput(None, logits
+        [B, T, V], hidden [B, T, k*H] or None)."""
         threads.tick()
         return self._extend_fn(*map(_inference, (input_ids, positions, req_rows, prefix_lens,
                                                  extend_lens, tree_mask, aux)))
@@ -444,8 +450,8 @@ class Engine:
         """Target pass over N draft-tree tokens per request (node 0 = the root), tokens and
         positions [B, N]; tree_mask QLEN_ONLY [B*N*N] bool or bit-packed [B*N]. The nodes' KV
         lands at positions [seq_len, seq_len + N) of each row and the prefix is exactly
-        seq_len (kernels.md section 6). Returns (argmax [B, N], logits [B, N, V]) (+ hidden
-        [B, N, k*H] with capture_hidden), as decode; the argmax is the decode step's own
+        seq_len (kernels.md section 6). Returns StepOutput(argmax [B, N], logits [B, N, V],
+        hidden [B, N, k*H] or None), as decode; the argmax is the decode step's own
         (torch's first index on ties). Its own graph per (bucket, N)."""
         threads.tick()
         return self._verify_fn(*map(_inference, (tokens, positions, req_rows, seq_lens,
@@ -454,24 +460,25 @@ class Engine:
     @torch.inference_mode()
     def decode(self, tokens: Tensor, req_rows: Tensor, seq_lens: Tensor,
                aux: Optional[Tensor] = None):
-        """One DECODE step; (next tokens [B], logits [B, V]) (+ hidden [B, k*H] with
-        capture_hidden); aux [B, A] is the model's auxiliary input, if it takes one."""
+        """One DECODE step; StepOutput(next tokens [B], logits [B, V], hidden [B, k*H] or
+        None); aux [B, A] is the model's auxiliary input, if it takes one."""
         threads.tick()
         return self._decode_fn(*map(_inference, (tokens, req_rows, seq_lens, aux)))
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], req_rows: Tensor,
-                aux: Optional[Tensor] = None) -> Tensor:
-        """Chunked prefill of right-padded ragged prompts; logits of each prompt's last token
-        [B, V]. Row b of the (bucket-sized) batch holds prompts[b] or a padding request.
-        aux [B, P, A] (P >= the longest prompt): the model's auxiliary input per position."""
-        return self._prefill(prompts, req_rows, aux)[0]
+                aux: Optional[Tensor] = None) -> StepOutput:
+        """Chunked prefill of right-padded ragged prompts: StepOutput(argmax [B], logits of
+        each prompt's last token [B, V], captured hidden of every prompt position [B, P, k*H]
+        (right-padded) or None). Row b of the (bucket-sized) batch holds prompts[b] or a
+        padding request. aux [B, P, A] (P >= the longest prompt): the model's auxiliary input
+        per position."""
+        return self._prefill(prompts, req_rows, aux)
 
     @torch.inference_mode()
     def prefill_with_hidden(self, prompts: Sequence[Sequence[int]], req_rows: Tensor,
-                            aux: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        """prefill, plus (needs capture_hidden) the captured hidden of every prompt position
-        [B, P, k*H] (right-padded)."""
+                            aux: Optional[Tensor] = None) -> StepOutput:
+        """prefill of an engine that must capture hidden states (its `hidden` is never None)."""
         if self.capture_hidden is None:
             raise ValueError("prefill_with_hidden needs an Engine made with capture_hidden")
         return self._prefill(prompts, req_rows, aux)
@@ -516,7 +523,7 @@ class Engine:
             out = self._extend_fn(*map(_inference, (chunk_ids, positions, req_rows, prefix, ext,
                                                      None, chunk_aux)),
                                   last_only=self.keeps_last_rows)
-            logits, hidden = out if self.capture_hidden is not None else (out, None)
+            logits, hidden = out.logits, out.hidden
             ends_here = (ext > 0) & (prefix + ext == prompt_lens)  # [B]
             if logits.shape[1] > 1:  # every row's logits [B, C, V] -> row ext - 1
                 idx = (ext - 1).clamp(min=0).view(bs, 1, 1)
@@ -524,7 +531,7 @@ class Engine:
             last = torch.where(ends_here.view(bs, 1), logits[:, 0].to(last.dtype), last)
             if hidden is not None:
                 hiddens.append(hidden)
-        return last, (torch.cat(hiddens, dim=1) if hiddens else None)
+        return StepOutput(last.argmax(-1), last, torch.cat(hiddens, dim=1) if hiddens else None)
 
     def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         """Refuse what would otherwise be silently misread: a max_new_tokens that is not an
@@ -580,9 +587,7 @@ class Engine:
                 seq_lens = torch.tensor([len(p) for p in prompts] + [1] * (bucket - bs_real),
                                         dtype=torch.int64)  # [B]
             t0 = time.perf_counter()
-            logits = self.prefill(prompts, req_rows)
-            with torch.inference_mode():
-                tokens = logits.argmax(-1)  # [B]
+            tokens = self.prefill(prompts, req_rows).argmax  # [B]
             stats.prefill_s += time.perf_counter() - t0
             stats.prompt_tokens += sum(len(p) for p in prompts)
             done = torch.zeros(bs_real, dtype=torch.bool)
@@ -595,7 +600,7 @@ class Engine:
                     if bool(done.all()):
                         break
                 t_step = time.perf_counter()
-                tokens = self.decode(tokens, req_rows, seq_lens)[0]
+                tokens = self.decode(tokens, req_rows, seq_lens).argmax
                 with torch.inference_mode():
                     seq_lens += 1
                 stats.step_times.append(time.perf_counter() - t_step)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from specdec_inductor.proposers.chain import (admit_draft_requests, chain_tree,
                                               finish_draft_requests)
 from specdec_inductor.proposers.tree_draft import TreeDrafter, check_tree_shape
-from specdec_inductor.speculative import DraftTree
+from specdec_inductor.speculative import DraftTree, Proposer
 
 # T of a draft head's EXTEND graph (the Engine's prefill_chunk). After the prompt, each step
 # feeds the head the accepted drafts plus the bonus token: at most depth + 1 (5 for the shipped
@@ -220,7 +220,7 @@ class _EagleRequest:
     virtual_rows: List[int] = field(default_factory=list)  # trees: one draft-pool row per beam
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     """Greedy EAGLE chains of K = N - 1 drafts (topk = 1) or EAGLE-2 top-k trees from
     `draft_engine` (an Engine over an EagleDraftModel made with capture_hidden=[-1]); the
     target Engine needs capture_hidden=[-1] too.
@@ -289,7 +289,7 @@ class EagleProposer:
         while any(len(st.tokens) > keep and not st.done for st in states):
             take = [0 if st.done else max(0, min(chunk, len(st.tokens) - keep)) for st in states]
             args = self._extend_inputs(states, take, req_rows)
-            logits, g = eng.extend(*args[:5], None, args[5])
+            _, logits, g = eng.extend(*args[:5], None, args[5])
             for b, st in enumerate(states):
                 if take[b] and not st.tokens:
                     last_logits[b], last_g[b] = logits[b, take[b] - 1], g[b, take[b] - 1]

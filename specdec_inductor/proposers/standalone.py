@@ -24,7 +24,7 @@ from torch import Tensor
 from specdec_inductor.proposers.chain import (admit_draft_requests, chain_tree,
                                               finish_draft_requests)
 from specdec_inductor.proposers.tree_draft import TreeDrafter, check_tree_shape
-from specdec_inductor.speculative import DraftTree
+from specdec_inductor.speculative import DraftTree, Proposer
 
 
 CATCH_UP_TOKENS = 2
@@ -53,7 +53,7 @@ class _DraftRequest:
     virtual_rows: List[int] = field(default_factory=list)  # trees: one draft-pool row per beam
 
 
-class StandaloneProposer:
+class StandaloneProposer(Proposer):
     """Greedy chain (topk = 1) or top-k tree drafts from `draft_engine` (an Engine over the
     draft model).
 
@@ -128,7 +128,7 @@ class StandaloneProposer:
                 ids[b, :len(todo)] = torch.tensor(todo, dtype=torch.int64)
                 prefix[b], ext[b] = st.cached, len(todo)
             positions = prefix.view(-1, 1) + torch.arange(chunk).view(1, -1)  # [B, T]
-            logits = eng.extend(ids, positions, req_rows, prefix, ext)  # [B, T, V]
+            logits = eng.extend(ids, positions, req_rows, prefix, ext).logits  # [B, T, V]
             for b, st in enumerate(states):
                 if ext[b] > 0:
                     st.cached += int(ext[b])
@@ -146,7 +146,7 @@ class StandaloneProposer:
             st.base = st.cached
         tok = torch.cat([drafts[0], torch.zeros(bucket - bs, dtype=torch.int64)])  # [B]
         for _ in range(self.k - 1):
-            tok, _ = eng.decode(tok, req_rows, seq)
+            tok = eng.decode(tok, req_rows, seq).argmax
             seq = seq + 1
             drafts.append(tok[:bs])
         chain = torch.stack(drafts, dim=1)  # [bs, K]

@@ -211,9 +211,9 @@ class TreeDrafter:
         if ext_ids is not None:  # the draft extend; its last row per request is the root's
             # Only each request's last row's logits feed the tree: the LM head runs on that
             # row alone where the draft model can keep rows (an EAGLE-3 head); g stays whole.
-            out = self.engine.extend_step(ext_ids, ext_positions, ext_rows, ext_prefix,
-                                          ext_lens, None, ext_aux, last_only=True)
-            ext_logits, g = out if isinstance(out, tuple) else (out, None)  # [Bb, T or 1, V]
+            _, ext_logits, g = self.engine.extend_step(ext_ids, ext_positions, ext_rows,
+                                                       ext_prefix, ext_lens, None, ext_aux,
+                                                       last_only=True)  # [Bb, T or 1, V]
             at = torch.arange(bs)
             last = (ext_lens[:bs] - 1).clamp(min=0)  # [B]; a request with nothing: row 0
             # One row per request when kept (with T = 1 that row is also the last row).
@@ -273,7 +273,7 @@ class TreeDrafter:
                 aux_in = torch.cat([beam_aux.reshape(bs * k, -1),
                                     aux.new_zeros(pad, aux.shape[-1])])  # [Bd, A]
                 out = eng.decode_step(tok_in, beam_rows, positions, aux_in)
-            child_scores, child_tokens = self._children(out[1][:bs * k])  # [B*k, k]
+            child_scores, child_tokens = self._children(out.logits[:bs * k])  # [B*k, k]
             child_scores, child_tokens = child_scores.view(bs, k, k), child_tokens.view(bs, k, k)
             child_scores = (beam_scores.unsqueeze(-1) + child_scores).view(bs, k * k)
             child_tokens = child_tokens.reshape(bs, k * k)
@@ -287,7 +287,7 @@ class TreeDrafter:
             beam_tokens = torch.gather(child_tokens, 1, best)
             parents.append(k + k * k * (step - 1) + best)
             if aux is not None:
-                g = out[2][:bs * k].view(bs, k, -1)  # [B, k, A] this step's outputs
+                g = out.hidden[:bs * k].view(bs, k, -1)  # [B, k, A] this step's outputs
                 beam_aux = torch.gather(g, 1, parent.unsqueeze(-1).expand_as(g))
             # A kept beam inherits its parent's path and adds its own next slot.
             inherited = torch.gather(path, 1, parent.unsqueeze(-1).expand_as(path))

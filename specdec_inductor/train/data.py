@@ -120,7 +120,7 @@ def generate_with_hidden(engine, prompts: List[List[int]], new_tokens: int,
     try:
         rows = [r.row for r in requests] + [engine.pool.padding_row] * (bucket - bs)
         req_rows = torch.tensor(rows, dtype=torch.int64)  # [B]
-        last, hidden = engine.prefill_with_hidden(prompts, req_rows)  # [B, V], [B, P, k*H]
+        _, last, hidden = engine.prefill_with_hidden(prompts, req_rows)  # [B, V], [B, P, k*H]
         width = hidden.shape[-1] // len(engine.capture_hidden)
         toks = [list(p) for p in prompts]
         hids = [[hidden[b, :lens[b]]] for b in range(bs)]

@@ -1,0 +1,94 @@
+"""Host share of a speculative step: the part of the loop's time spent outside the target's
+compiled step calls (Engine.decode / Engine.verify), on SmolLM2-135M (or --model), compiled,
+greedy, at batch 1 and 8, for NGRAM and plain decoding through the same loop. Uses only the
+public API, so the same script measures an older checkout (PYTHONPATH=that checkout).
+
+    python benchmarks/bench_step.py                       # batch 1 and 8, 64 new tokens
+    python benchmarks/bench_step.py --batches 8 --rounds 5
+"""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from specdec_inductor.engine.engine import Engine
+from specdec_inductor.engine.hf import load_model
+from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
+from specdec_inductor.proposers.ngram import NgramProposer
+from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+
+PROMPT = ("def bubble_sort(items):\n    n = len(items)\n    for i in range(n):\n"
+          "        for j in range(0, n - i - 1):\n            if items[j] > items[j + 1]:\n"
+          "                items[j], items[j + 1] = items[j + 1], items[j]\n    return items\n\n"
+          "Rewrite the function above with the variable name `values` instead of `items`.")
+
+
+class InGraphTimer:
+    """Seconds spent inside the engine's public step calls (the compiled graphs, their guards
+    and input checks), installed over the engine's decode and verify."""
+
+    def __init__(self, engine):
+        self.seconds = 0.0
+        for name in ("decode", "verify"):
+            setattr(engine, name, self._timed(getattr(engine, name)))
+
+    def _timed(self, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return call
+
+
+def measure(spec, timer, prompts, new_tokens, rounds):
+    """Median over rounds of (ms per step, in-graph ms per step, host share)."""
+    rows = []
+    for _ in range(rounds):
+        stats = SpeculativeStats()
+        timer.seconds = 0.0
+        spec.generate(prompts, new_tokens, stats=stats)
+        steps = stats.verify_steps
+        rows.append((1e3 * stats.decode_s / steps, 1e3 * timer.seconds / steps,
+                     1.0 - timer.seconds / stats.decode_s))
+    return [statistics.median(r[i] for r in rows) for i in range(3)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-batch", type=int, default=8,
+                        help="the engine's max_batch (its KV pool's shape: keep it across runs "
+                             "that should share compiled graphs)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer = load_model(args.model)
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = Engine(model, max_batch=max(args.max_batch, *batches), max_len=512, compile=True,
+                    prefill_chunk=64)
+    timer = InGraphTimer(engine)
+    ids = tokenizer(PROMPT)["input_ids"]
+    methods = {"ngram": SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=8)),
+               "ar": SpeculativeGenerator(engine, AutoregressiveProposer())}
+    print(f"# {os.cpu_count()} CPUs, torch {torch.__version__}, {args.max_new_tokens} new tokens, "
+          f"median of {args.rounds} rounds; host share = 1 - in-graph time / loop time")
+    print("| method | batch | ms/step | in-graph ms/step | host ms/step | host share |")
+    print("|---|---|---|---|---|---|")
+    for bs in batches:
+        prompts = [ids[:len(ids) - b] for b in range(bs)]  # ragged lengths
+        for name, spec in methods.items():
+            spec.compile_verify(batch_size=bs)
+            spec.generate(prompts, 16)  # the bucket's prefill and decode graphs
+            step, graph, share = measure(spec, timer, prompts, args.max_new_tokens, args.rounds)
+            print(f"| {name} | {bs} | {step:.2f} | {graph:.2f} | {step - graph:.2f} | "
+                  f"{100 * share:.1f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

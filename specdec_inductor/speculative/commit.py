@@ -1,0 +1,71 @@
+"""Commit of a verified step as tensor ops: the accepted tokens, the accepted path's KV moved
+to the front of the tree's positions, and each request's next root and seq_len.
+
+Verify writes node i's KV at row position seq_len + i. After acceptance the row's slots for
+positions [seq_len, seq_len + N) are permuted so that the accepted path's slots come first, in
+path order; the rejected nodes' slots follow and are overwritten by the next verify. Only
+req_to_token entries move, never K/V rows. Everything here stays on tensors (no per-request
+Python lists), so it traces into one graph; the host reads the result once per step.
+"""
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class Committed(NamedTuple):
+    tokens: Tensor  # [B, S] int64 accepted drafts then the bonus, -1 past each path
+    accept_num: Tensor  # [B] int64 accepted drafts (bonus excluded)
+    path: Tensor  # [B, S] int64 accepted node indices within each tree (root first), -1 after
+
+
+def accepted_path(predicts: Tensor, accept_index: Tensor, accept_num: Tensor,
+                  size: int) -> Committed:
+    """The accepted tokens and node indices of each request from an acceptance op's output
+    (predicts [B*N] (a decode step: [B] with N = 1), accept_index [B, S] flat rows padded with
+    -1, accept_num [B])."""
+    bs = accept_index.shape[0]
+    index = accept_index.long()  # [B, S]
+    valid = index >= 0
+    tokens = torch.where(valid, predicts.reshape(-1).long()[index.clamp(min=0)], -1)  # [B, S]
+    base = (torch.arange(bs, dtype=torch.int64) * size).view(bs, 1)  # [B, 1] first flat row
+    path = torch.where(valid, index - base, -1)  # [B, S]
+    return Committed(tokens, accept_num.long(), path)
+
+
+def compact_accepted_kv(req_to_token: Tensor, req_rows: Tensor, tree_start: Tensor,
+                        path: Tensor, size: int) -> None:
+    """Permute req_to_token[row, tree_start + i] for i < size so the accepted path's slots come
+    first (path order), the other nodes' after them in node order. req_rows / tree_start [B];
+    a padding row (every entry the sink) permutes to itself."""
+    bs, steps = path.shape
+    # Sort key per node: its place on the path, or steps + its index when off the path.
+    key = torch.arange(steps, steps + size + 1, dtype=torch.int64).repeat(bs, 1)  # [B, N + 1]
+    column = torch.where(path >= 0, path, size)  # [B, S]; -1 entries land on spare column N
+    key = key.scatter(1, column, torch.arange(steps, dtype=torch.int64).expand(bs, steps))
+    order = key[:, :size].argsort(dim=1)  # [B, N] node at each new position
+    positions = tree_start.view(bs, 1) + torch.arange(size, dtype=torch.int64).view(1, size)
+    rows = req_rows.view(bs, 1).expand(bs, size)  # [B, N]
+    slots = req_to_token[rows, positions]  # [B, N]
+    req_to_token[rows, positions] = slots.gather(1, order)
+
+
+def commit_step(req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor, roots: Tensor,
+                padding_row: int, predicts: Tensor, accept_index: Tensor, accept_num: Tensor,
+                size: int) -> Committed:
+    """Commit one step of the batch's first B requests in place: compact the accepted KV, then
+    advance each live request's seq_len past the root and its accepted drafts (their KV is
+    cached now) and make its bonus token the next root. req_rows / seq_lens / roots are the
+    bucket-sized batch state; a request whose row is the padding row (finished) is left as it
+    is. Requests that finish with this step are committed too: they leave right after."""
+    bs = accept_index.shape[0]
+    done = accepted_path(predicts, accept_index, accept_num, size)
+    rows = req_rows[:bs]
+    live = rows != padding_row  # [B]
+    if size > 1:
+        compact_accepted_kv(req_to_token, rows, torch.where(live, seq_lens[:bs], 0), done.path,
+                            size)
+    bonus = done.tokens.gather(1, done.accept_num.view(bs, 1)).view(bs)  # [B]
+    seq_lens[:bs] += torch.where(live, done.accept_num + 1, 0)
+    roots[:bs] = torch.where(live, bonus, roots[:bs])
+    return done

@@ -1,0 +1,467 @@
+"""The one speculative loop every method shares, as a step API over a batch that requests
+join and leave: `admit` (prefill) and `retire` between steps, `step` = propose -> verify ->
+accept -> commit for every request of the batch. `generate` is a short loop over them.
+
+Only the proposer differs between methods (proposers/, one file per method, behind the
+`Proposer` interface); this file never branches on the method. Greedy acceptance emits exactly
+the tokens plain greedy decoding of the same engine emits: at each tree level the draft child
+whose token equals the target's argmax is accepted, and the target's argmax after the last
+accepted node is the bonus token, so every emitted token is the target's own greedy choice.
+Without a proposer every step is a plain decode step (plain autoregressive decoding).
+
+A batch has a fixed bucket (Engine.bucket_for of its capacity): requests take its first rows
+in admission order and padding rows fill the rest, so admitting and retiring change values,
+never shapes, and no step recompiles. Draft budgets are policies (policies.py), the commit is
+tensor ops (commit.py); the host reads each step's accepted tokens once and handles stops.
+
+Numeric policy: verify runs N tokens through GEMMs while plain decode runs one through a GEMV,
+so near-tied logits can flip the argmax. The baseline in tests is this engine's own greedy
+decoding in fp32; a mismatch is reported with the logit margin, never hidden by a looser test.
+"""
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from specdec_inductor import ops
+from specdec_inductor.engine.kv_pool import Request
+from specdec_inductor.sampler import Sampler, SamplingParams, request_generator, request_params
+from specdec_inductor.speculative.commit import commit_step
+from specdec_inductor.speculative.policies import (NO_DRAFT, AcceptanceGate, AdaptiveVerifySize,
+                                                   DraftPolicy, StepCosts)
+from specdec_inductor.speculative.proposer import Proposer
+from specdec_inductor.speculative.stats import SpeculativeStats, dynamo_counts, step_times
+from specdec_inductor.speculative.tree import pad_draft, truncate_draft
+
+
+@dataclass(eq=False)
+class ActiveRequest:
+    """A request of a Batch: its pool row, what it emitted so far and when it stops."""
+    pool_request: Request
+    prompt: List[int]
+    max_new_tokens: int
+    eos_token_id: Optional[int]
+    sampling: SamplingParams
+    generator: Optional[torch.Generator]  # its uniform stream (sampled requests)
+    policy_state: object  # its draft policy's state (DraftPolicy.new_request)
+    tokens: List[int] = field(default_factory=list)  # emitted so far
+    done: bool = False
+
+    @property
+    def row(self) -> int:
+        """The request's row in the target's req_to_token (the proposer's request id)."""
+        return self.pool_request.row
+
+    def emit(self, tokens: Sequence[int]) -> List[int]:
+        """Append `tokens` up to the stop (eos, included, or max_new_tokens); those kept."""
+        kept = []
+        for tok in tokens:
+            self.tokens.append(tok)
+            kept.append(tok)
+            if tok == self.eos_token_id or len(self.tokens) >= self.max_new_tokens:
+                self.done = True
+                break
+        return kept
+
+
+class Batch:
+    """Requests decoding together and their bucket-sized step state (inference tensors).
+    Row b < len(requests) holds requests[b] (the padding row once it is done); the others
+    are padding."""
+
+    def __init__(self, engine, capacity: int, policy: DraftPolicy, stats: SpeculativeStats):
+        self.capacity, self.bucket = capacity, engine.bucket_for(capacity)
+        self.padding_row = engine.pool.padding_row
+        self.policy, self.stats = policy, stats
+        self.requests: List[ActiveRequest] = []
+        self.req_rows = torch.full((self.bucket,), self.padding_row, dtype=torch.int64)  # [B]
+        self.seq_lens = torch.ones(self.bucket, dtype=torch.int64)  # [B] cached tokens
+        self.roots = torch.zeros(self.bucket, dtype=torch.int64)  # [B] last emitted tokens
+        self.sampler: Optional[Sampler] = None
+
+    @property
+    def live(self) -> List[ActiveRequest]:
+        return [r for r in self.requests if not r.done]
+
+    def _add(self, requests: List[ActiveRequest]) -> None:
+        at = len(self.requests)
+        self.requests += requests
+        for b, r in enumerate(requests, start=at):
+            self.req_rows[b] = self.padding_row if r.done else r.row
+            self.seq_lens[b] = len(r.prompt)
+            self.roots[b] = r.tokens[-1]
+        self._membership_changed()
+
+    def _remove(self, request: ActiveRequest) -> None:
+        b = self.requests.index(request)
+        del self.requests[b]
+        for t, fill in ((self.req_rows, self.padding_row), (self.seq_lens, 1), (self.roots, 0)):
+            t[b:-1] = t[b + 1:].clone()
+            t[-1] = fill
+        self._membership_changed()
+
+    def _membership_changed(self) -> None:
+        params = [r.sampling for r in self.requests]
+        self.sampler = (None if all(p.greedy for p in params)
+                        else Sampler(params, [r.generator for r in self.requests]))
+
+    def finished(self, b: int) -> None:
+        """Request b is done: its row becomes padding, so no later step writes its KV."""
+        self.req_rows[b] = self.padding_row
+
+
+class _Step:
+    """One step's acceptance result, before the commit (flat rows as the acceptance ops
+    give them)."""
+
+    def __init__(self, predicts: Tensor, accept_index: Tensor, accept_num: Tensor,
+                 hidden: Optional[Tensor]):
+        self.predicts, self.accept_index, self.accept_num = predicts, accept_index, accept_num
+        self.hidden = hidden  # [B, N, k*H] or None
+
+
+def _cost(name: str, doc: str) -> property:
+    """A StepCosts field read and set through the generator (benchmarks and tests do)."""
+    return property(lambda self: getattr(self.costs, name),
+                    lambda self, value: setattr(self.costs, name, value), doc=doc)
+
+
+class SpeculativeGenerator:
+    """Speculative decoding of an `Engine` with any `Proposer` (None: plain decoding).
+
+    tree_sizes: the verify sizes N this generator may use (each compiles its own verify graph;
+    1 means a plain decode step; default (1, N), or (1, 2, N) with the adaptive size). Each step
+    uses the smallest size that holds the largest real draft of the batch, each draft cut to
+    its request's adaptive size, so a step where no request has a draft costs a decode step,
+    not a verify over padding. Truncating a draft keeps a valid tree because proposers number
+    nodes parents-first with padding last (DraftTree.num_drafts says how many are real).
+
+    Draft budgets (policies.py): the adaptive verify size (adaptive; default for proposers with
+    `cheap_drafts`) with grow_at and probe_cost, else the acceptance gate with min_accepted
+    (None: verify_cost_per_node * (N - 1), raised to the measured costs' break-even point once
+    compile_verify measured them), backoff_steps and gate_min_steps.
+    """
+
+    calibration_rounds = 16  # compile_verify: decode and probe-verify timings each
+
+    def __init__(self, engine, proposer: Optional[Proposer],
+                 tree_sizes: Optional[Sequence[int]] = None,
+                 min_accepted: Optional[float] = None, backoff_steps: int = 4,
+                 verify_cost_per_node: float = 0.03, adaptive: Optional[bool] = None,
+                 grow_at: float = 0.5, probe_cost: Optional[float] = None,
+                 gate_min_steps: int = 4):
+        self.engine = engine
+        self.proposer = proposer
+        n = proposer.num_draft_tokens if proposer is not None else 1
+        self.num_draft_tokens = n
+        if adaptive is None:
+            adaptive = proposer is not None and proposer.cheap_drafts
+        self.adaptive = adaptive
+        self._gate_from_costs = min_accepted is None and not self.adaptive
+        if min_accepted is None:
+            min_accepted = verify_cost_per_node * (n - 1)
+        self._min_accepted, self.backoff_steps = min_accepted, backoff_steps
+        self.gate_min_steps, self.grow_at = gate_min_steps, grow_at
+        # Measured by compile_verify (compiled engines) unless probe_cost is given.
+        self.costs = StepCosts(probe_cost=1.0 if probe_cost is None else probe_cost)
+        self._calibrate = probe_cost is None
+        if tree_sizes is None:
+            tree_sizes = (1, 2, n) if self.adaptive else (1, n)
+        sizes = sorted(set(tree_sizes) | {n})
+        if sizes[0] < 1 or sizes[-1] > n:
+            raise ValueError(f"tree_sizes must lie in [1, num_draft_tokens={n}], got {sizes}")
+        self.tree_sizes = sizes
+        # The tree rejection-sampling rule (an op; tests swap in a deliberately wrong one to
+        # show the losslessness test catches it).
+        self.tree_sampling = ops.tree_speculative_sampling
+
+    verify_cost = _cost("verify_cost", "verify(N) / decode step, by compile_verify")
+    _decode_s = _cost("decode_s", "a decode step's seconds, by compile_verify")
+    _draft_s = _cost("draft_s", "running mean of a priced draft's seconds")
+    probe_cost = _cost("probe_cost", "probe-size verify / decode step")
+
+    @property
+    def min_accepted(self) -> float:
+        return self._min_accepted
+
+    @min_accepted.setter
+    def min_accepted(self, value: float) -> None:
+        """A threshold set by hand is used as it is (no cost-based raise)."""
+        self._min_accepted = value
+        self._gate_from_costs = False
+
+    def gate_threshold(self) -> float:
+        """The acceptance gate's threshold (AcceptanceGate.threshold) with the current costs."""
+        return AcceptanceGate.threshold_for(self._min_accepted, self._gate_from_costs, self.costs)
+
+    def _probe_size(self) -> int:
+        return AdaptiveVerifySize(self.tree_sizes, self.costs).probe
+
+    def new_policy(self) -> DraftPolicy:
+        """A fresh draft policy for one batch (its running state is the batch's)."""
+        if self.proposer is None:
+            return DraftPolicy(self.tree_sizes)
+        if self.adaptive:
+            return AdaptiveVerifySize(self.tree_sizes, self.costs, self.grow_at)
+        return AcceptanceGate(self.tree_sizes, self.costs, self._min_accepted,
+                              self._gate_from_costs, self.backoff_steps, self.gate_min_steps)
+
+    @torch.inference_mode()
+    def compile_verify(self, batch_size: int = 1) -> None:
+        """Compile the target's verify graph of every tree size > 1 for batch_size's bucket now.
+        A warm-up `generate` may never verify (NGRAM before any context suffix recurs), and the
+        graph would then compile inside the first timed step. Runs one verify per size on a
+        scratch request (step_times); with the adaptive size it also measures probe_cost, with
+        the cost-based acceptance gate verify_cost (verify(N) against a decode step)."""
+        engine = self.engine
+        sizes = [s for s in self.tree_sizes if s > 1]
+        if not sizes or not engine.compiled:
+            return
+        step_times(engine, sizes, rounds=0, batch_size=batch_size)
+        if self._gate_from_costs:
+            n = self.num_draft_tokens
+            times = step_times(engine, [1, n], rounds=self.calibration_rounds,
+                               batch_size=batch_size)
+            self.costs.verify_cost, self.costs.decode_s = times[n] / times[1], times[1]
+        if self.adaptive and self._calibrate and self.tree_sizes[0] == 1:
+            # The adaptive size's probe cost (a decode graph compiles here if none has yet).
+            probe = self._probe_size()
+            times = step_times(engine, [1, probe], rounds=self.calibration_rounds,
+                               batch_size=batch_size)
+            self.costs.probe_cost = times[probe] / times[1]
+
+    # -- the step API --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def batch(self, capacity: int, stats: Optional[SpeculativeStats] = None) -> Iterator[Batch]:
+        """A batch of at most `capacity` requests at a time, for admit / step / retire. When the
+        scope ends, requests still in it are retired (their slots freed, also on errors) and
+        stats gets the graphs compiled and recompiles counted meanwhile."""
+        self.engine.bucket_for(capacity)  # a batch over max_batch fails before anything
+        self._check_capture()
+        stats = stats if stats is not None else SpeculativeStats()
+        depth = (self.proposer.num_spec_steps if self.proposer is not None else 1) - 1
+        stats.accepted_at_depth += [0] * max(0, depth - len(stats.accepted_at_depth))
+        draft_engine = self.proposer.engine if self.proposer is not None else None
+        draft_pool = draft_engine.pool if draft_engine is not None else None
+        # The pools' generation scopes: a request still held when the batch ends (a cleanup
+        # that failed) is a leak KVPool.check_consistent reports.
+        pools = {id(p): p for p in (self.engine.pool, draft_pool) if p is not None}
+        graphs0, recompiles0 = dynamo_counts()
+        with contextlib.ExitStack() as scopes:
+            for pool in pools.values():
+                scopes.enter_context(pool.generation())
+            with torch.inference_mode():  # its step state: inference tensors (Engine._inference)
+                batch = Batch(self.engine, capacity, self.new_policy(), stats)
+            try:
+                yield batch
+            finally:
+                try:
+                    if batch.requests:
+                        self.retire(batch, *batch.requests)
+                finally:
+                    graphs1, recompiles1 = dynamo_counts()
+                    stats.graphs += graphs1 - graphs0
+                    stats.recompiles += recompiles1 - recompiles0
+
+    @torch.inference_mode()
+    def admit(self, batch: Batch, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+              sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+              eos_token_id: Optional[int] = None) -> List[ActiveRequest]:
+        """New requests join the batch (between steps): their prompts are prefilled together in
+        the batch's bucket, their first tokens emitted and the proposer started on them.
+        All or nothing: on an error nothing joins and their slots are freed."""
+        self.engine.check_request(prompts, max_new_tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"argument 'max_new_tokens' must be >= 1 to admit, got "
+                             f"{max_new_tokens}")
+        if len(batch.requests) + len(prompts) > batch.capacity:
+            raise ValueError(f"argument 'prompts': {len(prompts)} more requests do not fit a batch "
+                             f"of {len(batch.requests)} with capacity {batch.capacity}")
+        params = request_params(sampling, len(prompts))
+        generators = [request_generator(p) for p in params]
+        engine, proposer = self.engine, self.proposer
+        # The tree needs N positions past the last committed token: reserve them up front.
+        admitted = engine.pool.admit([len(p) for p in prompts],
+                                     max_new_tokens + self.num_draft_tokens)
+        ids = [r.row for r in admitted]
+        started = False  # set before start is called: a start that fails midway is finished
+        try:
+            rows = torch.tensor(ids + [engine.pool.padding_row] * (batch.bucket - len(ids)))
+            t0 = time.perf_counter()
+            first = engine.prefill(prompts, rows)
+            hidden = first.hidden
+            sampler = None if all(p.greedy for p in params) else Sampler(params, generators)
+            first_tokens = (sampler.sample(first.logits[:len(ids)]) if sampler is not None
+                            else first.argmax[:len(ids)]).tolist()
+            batch.stats.prefill_s += time.perf_counter() - t0
+            new = [ActiveRequest(r, [int(t) for t in p], max_new_tokens, eos_token_id, s, g,
+                                 batch.policy.new_request())
+                   for r, p, s, g in zip(admitted, prompts, params, generators)]
+            for r, tok in zip(new, first_tokens):
+                r.emit([tok])
+            batch.stats.new_tokens += len(new)
+            if proposer is not None:
+                contexts = [r.prompt + r.tokens for r in new]
+                started = True
+                if proposer.needs_target_hidden:
+                    proposer.start(ids, contexts,
+                                   [hidden[b, :len(p)] for b, p in enumerate(prompts)])
+                else:
+                    proposer.start(ids, contexts)
+        except BaseException:
+            self._release(admitted, started)
+            raise
+        batch._add(new)
+        batch.policy.admitted()
+        return new
+
+    def _check_capture(self) -> None:
+        if (self.proposer is not None and self.proposer.needs_target_hidden
+                and self.engine.capture_hidden is None):
+            raise ValueError(f"{type(self.proposer).__name__} drafts from the target's hidden "
+                             "states: make the target Engine with capture_hidden=...")
+
+    @torch.inference_mode()
+    def retire(self, batch: Batch, *requests: ActiveRequest) -> None:
+        """Requests leave the batch (between steps; done or not): the proposer finishes them
+        and their slots and rows are freed (even when the proposer's cleanup raises)."""
+        for r in requests:
+            if r not in batch.requests:
+                raise ValueError(f"argument 'requests': row {r.row} is not in this batch")
+        for r in requests:
+            batch._remove(r)
+        self._release([r.pool_request for r in requests], self.proposer is not None)
+
+    def _release(self, pool_requests: List[Request], started: bool) -> None:
+        try:
+            if started:
+                self.proposer.finish([r.row for r in pool_requests])
+        finally:
+            for r in pool_requests:
+                self.engine.pool.release(r)
+
+    @torch.inference_mode()
+    def step(self, batch: Batch) -> Dict[ActiveRequest, List[int]]:
+        """One step of every live request of the batch: draft (as its policy plans), verify,
+        accept, commit. Returns the tokens each live request emitted (accepted drafts + the
+        bonus, cut at its stop); a request that stops is marked done and stays in the batch
+        until retired."""
+        reqs, stats, policy = batch.requests, batch.stats, batch.policy
+        live = [not r.done for r in reqs]
+        if not any(live):
+            return {}
+        bs = len(reqs)
+        ids = [r.row for r in reqs]
+        states = [r.policy_state for r in reqs]
+        t0 = time.perf_counter()
+        plan, draft = NO_DRAFT, None
+        if self.proposer is not None and policy.wants_draft():
+            draft = self.proposer.propose(ids, batch.seq_lens[:bs])
+            policy.drafted(time.perf_counter() - t0)
+            offered = (draft.num_drafts.tolist() if draft.num_drafts is not None
+                       else [self.num_draft_tokens - 1] * bs)  # before the cut to the plan's size
+            plan = policy.plan(offered, live, states, draft)
+        if plan.size > 1:
+            draft = truncate_draft(draft, plan.size, batch.seq_lens[:bs])
+        t1 = time.perf_counter()
+        accepted = self._decode(batch, bs) if plan.size == 1 else self._verify(batch, bs, draft)
+        t2 = time.perf_counter()
+        done = commit_step(self.engine.pool.req_to_token, batch.req_rows, batch.seq_lens,
+                           batch.roots, batch.padding_row, accepted.predicts,
+                           accepted.accept_index, accepted.accept_num, plan.size)
+        # The step's one host read: per request [accepted drafts, tokens...].
+        host = torch.cat([done.accept_num.view(bs, 1), done.tokens], dim=1).tolist()
+        policy.observe(plan, live, states, [h[0] for h in host], [h[1] for h in host])
+        emitted = self._emit(batch, live, host)
+        if self.proposer is not None:
+            lists = [emitted.get(r, []) for r in reqs]
+            if self.proposer.needs_target_hidden:
+                self.proposer.commit(ids, lists,
+                                     self._path_hidden(accepted.hidden, done.path, host, live))
+            else:
+                self.proposer.commit(ids, lists)
+        t3 = time.perf_counter()
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.commit_s += t3 - t2
+        stats.verify_steps += 1
+        stats.decode_steps += int(plan.size == 1)
+        stats.steps_by_size[plan.size] = stats.steps_by_size.get(plan.size, 0) + 1
+        return emitted
+
+    def _decode(self, batch: Batch, bs: int) -> _Step:
+        """A plain decode step of the roots (nothing to verify): a root-only tree each."""
+        predicts, logits, hidden = self.engine.decode(batch.roots, batch.req_rows, batch.seq_lens)
+        if batch.sampler is not None:
+            predicts = batch.sampler.sample(logits[:bs])
+        accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [B, 1]
+        return _Step(predicts[:bs], accept_index, torch.zeros(bs, dtype=torch.int32),
+                     None if hidden is None else hidden.unsqueeze(1))
+
+    def _verify(self, batch: Batch, bs: int, draft) -> _Step:
+        """Verify the drafts (padded to the bucket) and accept greedily or by tree rejection
+        sampling."""
+        tokens, mask, positions, linkage = pad_draft(draft, batch.bucket, batch.seq_lens)
+        # [B, N] argmax (in the graph), [B, N, V], [B, N, k*H] or None
+        target, logits, hidden = self.engine.verify(tokens, positions, batch.req_rows,
+                                                    batch.seq_lens, mask)
+        steps = min(self.proposer.num_spec_steps, tokens.shape[1])
+        if batch.sampler is None:
+            out = ops.verify_tree_greedy(tokens[:bs], *linkage, target[:bs], steps)
+        else:
+            out = batch.sampler.verify(tokens[:bs], linkage, logits[:bs], steps, self.tree_sampling)
+        return _Step(*out, hidden)
+
+    @staticmethod
+    def _emit(batch: Batch, live: List[bool],
+              host: List[List[int]]) -> Dict[ActiveRequest, List[int]]:
+        """Hand each live request its step's tokens (cut at its stop) and count them."""
+        stats, emitted = batch.stats, {}
+        for b, (r, is_live, h) in enumerate(zip(batch.requests, live, host)):
+            if not is_live:
+                continue
+            stats.count_accepted(h[0])
+            emitted[r] = r.emit(h[1:h[0] + 2])
+            stats.new_tokens += len(emitted[r])
+            if r.done:
+                batch.finished(b)
+        return emitted
+
+    @staticmethod
+    def _path_hidden(hidden: Tensor, path: Tensor, host, live) -> List[Tensor]:
+        """The target hidden rows of each request's accepted path, root first ([accepted + 1,
+        k*H]; none for a request that had finished)."""
+        bs, steps = path.shape
+        index = path.clamp(min=0).unsqueeze(-1).expand(bs, steps, hidden.shape[-1])  # [B, S, k*H]
+        rows = hidden[:bs].gather(1, index)
+        return [rows[b, :h[0] + 1] if x else rows[b, :0]
+                for b, (h, x) in enumerate(zip(host, live))]
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 eos_token_id: Optional[int] = None,
+                 stats: Optional[SpeculativeStats] = None,
+                 sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None
+                 ) -> List[List[int]]:
+        """New tokens per prompt; a request stops after eos or max_new_tokens.
+
+        sampling: None (all greedy), one SamplingParams for every request, or one per prompt
+        (greedy and sampled requests may be mixed). Sampled requests are verified by tree
+        rejection sampling (sampler.py), which keeps each token's distribution exactly the
+        target's; greedy ones emit exactly the engine's greedy tokens."""
+        self.engine.check_request(prompts, max_new_tokens)
+        request_params(sampling, len(prompts))  # a bad sampling argument fails before anything
+        self._check_capture()
+        if max_new_tokens <= 0:
+            return [[] for _ in prompts]
+        stats = stats if stats is not None else SpeculativeStats()
+        with self.batch(len(prompts), stats) as batch:
+            requests = self.admit(batch, prompts, max_new_tokens, sampling, eos_token_id)
+            t0 = time.perf_counter()
+            while batch.live:
+                self.step(batch)
+            stats.decode_s += time.perf_counter() - t0
+            return [r.tokens for r in requests]

@@ -1,0 +1,204 @@
+"""Draft-budget policies: how large a verify each step runs, so that a poor draft does not
+cost more than it brings. A policy plans a step from the drafts offered (`plan`) and learns
+from what the target accepted (`observe`); per-request state joins and leaves with its
+request (`new_request`). Neither policy changes which tokens come out, only the step sizes.
+
+- AdaptiveVerifySize (proposers with `cheap_drafts`, i.e. NGRAM): each request keeps a running
+  mean of the drafts it accepted (halved each step, updated only by drafts offered with more
+  than one node); while it is below grow_at, the request's drafts are cut to the smallest
+  verify size > 1 (the probe), else they keep all N nodes. A probe verify of 2 tokens costs
+  about a decode step on a CPU (`benchmarks/bench_spec.py --verify-costs`), so a cut draft is
+  a nearly free try. Where the probe costs more (StepCosts.probe_cost, in decode steps), a
+  probe runs only while its first drafts are accepted at a rate above probe_cost - 1;
+  otherwise the step is a plain decode and the dropped first drafts are scored against the
+  decoded tokens, so the rate keeps being measured at no cost.
+- AcceptanceGate (other proposers, whose drafting runs a draft model and is not free): when
+  the mean of accepted drafts over the batch's draft steps (judged from the min_steps-th on:
+  one step's count is mostly noise) falls below threshold(), the next steps are plain decodes
+  without drafting, backoff_steps at first and twice as many after each further failed probe
+  (at most 64); a probe that brings the mean back up resets the backoff. The threshold is
+  min_accepted, raised (from_costs) to the break-even point of the measured costs,
+  verify_cost + draft / decode - 1 accepted drafts per step. Drafts are priced per step: the
+  first draft, and the first after a cooldown or a join, catch up on tokens the draft model
+  has not seen and are not timed.
+"""
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+
+from specdec_inductor.speculative.tree import DraftTree
+
+
+@dataclass
+class StepCosts:
+    """Step costs the policies weigh drafts against (measured by
+    SpeculativeGenerator.compile_verify on a compiled engine; unknown until then)."""
+    decode_s: Optional[float] = None  # a plain decode step's seconds
+    verify_cost: Optional[float] = None  # verify(N) / decode step
+    probe_cost: float = 1.0  # probe-size verify / decode step (1.0: free, until measured)
+    draft_s: Optional[float] = None  # running mean of a priced draft's seconds
+
+
+@dataclass
+class StepPlan:
+    """One step's decision: verify `size` nodes per request (1: a plain decode step)."""
+    size: int
+    offered: List[int] = field(default_factory=list)  # real drafts per request before any cut
+    drafted: List[bool] = field(default_factory=list)  # live requests that had a draft
+    shadow: Optional[List[int]] = None  # first drafts of a probe dropped for a decode step
+
+
+NO_DRAFT = StepPlan(1)
+
+
+class DraftPolicy:
+    """Every draft verified whole, at the smallest compiled size that holds the largest.
+    Subclasses cut or skip drafts; the lists they get are in the batch's request order."""
+
+    def __init__(self, tree_sizes: Sequence[int]):
+        self.tree_sizes = sorted(tree_sizes)
+
+    def new_request(self):
+        """A joining request's policy state."""
+        return None
+
+    def admitted(self) -> None:
+        """Requests joined the batch (their first draft catches up on their prompt)."""
+
+    def wants_draft(self) -> bool:
+        """Whether the next step drafts at all (asked before the proposer runs)."""
+        return True
+
+    def drafted(self, seconds: float) -> None:
+        """The proposer took `seconds` to draft this step."""
+
+    def plan(self, offered: List[int], live: List[bool], states: list,
+             draft: DraftTree) -> StepPlan:
+        """This step's verify size from the drafts each request offered."""
+        return StepPlan(self.size_for(offered, live, [self.tree_sizes[-1]] * len(offered)),
+                        offered, [k > 0 and a for k, a in zip(offered, live)])
+
+    def observe(self, plan: StepPlan, live: List[bool], states: list, accepted: List[int],
+                first_tokens: List[int]) -> None:
+        """The step's outcome per request: drafts accepted, and the first token emitted."""
+
+    def size_for(self, offered: List[int], live: List[bool], caps: List[int]) -> int:
+        """The smallest compiled size that holds every live request's draft (offered: its
+        real drafts), each cut to its cap."""
+        need = max((min(1 + k, c) for k, c, a in zip(offered, caps, live) if a), default=1)
+        return next(s for s in self.tree_sizes if s >= need)
+
+
+class AcceptanceGate(DraftPolicy):
+    """Plain decode steps without drafting while drafts do not pay (module docstring)."""
+
+    def __init__(self, tree_sizes: Sequence[int], costs: StepCosts, min_accepted: float,
+                 from_costs: bool, backoff_steps: int = 4, min_steps: int = 4):
+        super().__init__(tree_sizes)
+        self.costs, self.min_accepted, self.from_costs = costs, min_accepted, from_costs
+        self.backoff_steps, self.min_steps = backoff_steps, min_steps
+        self.accepted_sum, self.draft_steps, self.cooldown, self.failures = 0.0, 0, 0, 0
+        self.catch_up = True  # the first draft also runs the draft's prompt: not timed
+
+    @staticmethod
+    def threshold_for(min_accepted: float, from_costs: bool, costs: StepCosts) -> float:
+        if not from_costs or costs.verify_cost is None or costs.draft_s is None:
+            return min_accepted
+        return max(min_accepted, costs.verify_cost + costs.draft_s / costs.decode_s - 1.0)
+
+    def threshold(self) -> float:
+        """Accepted drafts per verify step below which drafting switches off."""
+        return self.threshold_for(self.min_accepted, self.from_costs, self.costs)
+
+    def admitted(self) -> None:
+        self.catch_up = True
+
+    def wants_draft(self) -> bool:
+        if self.cooldown > 0:
+            self.cooldown -= 1
+            # The next draft catches up on the tokens decoded meanwhile: a cost of the
+            # cooldown, not of a step's draft, so it is not priced.
+            self.catch_up = True
+            return False
+        return True
+
+    def drafted(self, seconds: float) -> None:
+        if self.from_costs and not self.catch_up:
+            d = self.costs.draft_s
+            self.costs.draft_s = seconds if d is None else 0.8 * d + 0.2 * seconds
+        self.catch_up = False
+
+    def observe(self, plan, live, states, accepted, first_tokens) -> None:
+        if plan.size == 1:
+            return
+        live_accepted = torch.tensor([a for a, x in zip(accepted, live) if x], dtype=torch.float32)
+        self.accepted_sum += float(live_accepted.mean())
+        self.draft_steps += 1
+        mean = self.accepted_sum / self.draft_steps
+        if self.draft_steps >= self.min_steps and mean < self.threshold():
+            self.cooldown = min(64, self.backoff_steps << self.failures)
+            self.failures += 1
+        else:
+            self.failures = 0
+
+
+@dataclass
+class _AdaptiveState:
+    ema: float  # running mean of the drafts this request accepted
+    cap: int  # its verify size
+    hit_rate: float = 0.5  # running rate of its first drafts accepted at the probe size
+
+
+class AdaptiveVerifySize(DraftPolicy):
+    """Drafts cut to the probe size while a request's drafts miss (module docstring)."""
+
+    def __init__(self, tree_sizes: Sequence[int], costs: StepCosts, grow_at: float = 0.5):
+        super().__init__(tree_sizes)
+        self.costs, self.grow_at = costs, grow_at
+        # The smallest verify size > 1 (where drafts are cut to).
+        self.probe = next((s for s in self.tree_sizes if s > 1), self.tree_sizes[-1])
+
+    def new_request(self) -> _AdaptiveState:
+        n = self.tree_sizes[-1]
+        return _AdaptiveState(float(n), n)
+
+    def cap_for(self, accepted_ema: float) -> int:
+        """All N nodes while drafts keep being accepted, else the probe size."""
+        return self.tree_sizes[-1] if accepted_ema >= self.grow_at else self.probe
+
+    def plan(self, offered, live, states, draft) -> StepPlan:
+        size = self.size_for(offered, live, [s.cap for s in states])
+        drafted = [k > 0 and a for k, a in zip(offered, live)]
+        if size == self.probe and self._drop_probe(states, drafted):
+            return StepPlan(1, offered, drafted, shadow=draft.tokens[:, 1].tolist())
+        return StepPlan(size, offered, drafted)
+
+    def _drop_probe(self, states, drafted) -> bool:
+        """A probe pays when the rate at which its first draft is accepted beats its extra
+        cost over a decode step (probe_cost - 1) for some request with a draft."""
+        need = self.costs.probe_cost - 1.0
+        return all(s.hit_rate < need for s, k in zip(states, drafted) if k)
+
+    @staticmethod
+    def _score_probe(states, hits: List[float], drafted: List[bool]) -> None:
+        """Running rate (about the last ten probes) of first drafts the target agreed with."""
+        for s, h, k in zip(states, hits, drafted):
+            if k:
+                s.hit_rate = 0.9 * s.hit_rate + 0.1 * h
+
+    def observe(self, plan, live, states, accepted, first_tokens) -> None:
+        if plan.shadow is not None:  # the dropped probe's first drafts against the decode
+            hits = [float(s == t) for s, t in zip(plan.shadow, first_tokens)]
+            self._score_probe(states, hits, plan.drafted)
+            return
+        if plan.size == 1:
+            return
+        # Only drafts the proposer offered in full (more than one node) say whether full
+        # drafts pay; a proposer's own one-node probe does not.
+        for s, a, k in zip(states, accepted, plan.offered):
+            if k > 1:
+                s.ema = 0.5 * (s.ema + a)
+            s.cap = self.cap_for(s.ema)
+        if plan.size == self.probe:
+            self._score_probe(states, [float(a > 0) for a in accepted], plan.drafted)

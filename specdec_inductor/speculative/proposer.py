@@ -1,0 +1,48 @@
+"""The interface every speculative method implements (proposers/, one file per method).
+Subclass `Proposer`: its class attributes declare what the loop must do for the method, and
+its methods default to doing nothing, so a method overrides only what it keeps state for."""
+from typing import List, Optional
+
+from torch import Tensor
+
+from specdec_inductor.speculative.tree import DraftTree
+
+
+class Proposer:
+    """What a speculative method provides. Request ids are the target engine's request rows;
+    requests join (start) and leave (finish) the batch between steps."""
+
+    num_draft_tokens: int  # N, nodes per tree including the root
+    num_spec_steps: int  # S, longest root-to-leaf path + 1
+
+    # Drafts that cost next to nothing next to a target step (NGRAM: a host-side trie lookup):
+    # the loop then cuts poorly accepted drafts to a small verify (AdaptiveVerifySize) instead
+    # of gating drafting off (AcceptanceGate).
+    cheap_drafts: bool = False
+
+    # Drafts made from the target's hidden states (EAGLE-style): the loop then passes, as a
+    # third argument, start(..., hidden) with each prompt's captured target hidden [P, k*H],
+    # and commit(..., hidden) with the hidden rows of each request's accepted path (root
+    # first, [accepted + 1, k*H]): row i belongs to the position of emitted[i]'s predecessor.
+    needs_target_hidden: bool = False
+
+    # The draft Engine of a draft-model method (None: no KV of its own): the loop scopes its
+    # pool to each batch, so a request it still holds after the batch is reported as leaked.
+    engine = None
+
+    def start(self, request_ids: List[int], contexts: List[List[int]],
+              hidden: Optional[List[Tensor]] = None) -> None:
+        """New requests: their prompt followed by their first emitted token."""
+
+    def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
+        """Draft trees rooted at each request's last emitted token; seq_lens [B] = cached tokens."""
+        raise NotImplementedError(f"{type(self).__name__} must implement propose")
+
+    def commit(self, request_ids: List[int], emitted: List[List[int]],
+               hidden: Optional[List[Tensor]] = None) -> None:
+        """Tokens each request emitted in the last step (accepted drafts + bonus; none for a
+        request that had already finished). A step may run without a propose call (the
+        acceptance gate's plain decode steps): then emitted holds just the next token."""
+
+    def finish(self, request_ids: List[int]) -> None:
+        """Requests that left the batch."""

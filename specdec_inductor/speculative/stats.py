@@ -1,0 +1,102 @@
+"""What a speculative run reports (SpeculativeStats, the metrics of algorithms.md) and the
+step timings the policies' costs come from (step_times)."""
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from specdec_inductor.speculative.tree import star_tree
+
+
+@dataclass
+class SpeculativeStats:
+    """The metrics of algorithms.md: tokens/s, mean accepted length, per-position acceptance,
+    verify steps, draft / verify time shares, compiled graphs and recompiles."""
+    new_tokens: int = 0
+    verify_steps: int = 0  # speculative steps, decode fallbacks included
+    decode_steps: int = 0  # steps that fell back to plain decode (no request had a draft)
+    request_steps: int = 0  # verify steps summed over requests
+    accepted_drafts: int = 0
+    accepted_at_depth: List[int] = field(default_factory=list)  # [S-1] requests accepting >= k
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    commit_s: float = 0.0
+    decode_s: float = 0.0
+    graphs: int = 0
+    recompiles: int = 0
+    steps_by_size: Dict[int, int] = field(default_factory=dict)  # tree size -> steps (1: decode)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per request per verify step (accepted drafts + the bonus)."""
+        return 1.0 + self.accepted_drafts / self.request_steps if self.request_steps else float("nan")
+
+    @property
+    def acceptance_by_position(self) -> List[float]:
+        return [n / self.request_steps for n in self.accepted_at_depth] if self.request_steps else []
+
+    def count_accepted(self, accepted: int) -> None:
+        """One request's verify step that accepted `accepted` drafts."""
+        self.request_steps += 1
+        self.accepted_drafts += accepted
+        for k in range(accepted):
+            self.accepted_at_depth[k] += 1
+
+    def summary(self) -> str:
+        busy = self.draft_s + self.verify_s + self.commit_s
+        share = (lambda s: 100.0 * s / busy) if busy > 0 else (lambda s: float("nan"))
+        accept = " ".join(f"{a:.2f}" for a in self.acceptance_by_position)
+        sizes = " ".join(f"{k}:{v}" for k, v in sorted(self.steps_by_size.items()))
+        return (f"{self.new_tokens} tokens, {self.tokens_per_s:.1f} tok/s; {self.verify_steps} steps "
+                f"({self.decode_steps} plain decode; by tree size {sizes}), mean accepted length {self.mean_accepted_length:.2f}; acceptance by position "
+                f"[{accept}]; time: draft {share(self.draft_s):.0f}% verify {share(self.verify_s):.0f}% "
+                f"commit {share(self.commit_s):.0f}%; graphs {self.graphs}, recompiles {self.recompiles}")
+
+
+def dynamo_counts() -> Tuple[int, int]:
+    """(graphs compiled, recompiles) so far in this process, from Dynamo's counters."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+
+
+@torch.inference_mode()
+def step_times(engine, sizes: Sequence[int], context: int = 0, rounds: int = 16,
+               batch_size: int = 1) -> Dict[int, float]:
+    """Median seconds of one step of each tree size (1: a plain decode step, else a verify of
+    a star tree) over a `context`-token prefix, after one untimed call each (which compiles
+    what has not been). The sizes take turns within every round, so a drift of the machine's
+    speed hits them alike. Runs on a scratch request, admitted and released here (its slots
+    are written, then freed); the other rows of batch_size's bucket are padding."""
+    bucket = engine.bucket_for(batch_size)
+    (scratch,) = engine.pool.admit([max(context, 1)], max(sizes))
+    times: Dict[int, List[float]] = {z: [] for z in sizes}
+    try:
+        rows = torch.tensor([scratch.row] + [engine.pool.padding_row] * (bucket - 1))  # [B]
+        seq_lens = torch.tensor([context] + [0] * (bucket - 1))  # [B]
+
+        def step(z):
+            if z == 1:
+                engine.decode(torch.zeros(bucket, dtype=torch.int64), rows, seq_lens)
+            else:
+                mask, depth = star_tree(z)
+                engine.verify(torch.zeros(bucket, z, dtype=torch.int64),
+                              seq_lens.view(bucket, 1) + depth.view(1, z), rows, seq_lens,
+                              mask.repeat(bucket))
+
+        for z in sizes:
+            step(z)
+        for _ in range(rounds):
+            for z in sizes:
+                t0 = time.perf_counter()
+                step(z)
+                times[z].append(time.perf_counter() - t0)
+    finally:
+        engine.pool.release(scratch)
+    return {z: statistics.median(t) for z, t in times.items() if t}

@@ -1,0 +1,124 @@
+"""Draft-budget policies (speculative/policies.py) on their own, fed hand-made observations:
+the verify size each step gets, when the acceptance gate switches drafting off and back on,
+how the adaptive size cuts and regrows drafts, and which draft timings the gate prices. The
+expected decisions are those the loop made before the policies became objects."""
+import pytest
+import torch
+
+from specdec_inductor.speculative import (AcceptanceGate, AdaptiveVerifySize, DraftPolicy,
+                                          DraftTree, StepCosts, StepPlan)
+
+
+def _draft(first_tokens):
+    """A stand-in draft: only tokens[:, 1] (the first drafts) is read by the policies."""
+    tokens = torch.tensor([[0, t, 0] for t in first_tokens])  # [B, 3]
+    return DraftTree(tokens, None, None, None, None, None, None)
+
+
+def _gate(min_accepted=1.0, from_costs=False, costs=None, **kw):
+    return AcceptanceGate([1, 6], costs or StepCosts(), min_accepted, from_costs, **kw)
+
+
+def test_size_is_the_smallest_compiled_size_holding_the_largest_live_draft():
+    policy = DraftPolicy([1, 3, 5, 8])
+    assert policy.size_for([1, 3], [True, True], [8, 8]) == 5  # 1 + 3 nodes -> 5
+    assert policy.size_for([7, 1], [False, True], [8, 8]) == 3  # a done request's draft: ignored
+    assert policy.size_for([0, 0], [True, True], [8, 8]) == 1  # nothing drafted: a decode step
+    assert policy.size_for([7], [True], [3]) == 3  # cut to the request's cap
+    plan = policy.plan([2, 6], [True, True], [None, None], _draft([4, 5]))
+    assert (plan.size, plan.drafted) == (8, [True, True])
+
+
+def test_gate_backs_off_doubling_and_resets_after_a_good_probe():
+    gate = _gate(min_accepted=1.0, backoff_steps=4, min_steps=4)
+    cooldowns = []
+    for step in range(40):
+        if not gate.wants_draft():
+            cooldowns[-1] += 1
+            continue
+        accepted = [5] if step >= 30 else [0]  # drafts start being right at step 30
+        plan = gate.plan([5], [True], [None], _draft([1]))
+        assert plan.size == 6
+        gate.observe(plan, [True], [None], accepted, [0])
+        cooldowns.append(0)
+    # Judged from the 4th draft step on: 4 decode steps, then 8, 16 (each failed probe doubles)
+    assert cooldowns[:6] == [0, 0, 0, 4, 8, 16], cooldowns
+    gate = _gate(min_accepted=1.0, backoff_steps=4, min_steps=4)
+    for accepted in ([0], [0], [0], [0]):  # the mean 0 < 1: back off
+        gate.observe(StepPlan(6), [True], [None], accepted, [0])
+    assert (gate.cooldown, gate.failures) == (4, 1)
+    gate.cooldown = 0
+    gate.observe(StepPlan(6), [True], [None], [5], [0])  # the mean 1.0 is back at the threshold
+    assert (gate.cooldown, gate.failures) == (0, 0)
+    for _ in range(8):  # failed probes: 4, 8, ... at most 64 decode steps
+        gate.observe(StepPlan(6), [True], [None], [0], [0])
+    assert gate.cooldown == 64
+
+
+def test_gate_ignores_decode_steps_and_finished_requests():
+    gate = _gate(min_accepted=1.0, min_steps=1)
+    gate.observe(StepPlan(1), [True], [None], [0], [0])  # a decode step: nothing to judge
+    assert gate.draft_steps == 0
+    gate.observe(StepPlan(6), [True, False], [None, None], [2, 0], [0, 0])  # done: not counted
+    assert (gate.draft_steps, gate.accepted_sum, gate.cooldown) == (1, 2.0, 0)
+
+
+def test_gate_prices_drafts_but_not_catch_ups():
+    costs = StepCosts(decode_s=0.01, verify_cost=1.2)
+    gate = _gate(min_accepted=0.1, from_costs=True, costs=costs)
+    assert gate.threshold() == 0.1  # no draft priced yet
+    gate.drafted(5.0)  # the first draft runs the draft model's prompt: not priced
+    assert costs.draft_s is None
+    gate.drafted(0.01)
+    gate.drafted(0.02)
+    assert costs.draft_s == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)
+    assert gate.threshold() == pytest.approx(1.2 + costs.draft_s / 0.01 - 1.0)
+    gate.cooldown = 1
+    assert not gate.wants_draft()  # a cooldown step: the next draft catches up
+    gate.drafted(5.0)
+    assert costs.draft_s == pytest.approx(0.012)
+    gate.admitted()  # a request joined: its first draft runs its prompt
+    gate.drafted(5.0)
+    assert costs.draft_s == pytest.approx(0.012)
+    fixed = _gate(min_accepted=0.5, from_costs=False, costs=costs)
+    assert fixed.threshold() == 0.5  # a threshold given by hand is used as it is
+    assert AcceptanceGate.threshold_for(3.0, True, costs) == 3.0  # never below min_accepted
+
+
+def test_adaptive_size_cuts_after_four_misses_and_regrows_on_a_hit():
+    policy = AdaptiveVerifySize([1, 2, 6], StepCosts(), grow_at=0.5)
+    state = policy.new_request()
+    assert (state.ema, state.cap, policy.probe) == (6.0, 6, 2)
+    sizes = []
+    for accepted in (5, 5, 0, 0, 0, 0, 0, 0, 1):
+        plan = policy.plan([5], [True], [state], _draft([7]))
+        sizes.append(plan.size)
+        policy.observe(plan, [True], [state], [min(accepted, plan.size - 1)], [7])
+    # ema 6 -> 5.5 -> 5.25 -> 2.6 -> 1.3 -> 0.66 -> 0.33 (cut) -> 0.16 -> 0.08 -> 0.54 (grows)
+    assert sizes == [6, 6, 6, 6, 6, 6, 2, 2, 2], sizes
+    assert state.cap == 6
+    # A draft the proposer offered as one node does not move the running mean.
+    before = state.ema
+    policy.observe(policy.plan([1], [True], [state], _draft([7])), [True], [state], [0], [7])
+    assert state.ema == before
+
+
+def test_adaptive_probe_turns_into_a_decode_while_first_drafts_miss():
+    costs = StepCosts(probe_cost=1.45)  # a probe pays above a 0.45 hit rate
+    policy = AdaptiveVerifySize([1, 2, 6], costs)
+    state = policy.new_request()
+    state.ema, state.cap = 0.0, 2  # cut to the probe
+    plan = policy.plan([5], [True], [state], _draft([7]))
+    assert plan.size == 2  # the hit rate starts at 0.5
+    policy.observe(plan, [True], [state], [0], [3])  # a miss: 0.45
+    policy.observe(policy.plan([5], [True], [state], _draft([7])), [True], [state], [0], [3])
+    assert state.hit_rate == pytest.approx(0.405)
+    plan = policy.plan([5], [True], [state], _draft([7]))
+    assert (plan.size, plan.shadow) == (1, [7])  # dropped: a decode step, the draft kept aside
+    policy.observe(plan, [True], [state], [0], [7])  # the decoded token equals the first draft
+    assert state.hit_rate == pytest.approx(0.9 * 0.405 + 0.1)
+    assert policy.plan([5], [True], [state], _draft([7])).size == 2  # probing again
+    # A request without a draft is not scored.
+    other = policy.new_request()
+    policy.observe(StepPlan(2, [5, 0], [True, False]), [True, True], [state, other], [1, 0], [0, 0])
+    assert other.hit_rate == 0.5

@@ -1,0 +1,240 @@
+"""The step API (speculative/loop.py): requests admitted into a running batch and retired from
+it between steps. Every method's greedy tokens for a request that joins mid-run equal its solo
+greedy tokens (Engine.generate), the pools end consistent and fully free (also after errors),
+and on a compiled engine a long run that admits and retires requests compiles nothing new."""
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from specdec_inductor.engine.engine import Engine  # noqa: E402
+from specdec_inductor.engine.kv_pool import RequestTooLongError  # noqa: E402
+from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head  # noqa: E402
+from specdec_inductor.proposers.ngram import NgramProposer  # noqa: E402
+from specdec_inductor.proposers.standalone import StandaloneProposer  # noqa: E402
+from specdec_inductor.speculative import (Proposer, SpeculativeGenerator,  # noqa: E402
+                                          SpeculativeStats)
+from specdec_inductor.testing import write_random_eagle_checkpoint  # noqa: E402
+from test_speculative import repetitive_prompts, tiny_model  # noqa: E402  (tests/ is on the path)
+
+METHODS = ["plain", "ngram", "standalone", "eagle", "eagle-tree"]
+
+
+def _setup(method, tmp_path, capacity=3, compiled=False):
+    """(target engine, generator, draft engine or None) for `method`."""
+    target = tiny_model()
+    hidden = method.startswith("eagle")
+    engine = Engine(target, max_batch=capacity, max_len=128, compile=compiled, prefill_chunk=16,
+                    capture_hidden=[-1] if hidden else None)
+    draft = None
+    if method == "plain":
+        return engine, SpeculativeGenerator(engine, None), None
+    if method == "ngram":
+        proposer = NgramProposer(num_draft_tokens=6, breadth=(2, 1))
+    elif method == "standalone":
+        draft = Engine(tiny_model(seed=5), max_batch=capacity, max_len=128, compile=compiled,
+                       prefill_chunk=16)
+        proposer = StandaloneProposer(draft, 4)
+    else:
+        write_random_eagle_checkpoint(str(tmp_path), target.config, seed=1, scale=0.3)
+        head = load_eagle_head(str(tmp_path), target)
+        topk = 2 if method == "eagle-tree" else 0  # a tree's beams take rows of their own
+        draft = Engine(head, max_batch=capacity * (1 + topk), max_len=128 + topk * 3,
+                       compile=compiled, prefill_chunk=8, capture_hidden=[-1])
+        proposer = EagleProposer(draft, 6, topk=2, depth=3) if topk else EagleProposer(draft, 4)
+    return engine, SpeculativeGenerator(engine, proposer, min_accepted=0.0), draft
+
+
+def _all_free(*engines):
+    for e in engines:
+        if e is not None:
+            e.pool.check_consistent()
+            assert e.pool.num_free_slots == e.pool.num_slots and not e.pool.live_requests
+
+
+def _run_to_done(spec, batch, request):
+    while not request.done:
+        spec.step(batch)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_requests_joining_mid_run_emit_their_solo_greedy_tokens(method, tmp_path):
+    engine, spec, draft = _setup(method, tmp_path)
+    prompts = repetitive_prompts(4, shapes=4)
+    budgets = [20, 12, 12, 16]
+    solo = [engine.generate([p], n)[0] for p, n in zip(prompts, budgets)]
+    stats = SpeculativeStats()
+    with spec.batch(3, stats) as batch:
+        (first,) = spec.admit(batch, [prompts[0]], budgets[0])
+        for _ in range(3):
+            spec.step(batch)
+        assert not first.done and len(first.tokens) > 1
+        second, third = spec.admit(batch, prompts[1:3], budgets[1])  # prefilled together
+        _run_to_done(spec, batch, second)
+        spec.retire(batch, second)  # leaves while the others keep going
+        (fourth,) = spec.admit(batch, [prompts[3]], budgets[3])  # takes the freed place
+        while batch.live:
+            emitted = spec.step(batch)
+            assert all(r in batch.requests and tokens for r, tokens in emitted.items())
+        got = [r.tokens for r in (first, second, third, fourth)]
+    assert got == solo, stats.summary()
+    assert stats.new_tokens == sum(budgets)
+    _all_free(engine, draft)
+
+
+def test_eos_and_retiring_a_live_request_leave_the_others_exact(tmp_path):
+    engine, spec, _ = _setup("ngram", tmp_path)
+    prompts = repetitive_prompts(3, seed=4)
+    solo = [engine.generate([p], 30)[0] for p in prompts]
+    eos = solo[2][5]
+    with spec.batch(3) as batch:
+        reqs = [spec.admit(batch, [p], 30, eos_token_id=eos if i == 2 else None)[0]
+                for i, p in enumerate(prompts)]
+        for _ in range(2):
+            spec.step(batch)
+        cancelled = reqs[1]
+        spec.retire(batch, cancelled)  # cancelled mid-run: its slots are free at once
+        assert cancelled not in batch.requests and len(engine.pool.live_requests) == 2
+        while batch.live:
+            spec.step(batch)
+    assert reqs[0].tokens == solo[0]
+    assert reqs[2].tokens == solo[2][:solo[2].index(eos) + 1]  # stops after (and with) eos
+    assert cancelled.tokens == solo[1][:len(cancelled.tokens)]
+    _all_free(engine)
+
+
+class _Failing(Proposer):
+    """Raises in start or in propose; records the requests it was told to finish."""
+    num_draft_tokens = 4
+    num_spec_steps = 4
+
+    def __init__(self, where):
+        self.where, self.finished = where, []
+
+    def start(self, request_ids, contexts):
+        if self.where == "start":
+            raise RuntimeError("start failed")
+
+    def propose(self, request_ids, seq_lens):
+        raise RuntimeError("propose failed")
+
+    def finish(self, request_ids):
+        self.finished += request_ids
+
+
+def test_admit_errors_and_failed_steps_leak_nothing(tmp_path):
+    engine, spec, _ = _setup("ngram", tmp_path, capacity=2)
+    prompts = repetitive_prompts(3)
+    with spec.batch(2) as batch:
+        spec.admit(batch, prompts[:2], 8)
+        with pytest.raises(ValueError, match="'prompts'.*capacity 2"):
+            spec.admit(batch, prompts[2:], 8)
+    with spec.batch(2) as batch:
+        with pytest.raises(RequestTooLongError):
+            spec.admit(batch, [prompts[0]], 200)
+        assert not batch.requests
+    failing = _Failing("start")
+    spec_fail = SpeculativeGenerator(engine, failing)
+    with spec_fail.batch(2) as batch:
+        with pytest.raises(RuntimeError, match="start failed"):
+            spec_fail.admit(batch, prompts[:2], 8)
+        assert not batch.requests and len(failing.finished) == 2
+    _all_free(engine)
+    failing = _Failing("propose")
+    with pytest.raises(RuntimeError, match="propose failed"):  # the scope still frees all
+        SpeculativeGenerator(engine, failing, min_accepted=0.0).generate(prompts[:2], 8)
+    assert len(failing.finished) == 2
+    _all_free(engine)
+
+
+def test_compiled_steps_never_recompile_while_requests_join_and_leave(tmp_path):
+    """256 steps of a compiled engine while requests of assorted prompt lengths and budgets
+    join and leave: after a warm-up (one batch, compile_verify) no graph compiles or
+    recompiles, and every request's tokens equal plain greedy's of the same engine."""
+    torch._dynamo.reset()
+    engine, spec, _ = _setup("ngram", tmp_path, capacity=4, compiled=True)
+    prompts = repetitive_prompts(24, seed=7, shapes=4)
+    rng = random.Random(0)
+    budgets = [rng.randrange(4, 40) for _ in prompts]
+    spec.compile_verify(batch_size=4)
+    spec.generate(prompts[:4], 4)  # the bucket's prefill and decode graphs
+    counters = torch._dynamo.utils.counters
+    graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+    done, steps, waiting = [], 0, list(zip(prompts, budgets))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        with spec.batch(4) as batch:
+            while steps < 256 and (waiting or batch.live):
+                for r in [r for r in batch.requests if r.done]:
+                    spec.retire(batch, r)
+                    done.append(r)
+                while waiting and len(batch.requests) < 4:
+                    p, n = waiting.pop(0)
+                    spec.admit(batch, [p], n)
+                spec.step(batch)
+                steps += 1
+            done += [r for r in batch.requests if r.done]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert sum(counters["recompiles"].values()) == recompiles
+    assert len(done) >= 8, len(done)  # requests really came and went
+    for group in range(0, len(done) // 4 * 4, 4):  # plain greedy in the bucket: its graphs
+        rs = done[group:group + 4]
+        want = engine.generate([r.prompt for r in rs], max(r.max_new_tokens for r in rs))
+        assert [r.tokens for r in rs] == [w[:r.max_new_tokens] for w, r in zip(want, rs)]
+    _all_free(engine)
+
+
+def _commit_reference(table, rows, seq_lens, accept_index, predicts, size):
+    """The per-request commit the loop ran before it was tensor ops: each live request's path
+    tokens, its accepted slots moved to the front of its tree positions, seq_len advanced."""
+    table, seq_lens = table.clone(), seq_lens.clone()
+    tokens = []
+    for b, path in enumerate(accept_index.tolist()):
+        path = [i for i in path if i >= 0]
+        tokens.append([int(predicts[i]) for i in path])
+        local = [i - b * size for i in path]
+        rest = [i for i in range(size) if i not in local]
+        start = int(seq_lens[b])
+        slots = table[rows[b], start:start + size].clone()
+        table[rows[b], start:start + size] = slots[local + rest]
+        seq_lens[b] += len(path)
+    return table, seq_lens, tokens
+
+
+def test_commit_ops_match_the_per_request_commit_eager_and_compiled():
+    from specdec_inductor import ops
+    from specdec_inductor.speculative.commit import commit_step
+    gen = torch.Generator().manual_seed(0)
+    bs, bucket, size, steps, padding_row = 3, 4, 6, 4, 5
+    table = torch.randperm(6 * 40, generator=gen).view(6, 40).to(torch.int32)
+    table[padding_row] = 999  # the padding row maps every position to the sink
+    rows = torch.tensor([2, 0, 4, padding_row])
+    seq_lens = torch.tensor([7, 3, 12, 1])
+    roots = torch.tensor([11, 12, 13, 0])
+    mask = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
+                         [1, 1, 0, 1, 0, 0], [1, 1, 0, 1, 1, 0], [1, 0, 1, 0, 0, 1]],
+                        dtype=torch.bool).flatten().repeat(bs)  # the same tree for each
+    _, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens[:bs], size)
+    candidates = torch.randint(0, 9, (bs, size), generator=gen)
+    target = candidates.roll(-1, dims=1)  # every request accepts along some path
+    target[1] = candidates[1, 2]  # request 1: only node 2's token at the root
+    predicts, accept_index, accept_num = ops.verify_tree_greedy(candidates, ridx, nxt, sib,
+                                                                target, steps)
+    want_table, want_lens, want_tokens = _commit_reference(table, rows, seq_lens, accept_index,
+                                                           predicts, size)
+    assert max(int(a) for a in accept_num) > 0
+    compiled = torch.compile(commit_step, fullgraph=True)
+    for fn in (commit_step, compiled):
+        t, lens, r = table.clone(), seq_lens.clone(), roots.clone()
+        done = fn(t, rows, lens, r, padding_row, predicts, accept_index, accept_num, size)
+        assert torch.equal(t, want_table)
+        assert torch.equal(lens[:bs], want_lens[:bs]) and lens[bs] == 1  # padding untouched
+        assert [[x for x in row if x >= 0] for row in done.tokens.tolist()] == want_tokens
+        assert r[:bs].tolist() == [tok[-1] for tok in want_tokens] and r[bs] == 0
+    # A finished request's row is the padding row: nothing of its own moves.
+    t, lens, r = table.clone(), seq_lens.clone(), roots.clone()
+    finished = rows.clone()
+    finished[1] = padding_row
+    commit_step(t, finished, lens, r, padding_row, predicts, accept_index, accept_num, size)
+    assert torch.equal(t[0], table[0]) and lens[1] == seq_lens[1] and r[1] == roots[1]
