@@ -6,10 +6,10 @@ from typing import List
 import torch
 from torch import Tensor
 
-from specdec_inductor.speculative import DraftTree, root_only_draft
+from specdec_inductor.speculative import DraftTree, Proposer, root_only_draft
 
 
-class AutoregressiveProposer:
+class AutoregressiveProposer(Proposer):
     num_draft_tokens = 1
     num_spec_steps = 1
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from specdec_inductor import ops
 from specdec_inductor._library import _C
-from specdec_inductor.speculative import DraftTree
+from specdec_inductor.speculative import DraftTree, Proposer
 
 # The window the CLI and benchmarks use (the class keeps the general defaults 1..4). Matches of
 # one token (a newline, a space) seldom continue for long: with confident_window=2 they offer
@@ -34,7 +34,7 @@ def parse_window(text: str, name: str = "ngram_window"):
     return lo, hi
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Proposes NGRAM draft trees for a batch of requests.
 
     Args:

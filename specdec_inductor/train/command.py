@@ -75,9 +75,9 @@ def _log(msg: str) -> None:
 
 
 def run(args) -> int:
-    from specdec_inductor.cli import DTYPES, encode
     from specdec_inductor.engine.engine import eager_requested
     from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.loading import DTYPES, encode
     from specdec_inductor.train.corpus import training_prompts
     from specdec_inductor.train.data import DraftData, build_draft_data, data_precision
     from specdec_inductor.train.trainer import TrainConfig, train_head, train_precision
