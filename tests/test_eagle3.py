@@ -270,7 +270,9 @@ def test_head_forward_equals_plain_torch(tmp_path, own_embedding, bias):
     req = draft.pool.admit([8], 1)[0]
     rows = torch.tensor([req.row])
     zero, eight = torch.zeros(1, dtype=torch.int64), torch.full((1,), 8)
-    logits, g = draft.extend(ids, torch.arange(8).view(1, 8), rows, zero, eight, None, feats)
+    projected = head.project(feats)  # [1, T, H]: the head's own fc
+    torch.testing.assert_close(projected[0], _fc(sd, feats[0]), atol=1e-5, rtol=1e-5)
+    logits, g = draft.extend(ids, torch.arange(8).view(1, 8), rows, zero, eight, None, projected)
     want_logits, want_g = reference_head(tmp_path, sd, ids[0], _fc(sd, feats[0]))
     torch.testing.assert_close(g[0], want_g, atol=1e-5, rtol=1e-5)
     hot = sd["t2d"].nonzero().flatten()
@@ -278,7 +280,7 @@ def test_head_forward_equals_plain_torch(tmp_path, own_embedding, bias):
     assert torch.equal(head.draft_to_target, hot)
     assert logits.shape[-1] == hot.numel() == draft.vocab_size
     torch.testing.assert_close(logits[0], want_logits, atol=1e-5, rtol=1e-5)
-    # One decode step fed the head's own output g (H wide: no fc) at position 8.
+    # One decode step fed the head's own output g at position 8.
     tok = torch.tensor([int(hot[3])])
     nxt, step_logits, step_g = draft.decode(tok, rows, torch.full((1,), 8), g[:, -1])
     ref_hidden = torch.cat([_fc(sd, feats[0]), g[0, -1:]])
@@ -289,6 +291,10 @@ def test_head_forward_equals_plain_torch(tmp_path, own_embedding, bias):
     draft.pool.release(req)
     with pytest.raises(ValueError, match="aux_hidden.*width 40"):
         draft.decode(tok, rows, torch.full((1,), 8), torch.zeros(1, 40))
+    with pytest.raises(ValueError, match="aux_hidden.*width 96"):  # features need project()
+        draft.decode(tok, rows, torch.full((1,), 8), feats[:, 0])
+    with pytest.raises(ValueError, match="'features'.*capture_hidden"):
+        head.project(feats[..., :40])
 
 
 # -- drafting and the speculative loop ---------------------------------------------------------
@@ -436,8 +442,9 @@ def test_cli_generate_eagle3_with_a_random_head_is_still_exact(tmp_path, capsys)
 
 def test_cli_eagle3_needs_a_checkpoint(monkeypatch, tmp_path):
     from specdec_inductor import cli
-    monkeypatch.setattr(cli, "shipped_head", lambda method: str(tmp_path / "none"))
-    with pytest.raises(SystemExit, match="--method eagle3 needs --draft-model"):
+    from specdec_inductor import loading
+    monkeypatch.setattr(loading, "shipped_head", lambda method: str(tmp_path / "none"))
+    with pytest.raises(SystemExit, match="--draft-model: method eagle3 needs a head checkpoint"):
         cli.main(["generate", "--eager", "--method", "eagle3", "--max-new-tokens", "2"])
 
 
