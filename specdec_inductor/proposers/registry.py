@@ -253,11 +253,23 @@ def make_proposer(config: ProposerConfig, target_engine=None, *, draft=None,
                                   f"NextN layer: {exc}") from exc
 
 
-def _draft_engine(config: ProposerConfig, target_engine, model, **kwargs):
+def _draft_model_proposer(cls, config: ProposerConfig, target_engine, model, **engine_kwargs):
+    """cls (a DraftModelProposer) over a draft Engine running `model`, sized by
+    draft_engine_size, in the target's compile mode and attention backend."""
     from specdec_inductor.engine.engine import Engine
     max_batch, max_len = draft_engine_size(config, target_engine)
-    return Engine(model, max_batch=max_batch, max_len=max_len, compile=target_engine.compiled,
-                  attention=target_engine.attention_backend.value, **kwargs)
+    engine = Engine(model, max_batch=max_batch, max_len=max_len, compile=target_engine.compiled,
+                    attention=target_engine.attention_backend.value, **engine_kwargs)
+    topk, depth = config.tree_shape()
+    return cls(engine, config.num_draft_tokens, topk=topk, depth=depth)
+
+
+def _head_proposer(cls, config: ProposerConfig, target_engine, head):
+    """cls over a one-layer head's draft Engine: it returns its own output g (the next draft
+    step's feature) and extends in DRAFT_PREFILL_CHUNK rows."""
+    from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK
+    return _draft_model_proposer(cls, config, target_engine, head,
+                                 prefill_chunk=DRAFT_PREFILL_CHUNK, capture_hidden=[-1])
 
 
 def standalone_draft_layers(config: ProposerConfig) -> Optional[int]:
@@ -294,25 +306,19 @@ def _standalone(config, target_engine, draft, log):
     layers = standalone_draft_layers(config)
     log(f"draft: {config.draft_model or 'the target'}"
         f"{'' if layers is None else f', first {layers} layers'}")
-    topk, depth = config.tree_shape()
-    return StandaloneProposer(_draft_engine(config, target_engine, draft),
-                              config.num_draft_tokens, topk=topk, depth=depth)
+    return _draft_model_proposer(StandaloneProposer, config, target_engine, draft)
 
 
 def _eagle(config, target_engine, draft, log):
-    from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK, EagleProposer, load_eagle_head
+    from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
     head = load_eagle_head(config.head_dir(), target_engine.model)
     vocab = head.draft_to_target
     log(f"EAGLE head: {config.head_dir()}"
         f"{'' if vocab is None else f' (draft vocabulary {vocab.numel()})'}")
-    topk, depth = config.tree_shape()
-    engine = _draft_engine(config, target_engine, head, prefill_chunk=DRAFT_PREFILL_CHUNK,
-                           capture_hidden=[-1])
-    return EagleProposer(engine, config.num_draft_tokens, topk=topk, depth=depth)
+    return _head_proposer(EagleProposer, config, target_engine, head)
 
 
 def _eagle3(config, target_engine, draft, log):
-    from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK
     from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
     head = load_eagle3_head(config.head_dir(), target_engine.model,
                             head_dtype(config, target_engine.model))
@@ -321,22 +327,15 @@ def _eagle3(config, target_engine, draft, log):
                          f"EAGLE-3 head needs {head.target_hidden_layers} (make_target_engine)")
     log(f"EAGLE-3 head: {config.head_dir()} (target layers {head.target_hidden_layers}, draft "
         f"vocabulary {head.lm_head.out_features}, {str(head.lm_head.weight.dtype)[6:]})")
-    topk, depth = config.tree_shape()
-    engine = _draft_engine(config, target_engine, head, prefill_chunk=DRAFT_PREFILL_CHUNK,
-                           capture_hidden=[-1])
-    return Eagle3Proposer(engine, config.num_draft_tokens, topk=topk, depth=depth)
+    return _head_proposer(Eagle3Proposer, config, target_engine, head)
 
 
 def _mtp(config, target_engine, draft, log):
-    from specdec_inductor.proposers.mtp import MtpProposer
-    max_batch, max_len = draft_engine_size(config, target_engine)
-    topk, depth = config.tree_shape()
-    proposer = MtpProposer.from_model_dir(loading.model_directory(config.target_model),
-                                          target_engine, config.num_draft_tokens,
-                                          layer=config.mtp_layer, topk=topk, depth=depth,
-                                          max_batch=max_batch, max_len=max_len)
+    from specdec_inductor.proposers.mtp import MtpProposer, load_mtp_head
+    head = load_mtp_head(loading.model_directory(config.target_model), target_engine.model,
+                         config.mtp_layer)
     log(f"MTP (NextN) layer {config.mtp_layer} of {config.target_model or 'the default model'}")
-    return proposer
+    return _head_proposer(MtpProposer, config, target_engine, head)
 
 
 _DRAFT_MODEL_PROPOSERS = {"standalone": _standalone, "eagle": _eagle, "eagle3": _eagle3,

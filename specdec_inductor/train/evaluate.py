@@ -32,7 +32,7 @@ def evaluate_head(method: str, head_dir: str, *, model_path: Optional[str] = Non
                                     topk=topk, depth=depth, target_model=model_path, dtype=dtype)
             if engine is None:
                 engine = make_target_engine(config, target, max_batch=1, max_len=512,
-                                            compile=compile)
+                                            compile=None if compile else False)
                 plain = [engine.generate([p], new_tokens, tokenizer.eos_token_id)[0] for p in ids]
             proposer = make_proposer(config, engine)
         except ValueError as exc:
