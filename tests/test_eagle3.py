@@ -273,7 +273,7 @@ def test_head_forward_equals_plain_torch(tmp_path, own_embedding, bias):
     projected = head.project(feats)  # [1, T, H]: the head's own fc
     torch.testing.assert_close(projected[0], _fc(sd, feats[0]), atol=1e-5, rtol=1e-5)
     logits, g = draft.extend(ids, torch.arange(8).view(1, 8), rows, zero, eight, None, projected)
-    want_logits, want_g = reference_head(tmp_path, sd, ids[0], _fc(sd, feats[0]))
+    want_logits, want_g = reference_head(tmp_path, sd, ids[0], projected[0])
     torch.testing.assert_close(g[0], want_g, atol=1e-5, rtol=1e-5)
     hot = sd["t2d"].nonzero().flatten()
     # The logits cover the draft vocabulary only (column j: target id draft_to_target[j]).
@@ -283,7 +283,7 @@ def test_head_forward_equals_plain_torch(tmp_path, own_embedding, bias):
     # One decode step fed the head's own output g at position 8.
     tok = torch.tensor([int(hot[3])])
     nxt, step_logits, step_g = draft.decode(tok, rows, torch.full((1,), 8), g[:, -1])
-    ref_hidden = torch.cat([_fc(sd, feats[0]), g[0, -1:]])
+    ref_hidden = torch.cat([projected[0], g[0, -1:]])
     want_logits, want_g = reference_head(tmp_path, sd, torch.cat([ids[0], tok]), ref_hidden)
     torch.testing.assert_close(step_g[0], want_g[-1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(step_logits[0], want_logits[-1], atol=1e-5, rtol=1e-5)
