@@ -158,12 +158,14 @@ class DraftModelProposer(Proposer):
         if self.needs_target_hidden and hidden is None:
             raise ValueError(f"{type(self).__name__}.start needs the target's hidden states "
                              "(argument 'hidden')")
+        # Features first: a refused one must leave nothing admitted behind.
+        feats = [None] * len(contexts) if hidden is None else [self.target_features(h)
+                                                                for h in hidden]
         reserve = max(self.num_draft_tokens, self.topk * (self.depth - 1) + 1)
         requests = admit_draft_requests(self.engine.pool, contexts, reserve)
         shift = 1 if self.needs_target_hidden else 0  # pairs (x_{p+1}, h_p) start at x_1
-        for i, (rid, req, ctx) in enumerate(zip(request_ids, requests, contexts)):
-            feats = None if hidden is None else self.target_features(hidden[i])
-            self._requests[rid] = _DraftRequest(req, 0, list(ctx[shift:]), feats, root=ctx[-1])
+        for rid, req, ctx, f in zip(request_ids, requests, contexts, feats):
+            self._requests[rid] = _DraftRequest(req, 0, list(ctx[shift:]), f, root=ctx[-1])
         if self._tree is not None:
             try:
                 virtual = self._tree.reserve_rows(len(request_ids))
