@@ -440,12 +440,14 @@ def test_cli_generate_eagle3_with_a_random_head_is_still_exact(tmp_path, capsys)
     assert "Paris" in out and "EAGLE-3 head" in err and "[2, 15, 27]" in err
 
 
-def test_cli_eagle3_needs_a_checkpoint(monkeypatch, tmp_path):
+def test_cli_eagle3_needs_a_checkpoint(monkeypatch, tmp_path, capsys):
     from specdec_inductor import cli
     from specdec_inductor import loading
     monkeypatch.setattr(loading, "shipped_head", lambda method: str(tmp_path / "none"))
-    with pytest.raises(SystemExit, match="--draft-model: method eagle3 needs a head checkpoint"):
+    with pytest.raises(SystemExit) as info:  # the flags' check, before anything loads
         cli.main(["generate", "--eager", "--method", "eagle3", "--max-new-tokens", "2"])
+    assert info.value.code == 2
+    assert "argument --draft-model: method eagle3 needs a head checkpoint" in capsys.readouterr().err
 
 
 # -- a bf16 head on an fp32 target, trees over the draft vocabulary ----------------------------
