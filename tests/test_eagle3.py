@@ -487,7 +487,7 @@ def test_trees_rank_the_draft_vocabulary_like_the_full_one(tmp_path):
     assert torch.equal(proposer._tree.token_map, head.draft_to_target)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (1, 8), generator=gen)  # [1, T]
-    feats = torch.randn(1, 8, 3 * HIDDEN, generator=gen)  # [1, T, 3H]
+    feats = head.project(torch.randn(1, 8, 3 * HIDDEN, generator=gen))  # [1, T, H]
     req = draft.pool.admit([8], 1)[0]
     zero, eight = torch.zeros(1, dtype=torch.int64), torch.full((1,), 8)
     logits, _ = draft.extend(ids, torch.arange(8).view(1, 8), torch.tensor([req.row]), zero,
@@ -521,7 +521,7 @@ def test_extend_keeps_each_requests_last_row_only_where_asked(tmp_path):
     assert draft.keeps_last_rows
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (2, 8), generator=gen)  # [B, T]
-    feats = torch.randn(2, 8, 3 * HIDDEN, generator=gen)  # [B, T, 3H]
+    feats = head.project(torch.randn(2, 8, 3 * HIDDEN, generator=gen))  # [B, T, H]
     reqs = draft.pool.admit([8, 8], 1)
     rows = torch.tensor([r.row for r in reqs])
     zero, lens = torch.zeros(2, dtype=torch.int64), torch.tensor([8, 5])  # ragged
