@@ -21,15 +21,14 @@ import time
 import torch
 
 import specdec_inductor
-from specdec_inductor.cli import DTYPES, encode, head_dtype
 from specdec_inductor.engine.engine import Engine, GenerationStats
-from specdec_inductor.engine.hf import keep_first_layers, load_model
+from specdec_inductor.engine.hf import load_model
+from specdec_inductor.loading import DTYPES, encode
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
-from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK, EagleProposer, load_eagle_head
-from specdec_inductor.proposers.mtp import MtpCheckpointError, MtpProposer
-from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
-from specdec_inductor.proposers.ngram import RECOMMENDED_WINDOW, NgramProposer, parse_window
-from specdec_inductor.proposers.standalone import StandaloneProposer
+from specdec_inductor.proposers.ngram import RECOMMENDED_WINDOW, parse_window
+from specdec_inductor.proposers.registry import (ProposerConfig, ProposerConfigError,
+                                                 load_standalone_draft, make_proposer,
+                                                 target_capture)
 from specdec_inductor.proposers.tree_draft import check_tree_shape
 from specdec_inductor.sampler import SamplingParams
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats, step_times
@@ -82,76 +81,80 @@ def random_head(shared, key, write, config):
     return shared[key]
 
 
+def method_config(name, args, n, topk, depth, shared, model):
+    """The ProposerConfig of method `name` with tree shape (n, topk, depth) and the bench's
+    flags; an EAGLE / EAGLE-3 head not given is a random (seeded) one, shared by every shape."""
+    draft_model = None
+    if name == "eagle":
+        draft_model = args.eagle_head or random_head(shared, "eagle_path",
+                                                     write_random_eagle_checkpoint, model.config)
+    elif name == "eagle3":
+        draft_model = args.eagle3_head or random_head(shared, "eagle3_path",
+                                                      write_random_eagle3_checkpoint, model.config)
+    breadth = tuple(int(b) for b in args.ngram_breadth.split(","))
+    return ProposerConfig(
+        method=name, num_draft_tokens=n, topk=topk if name != "ngram" else None,
+        depth=depth if name != "ngram" else None, draft_model=draft_model,
+        draft_layers=args.draft_layers if name == "standalone" else None,
+        draft_dtype=args.draft_dtype, ngram_window=parse_window(args.ngram_window),
+        ngram_breadth=breadth, target_model=args.model, dtype=args.dtype)
+
+
+def method_label(name, config, proposer, args):
+    topk, depth = config.tree_shape()
+    shape = f" topk={topk} depth={depth}" if topk > 1 else ""
+    n = config.num_draft_tokens
+    if name == "ngram":
+        lo, hi = config.ngram_window
+        return f"NGRAM N={n} breadth {config.ngram_breadth} window {lo}-{hi}"
+    if name == "standalone":
+        return f"STANDALONE {args.draft_layers}L N={n}{shape}"
+    if name == "eagle":
+        return f"EAGLE{'' if args.eagle_head else ' (random head)'} N={n}{shape}"
+    if name == "eagle3":
+        dtype = str(proposer.engine.model.lm_head.weight.dtype)[6:]
+        return (f"EAGLE-3{'' if args.eagle3_head else ' (random head)'} {dtype} head "
+                f"N={n}{shape}")
+    return f"MTP (NextN layer 0) N={n}{shape}"
+
+
 def add_method(methods, name, args, model, engine, shared, n, topk, depth):
     """Put method `name` with tree shape (n, topk, depth) into `methods` (label -> its
-    SpeculativeGenerator). `shared` keeps what every shape of a method reuses: the STANDALONE
-    draft model, the EAGLE-3 target Engine and a random head's checkpoint, made by the
-    method's first shape."""
-    dtype = DTYPES[args.dtype]
-    # A top-k tree decodes topk beams per request through one virtual row each and writes
-    # topk*(depth-1) slots past the target's positions (proposers/tree_draft.py).
-    tree = topk > 1
-    draft_batch = 1 + topk if tree else 1
-    draft_len = 1024 + (topk * n if tree else 0)
-    shape = f" topk={topk} depth={depth or 'N-1'}" if tree else ""
-    if name == "ngram":
-        breadth = tuple(int(b) for b in args.ngram_breadth.split(","))
-        lo, hi = parse_window(args.ngram_window)
-        methods[f"NGRAM N={n} breadth {breadth} window {lo}-{hi}"] = SpeculativeGenerator(
-            engine, NgramProposer(num_draft_tokens=n, min_window=lo, max_window=hi,
-                                  breadth=breadth))
-    elif name == "standalone":
+    SpeculativeGenerator), its proposer from the registry. `shared` keeps what every shape of
+    a method reuses: the STANDALONE draft model, the target Engines that capture what a
+    method drafts from (the AR baseline's `engine` where it captures the same) and a random
+    head's checkpoint, made by the method's first shape."""
+    if name == "mtp" and args.model is None:
+        print("# MTP skipped: the default SmolLM2 has no NextN layer; pass --model DIR "
+              "with num_nextn_predict_layers in its config.json")
+        return
+    if name == "standalone" and topk == 1:
+        n = min(n, 5)  # a chain of the cut target pays only while short
+    try:
+        config = method_config(name, args, n, topk, depth, shared, model)
+    except ProposerConfigError as exc:
+        raise SystemExit(f"--methods {name}: {exc}")
+    draft = None
+    if name == "standalone":
         if "draft" not in shared:
-            shared["draft"] = keep_first_layers(load_model(args.model, dtype)[0],
-                                                args.draft_layers)
-        draft_engine = Engine(shared["draft"], max_batch=draft_batch, max_len=draft_len,
-                              compile=not args.eager)
-        k = n if tree else min(n, 5)
-        methods[f"STANDALONE {args.draft_layers}L N={k}{shape}"] = SpeculativeGenerator(
-            engine, StandaloneProposer(draft_engine, k, topk=topk, depth=depth))
-    elif name == "eagle":
-        path = args.eagle_head
-        if path is None:
-            path = random_head(shared, "eagle_path", write_random_eagle_checkpoint, model.config)
-        head = load_eagle_head(path, model)
-        draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
-                              compile=not args.eager, prefill_chunk=DRAFT_PREFILL_CHUNK,
-                              capture_hidden=[-1])
-        label = "EAGLE" + ("" if args.eagle_head else " (random head)")
-        methods[f"{label} N={n}{shape}"] = SpeculativeGenerator(
-            engine, EagleProposer(draft_engine, n, topk=topk, depth=depth))
-    elif name == "mtp":
-        if args.model is None:
-            print("# MTP skipped: the default SmolLM2 has no NextN layer; pass --model DIR "
-                  "with num_nextn_predict_layers in its config.json")
-            return
-        try:
-            proposer = MtpProposer.from_model_dir(args.model, engine, n, topk=topk, depth=depth,
-                                                  max_batch=draft_batch, max_len=draft_len)
-        except MtpCheckpointError as exc:
-            print(f"# MTP skipped: {exc}")
-            return
-        methods[f"MTP (NextN layer 0) N={n}{shape}"] = SpeculativeGenerator(engine, proposer)
-    elif name == "eagle3":
-        path = args.eagle3_head
-        if path is None:
-            path = random_head(shared, "eagle3_path", write_random_eagle3_checkpoint, model.config)
-        head = load_eagle3_head(path, model, head_dtype(args, model))
-        draft_engine = Engine(head, max_batch=draft_batch, max_len=draft_len,
-                              compile=not args.eager, prefill_chunk=DRAFT_PREFILL_CHUNK,
-                              capture_hidden=[-1])
-        proposer = Eagle3Proposer(draft_engine, n, topk=topk, depth=depth)
-        # Its own target Engine over the same weights: it captures the head's three layers
-        # (the AR baseline and the other methods keep `engine`); every shape shares it.
-        if "engine3" not in shared:
-            shared["engine3"] = Engine(model, max_batch=1, max_len=1024, compile=not args.eager,
-                                       prefill_chunk=64,
-                                       capture_hidden=proposer.target_hidden_layers)
-        label = ("EAGLE-3" + ("" if args.eagle3_head else " (random head)") +
-                 f" {str(head.lm_head.weight.dtype)[6:]} head")
-        methods[f"{label} N={n}{shape}"] = SpeculativeGenerator(shared["engine3"], proposer)
-    else:
-        raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, eagle, eagle3, mtp)")
+            shared["draft"] = load_standalone_draft(config)
+        draft = shared["draft"]
+    capture = target_capture(config, model)
+    if capture != engine.capture_hidden and capture is not None:
+        key = ("engine", tuple(capture))
+        if key not in shared:  # the same weights, capturing what this method drafts from
+            shared[key] = Engine(model, max_batch=1, max_len=engine.max_len,
+                                 compile=not args.eager, prefill_chunk=engine.prefill_chunk,
+                                 capture_hidden=capture)
+        engine = shared[key]
+    try:
+        proposer = make_proposer(config, engine, draft=draft)
+    except ProposerConfigError as exc:
+        if name != "mtp":
+            raise
+        print(f"# MTP skipped: {exc}")
+        return
+    methods[method_label(name, config, proposer, args)] = SpeculativeGenerator(engine, proposer)
 
 
 def main():
@@ -223,7 +226,9 @@ def main():
     temperatures = [float(t) for t in args.temperatures.split(",")]
     dtype = DTYPES[args.dtype]
     model, tokenizer = load_model(args.model, dtype)
-    eagle = {"eagle", "mtp"} & set(args.methods.split(","))  # draft from target hidden states
+    # The AR baseline's Engine; it captures the final hidden state when EAGLE or MTP (which
+    # draft from it) run, so they share it, and EAGLE-3 gets its own (add_method).
+    eagle = {"eagle", "mtp"} & set(args.methods.split(","))
     engine = Engine(model, max_batch=1, max_len=1024, compile=not args.eager, prefill_chunk=64,
                     capture_hidden=[-1] if eagle else None)
     methods = {}

@@ -17,7 +17,9 @@ from typing import List, Optional
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from specdec_inductor.loading import DTYPES, check_model_arg, encode, known_models, load_checked
+from specdec_inductor.proposers.registry import ProposerConfig, ProposerConfigError
+
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 BENCH_PROMPTS = [
     "Explain in two sentences why the sky is blue.",
@@ -63,139 +65,59 @@ class TextStream:
         return new
 
 
-def known_models() -> dict:
-    """Model names --model accepts besides local paths (specdec_inductor.models.REGISTRY; None
-    means the default model). Anything else must be an existing path, so a typo fails at once
-    instead of waiting on the network as a Hub id."""
-    from specdec_inductor.models import REGISTRY
-    return REGISTRY
-
-
-def is_default_model(value: Optional[str]) -> bool:
-    """Whether --model names the default model (None or its registry name): the trained heads
-    in heads/ draft for it."""
-    from specdec_inductor.models import DEFAULT_MODEL
-    return value is None or value == DEFAULT_MODEL
-
-
-def _check_model_arg(value: Optional[str]) -> Optional[str]:
-    """The --model / --target / --draft-model value, checked before anything loads: None, a
-    known model name, or an existing local path (HF model directory or .gguf file); raises
-    ValueError (the message names the value) otherwise."""
-    if value is None or value in known_models():
-        return value
-    if os.path.isdir(value):
-        return value
-    if os.path.isfile(value):
-        if not value.endswith(".gguf"):
-            raise ValueError(f"{value!r} is a file but not a .gguf file (pass a .gguf file or "
-                             "an HF model directory)")
-        return value
-    raise ValueError(f"{value!r} is neither an existing path (HF model directory or .gguf "
-                     "file) nor a known model name")
-
-
-def load_checked(path: Optional[str], dtype: torch.dtype, dequantize: bool = False,
-                 quant_activation: str = "float"):
-    """hf.load_model, with a damaged safetensors file (a truncated conversion cache, an
-    interrupted download) reported by name with what to do, not as a raw traceback; a named
-    model that was never fetched ends with the command that fetches it. `dequantize`: GGUF
-    tensors become dense weights of `dtype` (default: kept quantized, except the default model,
-    see hf.DEFAULT_QUANTIZED); `quant_activation`: float | int8 (ops.quant.QuantActivation)."""
-    from specdec_inductor.engine.hf import load_model
+def proposer_config(args) -> ProposerConfig:
+    """The ProposerConfig of generate / bench's method flags (ProposerConfigError names the
+    field: _flags turns it into the flag)."""
+    from specdec_inductor.proposers.ngram import parse_window
+    method = getattr(args, "method", "none")
     try:
-        from specdec_inductor.ops.quant import QuantActivation
-        return load_model(path, dtype, dequantize=True if dequantize else None,
-                          quant_activation=QuantActivation[quant_activation.upper()])
-    except FileNotFoundError as exc:
-        if path in known_models():
-            raise SystemExit(f"specdec: {exc}")
-        raise
-    except Exception as exc:  # noqa: BLE001 -- re-raised unless it is a damaged weights file
-        if "safetensor" not in type(exc).__name__.lower() + type(exc).__module__.lower() + str(exc).lower():
-            raise
-        directory = _weights_dir(path)
-        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")) \
-            if os.path.isdir(directory) else []
-        named = ", ".join(os.path.join(directory, f) for f in files) or directory
-        fix = (f"delete {directory} and run again (the GGUF conversion is rebuilt)"
-               if _is_cache(directory) else "download or save the model again")
-        raise SystemExit(f"specdec: cannot read the model weights {named} ({exc}): a file is "
-                         f"damaged or truncated; {fix}")
+        window = parse_window(args.ngram_window) if method == "ngram" else None
+    except ValueError as exc:
+        raise ProposerConfigError("ngram_window",
+                                  str(exc).replace("argument 'ngram_window' ", "")) from None
+    return ProposerConfig(
+        method=method, num_draft_tokens=args.num_draft_tokens, topk=args.topk,
+        depth=args.depth, draft_model=args.draft_model, draft_layers=args.draft_layers,
+        draft_dtype=args.draft_dtype, mtp_layer=args.mtp_layer,
+        **({} if window is None else {"ngram_window": window}),
+        target_model=args.model, dtype=args.dtype, dequantize=args.dequantize,
+        quant_activations=args.quant_activations)
 
 
-def _weights_dir(path: Optional[str]) -> str:
-    from specdec_inductor.engine import hf
-    path = path or hf.default_gguf_path()
-    if path.endswith(".gguf"):
-        stat = os.stat(path)
-        return os.path.join(hf._cache_root(),
-                            f"{os.path.basename(path)}-{stat.st_size}-{int(stat.st_mtime)}")
-    return path
+def _flags(field: str) -> str:
+    """A ProposerConfig field as the flag(s) that set it ("a/b": several)."""
+    names = ["model" if f == "target_model" else f for f in field.split("/")]
+    return "/".join(f"--{n.replace('_', '-')}" for n in names)
 
 
-def _is_cache(directory: str) -> bool:
-    from specdec_inductor.engine import hf
-    return os.path.abspath(directory).startswith(os.path.abspath(hf._cache_root()))
-
-
-def encode(tokenizer, prompt: str, chat: bool) -> List[int]:
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer(prompt)["input_ids"]
-
-
-HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
-
-
-def shipped_head(method: str) -> str:
-    """The trained head shipped for the default model (specdec train-draft, see heads/README.md)."""
-    return os.path.join(HEADS_DIR, f"smollm2-135m-instruct-{method}")
-
-
-def draft_head_dir(args) -> str:
-    """--draft-model, else (default model only) the shipped head for --method eagle / eagle3."""
-    if args.draft_model is not None:
-        return args.draft_model
-    path = shipped_head(args.method)
-    if is_default_model(args.model) and os.path.exists(os.path.join(path, "config.json")):
-        return path
-    raise SystemExit(f"--method {args.method} needs --draft-model DIR (a checkpoint in the "
-                     f"published {args.method} layout; `specdec train-draft --method {args.method}` "
-                     "makes one); heads ship only for the default model")
-
-
-def head_dtype(args, model) -> torch.dtype:
-    """--draft-dtype of an EAGLE-3 head; auto: bf16 where our bf16 kernels run, else the
-    target's dtype (eagle3.default_head_dtype)."""
-    from specdec_inductor.proposers.eagle3 import default_head_dtype
-    choice = getattr(args, "draft_dtype", "auto")
-    if choice == "auto":
-        return default_head_dtype(next(model.parameters()).dtype)
-    return DTYPES[choice]
-
-
-def target_capture(args, model):
-    """The target hidden_states the method's proposer drafts from (Engine capture_hidden)."""
-    method = getattr(args, "method", None)
-    if method in ("eagle", "mtp"):
-        return [-1]
-    if method == "eagle3":
-        from specdec_inductor.proposers.eagle3 import load_eagle3_head
-        args.draft_model = draft_head_dir(args)
-        # Loaded once here (its layers decide the target Engine) and reused by make_proposer.
-        args.eagle3_head = load_eagle3_head(args.draft_model, model, head_dtype(args, model))
-        return args.eagle3_head.target_hidden_layers
-    return None
+def _config_error(exc: ProposerConfigError) -> str:
+    return f"argument{'s' if '/' in exc.field else ''} {_flags(exc.field)}: {exc.message}"
 
 
 def build_engine(args, model):
-    from specdec_inductor.engine.engine import Engine
-    return Engine(model, max_batch=args.max_batch, max_len=args.max_len,
-                  compile=False if args.eager else None, attention=args.attention,
-                  capture_hidden=target_capture(args, model))
+    """The target Engine of the run: what --method drafts from is captured (registry)."""
+    from specdec_inductor.proposers.registry import make_target_engine
+    config = proposer_config(args) if hasattr(args, "method") else ProposerConfig()
+    try:
+        return make_target_engine(config, model, max_batch=args.max_batch, max_len=args.max_len,
+                                  compile=False if args.eager else None, attention=args.attention)
+    except ProposerConfigError as exc:
+        raise SystemExit(f"specdec: {_config_error(exc)}")
+
+
+def make_proposer(args, engine=None):
+    """The proposer of --method for `engine` (proposers/registry.py)."""
+    from specdec_inductor.proposers import registry
+    try:
+        config = proposer_config(args)
+        if config.method != "none" and config.dtype == "bf16":
+            # Verify steps (many rows) and decode steps (one row) round bf16 differently, so a
+            # near-tie can flip a greedy token; fp32 is exact.
+            _log("[specdec] note: in bf16, greedy speculative tokens equal plain bf16 decoding "
+                 "only away from near-ties; use --dtype fp32 for token-exact output")
+        return registry.make_proposer(config, engine, log=lambda msg: _log(f"[specdec] {msg}"))
+    except ProposerConfigError as exc:
+        raise SystemExit(f"specdec: {_config_error(exc)}")
 
 
 def machine_line() -> str:
@@ -260,149 +182,6 @@ def cmd_generate(args) -> int:
     _log(f"[specdec] {len(stream.ids)} tokens; prefill {stats.prefill_s * 1e3:.0f} ms "
          f"({len(prompt_ids)} prompt tokens); {rate}")
     return 0
-
-
-# --method's draft tree when neither --topk nor --depth is given (and N allows it).
-# EAGLE-3 drafts topk 3 / depth 4: with the shipped head, all 18 held-out prompts accept 2.19
-# per step against 2.12 for topk 2 / depth 4 (train/evaluate.py), and an interleaved run of the
-# two (a /tmp script, stopping at eos) gave median 1.43x / mean 1.49x our AR against
-# 1.40x / 1.46x: each step drafts ~0.9 ms longer (3 beams, 30 candidates). topk 4 / depth 4
-# accepted 2.21, topk 4 / depth 3 2.18; depth 5 adds ~0.01. EAGLE keeps topk 2 / depth 4 (an
-# earlier bench_spec sweep: 0.74x against 0.53x for the chain of N-1 drafts).
-DEFAULT_TREES = {"eagle": (2, 4), "eagle3": (3, 4)}
-
-
-def tree_shape(args):
-    """(topk, depth) of --method's draft tree: --topk / --depth as given; else the method's
-    DEFAULT_TREES entry when --num-draft-tokens can hold it; else a chain (topk 1, depth None:
-    N-1)."""
-    topk, depth = getattr(args, "topk", None), getattr(args, "depth", None)
-    if topk is None and depth is None and getattr(args, "method", None) in DEFAULT_TREES:
-        from specdec_inductor.proposers.tree_draft import check_tree_shape
-        t, d = DEFAULT_TREES[args.method]
-        try:
-            check_tree_shape(args.num_draft_tokens, t, d)
-            return t, d
-        except ValueError:
-            pass
-    return (1 if topk is None else topk), depth
-
-
-def _draft_engine_size(args, engine):
-    """(max_batch, max_len) of a draft Engine: a top-k tree decodes batch*topk beams through
-    one virtual row each and writes topk*(depth-1) slots past the target's positions."""
-    topk, depth = tree_shape(args)
-    if topk <= 1:
-        return engine.max_batch, engine.max_len
-    depth = depth if depth is not None else args.num_draft_tokens - 1
-    return engine.max_batch * (1 + topk), engine.max_len + topk * depth
-
-
-def make_proposer(args, engine=None):
-    """The proposer of --method (one file per method in specdec_inductor/proposers/)."""
-    drafting = ("standalone", "eagle", "eagle3", "mtp")
-    if args.method not in drafting and (getattr(args, "topk", None) not in (None, 1)
-                                        or getattr(args, "depth", None) is not None):
-        raise SystemExit(f"--topk/--depth apply to --method {'/'.join(drafting)}, not {args.method}")
-    topk, depth = tree_shape(args)
-    if args.method in drafting:
-        from specdec_inductor.proposers.tree_draft import check_tree_shape
-        try:
-            check_tree_shape(args.num_draft_tokens, topk,
-                             depth if depth is not None else args.num_draft_tokens - 1)
-        except ValueError as exc:
-            raise SystemExit(f"specdec: --num-draft-tokens/--topk/--depth: {exc}")
-    if args.method == "none":
-        from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
-        return AutoregressiveProposer()
-    if args.dtype == "bf16":
-        # Verify steps (many rows) and decode steps (one row) round bf16 differently, so a
-        # near-tie can flip a greedy token (README, bench_spec --dtype bf16); fp32 is exact.
-        _log("[specdec] note: in bf16, greedy speculative tokens equal plain bf16 decoding only "
-             "away from near-ties; use --dtype fp32 for token-exact output")
-    if args.method == "ngram":
-        from specdec_inductor.proposers.ngram import NgramProposer, parse_window
-        try:
-            lo, hi = parse_window(args.ngram_window)
-        except ValueError as exc:
-            raise SystemExit(f"specdec: {exc}")
-        # Two children at the first draft level, chains below: on SmolLM2 code prompts
-        # (benchmarks/bench_spec.py --ngram-breadth) it accepted 2.40 tokens per verify vs 1.90
-        # for a plain chain at the same N=8. The window: see ngram.RECOMMENDED_WINDOW.
-        return NgramProposer(num_draft_tokens=args.num_draft_tokens, min_window=lo,
-                             max_window=hi, breadth=(2, 1))
-    if args.method == "standalone":
-        if args.draft_model is None and args.draft_layers is None:
-            args.draft_layers = 8  # a draft that is the whole target would never pay
-        from specdec_inductor.engine.engine import Engine
-        from specdec_inductor.engine.hf import keep_first_layers
-        from specdec_inductor.proposers.standalone import (StandaloneProposer,
-                                                           check_draft_vocabulary)
-        draft, _ = load_checked(args.draft_model or args.model, DTYPES[args.dtype],
-                                args.dequantize, args.quant_activations)
-        if args.draft_layers is not None:
-            try:
-                keep_first_layers(draft, args.draft_layers)
-            except ValueError as exc:
-                raise SystemExit(f"specdec: --draft-layers: {exc}")
-        try:
-            check_draft_vocabulary(draft, engine.model, args.draft_model or "(the target)")
-        except ValueError as exc:
-            raise SystemExit(f"specdec: --draft-model: {exc}")
-        _log(f"[specdec] draft: {args.draft_model or 'the target'}"
-             f"{f', first {args.draft_layers} layers' if args.draft_layers else ''}")
-        max_batch, max_len = _draft_engine_size(args, engine)
-        draft_engine = Engine(draft, max_batch=max_batch, max_len=max_len,
-                              compile=engine.compiled, attention=args.attention)
-        return StandaloneProposer(draft_engine, args.num_draft_tokens, topk=topk, depth=depth)
-    if args.method == "eagle":
-        from specdec_inductor.engine.engine import Engine
-        from specdec_inductor.proposers.eagle import (DRAFT_PREFILL_CHUNK, EagleProposer,
-                                                      load_eagle_head)
-        args.draft_model = draft_head_dir(args)
-        head = load_eagle_head(args.draft_model, engine.model)
-        vocab = getattr(head, "draft_to_target", None)
-        _log(f"[specdec] EAGLE head: {args.draft_model}"
-             f"{'' if vocab is None else f' (draft vocabulary {vocab.numel()})'}")
-        max_batch, max_len = _draft_engine_size(args, engine)
-        draft_engine = Engine(head, max_batch=max_batch, max_len=max_len,
-                              compile=engine.compiled, attention=args.attention,
-                              prefill_chunk=DRAFT_PREFILL_CHUNK, capture_hidden=[-1])
-        return EagleProposer(draft_engine, args.num_draft_tokens, topk=topk, depth=depth)
-    if args.method == "mtp":
-        from specdec_inductor.engine.hf import convert_gguf, default_gguf_path
-        from specdec_inductor.models import resolve_model
-        from specdec_inductor.proposers.mtp import MtpCheckpointError, MtpProposer
-        path = resolve_model(args.model) if args.model else default_gguf_path()
-        directory = convert_gguf(path) if path.endswith(".gguf") else path
-        try:
-            max_batch, max_len = _draft_engine_size(args, engine)
-            proposer = MtpProposer.from_model_dir(directory, engine, args.num_draft_tokens,
-                                                  layer=args.mtp_layer, topk=topk, depth=depth,
-                                                  max_batch=max_batch, max_len=max_len)
-        except MtpCheckpointError as exc:
-            raise SystemExit(f"--method mtp drafts with the model's own NextN layer: {exc}")
-        _log(f"[specdec] MTP (NextN) layer {args.mtp_layer} of {args.model or 'the default model'}")
-        return proposer
-    if args.method == "eagle3":
-        from specdec_inductor.engine.engine import Engine
-        from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK
-        from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
-        head = getattr(args, "eagle3_head", None) or load_eagle3_head(
-            args.draft_model, engine.model, head_dtype(args, engine.model))
-        _log(f"[specdec] EAGLE-3 head: {args.draft_model} (target layers "
-             f"{head.target_hidden_layers}, draft vocabulary {head.lm_head.out_features}, "
-             f"{str(head.lm_head.weight.dtype)[6:]})")
-        max_batch, max_len = _draft_engine_size(args, engine)
-        draft_engine = Engine(head, max_batch=max_batch, max_len=max_len,
-                              compile=engine.compiled, attention=args.attention,
-                              prefill_chunk=DRAFT_PREFILL_CHUNK, capture_hidden=[-1])
-        proposer = Eagle3Proposer(draft_engine, args.num_draft_tokens, topk=topk, depth=depth)
-        if engine.capture_hidden != proposer.target_hidden_layers:
-            raise SystemExit(f"--method eagle3: the target engine captures {engine.capture_hidden}"
-                             f", the head needs {proposer.target_hidden_layers}")
-        return proposer
-    raise ValueError(f"--method {args.method!r} is not available yet")
 
 
 def _generate_speculative(args, engine, tokenizer, prompt_ids, eos) -> int:
@@ -535,7 +314,7 @@ def run_method_bench(args) -> dict:
                      "summary": stats.summary()})
         _log(f"[specdec] prompt {i}: AR {rows[-1]['ar_tok_s']:.1f} tok/s, {args.method} "
              f"{rows[-1]['spec_tok_s']:.1f} tok/s")
-    topk, depth = tree_shape(args)
+    topk, depth = proposer_config(args).tree_shape()
     return {"machine": machine_line(), "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf",
             "dtype": args.dtype, "method": args.method, "num_draft_tokens": args.num_draft_tokens,
             "topk": topk, "depth": depth,
@@ -545,7 +324,7 @@ def run_method_bench(args) -> dict:
 
 def print_method_table(result: dict) -> None:
     print(f"# {result['model']} {result['dtype']}, batch 1, greedy, {result['method']} "
-          f"N={result['num_draft_tokens']} topk={result['topk']} depth={result['depth'] or 'N-1'} "
+          f"N={result['num_draft_tokens']} topk={result['topk']} depth={result['depth']} "
           f"vs our AR, "
           f"{'compiled' if result['compiled'] else 'eager'}; {result['machine']}")
     print(f"# warm-up/compile {result['warmup_compile_s']:.1f} s; medians of {result['repeats']}")
@@ -681,23 +460,14 @@ def check_args(args) -> Optional[str]:
     from specdec_inductor.engine import attention_backend as ab
     from specdec_inductor.engine.engine import eager_requested
     error = _positive(args, ["max_new_tokens", "max_len", "max_batch", "repeats", "num_prompts",
-                             "draft_layers", "draft_vocab_size", "new_tokens", "epochs",
-                             "batch_size", "ttt_steps", "save_every"])
+                             "draft_vocab_size", "new_tokens", "epochs", "batch_size",
+                             "ttt_steps", "save_every"])
     if error:
         return error
-    for flag in ("model", "draft_model"):
-        value = getattr(args, flag, None)
-        if flag == "draft_model" and getattr(args, "method", None) not in ("standalone",):
-            # eagle / eagle3 heads: a checkpoint directory
-            if value is not None and not os.path.isdir(value):
-                return f"argument --draft-model: {value!r} is not a directory"
-            continue
-        try:
-            _check_model_arg(value)
-        except ValueError as exc:
-            name = "--target" if args.command == "train-draft" and flag == "model" else \
-                f"--{flag.replace('_', '-')}"
-            return f"argument {name}: {exc}"
+    try:
+        check_model_arg(getattr(args, "model", None))
+    except ValueError as exc:
+        return f"argument {'--target' if args.command == 'train-draft' else '--model'}: {exc}"
     try:
         eager_requested()
     except ValueError as exc:
@@ -721,34 +491,11 @@ def check_args(args) -> Optional[str]:
         except ValueError as exc:
             return re.sub(r"argument '(\w+)'", lambda m: f"argument --{m[1].replace('_', '-')}:",
                           str(exc))
-        drafting = ("standalone", "eagle", "eagle3", "mtp")
-        if args.method not in drafting and (args.topk not in (None, 1) or args.depth is not None):
-            return f"arguments --topk/--depth: apply to --method {'/'.join(drafting)}, not {args.method}"
-        if args.method in ("eagle", "eagle3") and args.draft_model is None and not is_default_model(args.model):
-            return (f"argument --draft-model: --method {args.method} needs a head checkpoint "
-                    "directory for a --model other than the default (heads ship for it only)")
-        if args.method == "ngram":
-            from specdec_inductor.proposers.ngram import parse_window
-            try:
-                parse_window(args.ngram_window)
-            except ValueError as exc:
-                return f"argument --ngram-window: {exc}"
+        try:
+            proposer_config(args)
+        except ProposerConfigError as exc:
+            return _config_error(exc)
         if args.method != "none":
-            for name in ("topk", "depth"):
-                error = _positive(args, [name])
-                if error:
-                    return error
-            if args.num_draft_tokens < 2:
-                return (f"argument --num-draft-tokens: must be >= 2 with --method {args.method} "
-                        f"(the root and at least one draft), got {args.num_draft_tokens}")
-            from specdec_inductor.proposers.tree_draft import check_tree_shape
-            topk, depth = tree_shape(args)
-            if args.method in ("standalone", "eagle", "eagle3", "mtp"):
-                try:
-                    check_tree_shape(args.num_draft_tokens, topk,
-                                     depth if depth is not None else args.num_draft_tokens - 1)
-                except ValueError as exc:
-                    return f"arguments --num-draft-tokens/--topk/--depth: {exc}"
             extra = args.num_draft_tokens
         else:
             extra = 1 if getattr(args, "temperature", 0.0) > 0 else 0

@@ -221,7 +221,7 @@ def test_draft_vocabulary_narrows_the_lm_head_and_stays_exact(tmp_path, topk, de
     assert torch.equal(head.draft_to_target, vocab) and head.lm_head.weight.shape[0] == vocab.numel()
     assert model_shape(head).vocab_size == vocab.numel()
     masked = load_eagle_head(str(tmp_path), target, full_vocab=True)
-    assert not hasattr(masked, "draft_to_target")
+    assert masked.draft_to_target is None
     x, pos, aux = torch.tensor([prompts(1)[0][1:4]]), torch.arange(3).view(1, -1), torch.randn(1, 3, HIDDEN)
     with torch.no_grad():
         narrow = head(input_ids=x, position_ids=pos, aux_hidden=aux).logits

@@ -270,18 +270,21 @@ def test_head_forward_equals_plain_torch(tmp_path, own_embedding, bias):
     req = draft.pool.admit([8], 1)[0]
     rows = torch.tensor([req.row])
     zero, eight = torch.zeros(1, dtype=torch.int64), torch.full((1,), 8)
-    _, logits, g = draft.extend(ids, torch.arange(8).view(1, 8), rows, zero, eight, None, feats)
-    want_logits, want_g = reference_head(tmp_path, sd, ids[0], _fc(sd, feats[0]))
+    projected = head.project(feats)  # [1, T, H]: the head's own fc
+    torch.testing.assert_close(projected[0], _fc(sd, feats[0]), atol=1e-5, rtol=1e-5)
+    out = draft.extend(ids, torch.arange(8).view(1, 8), rows, zero, eight, None, projected)
+    logits, g = out.logits, out.hidden
+    want_logits, want_g = reference_head(tmp_path, sd, ids[0], projected[0])
     torch.testing.assert_close(g[0], want_g, atol=1e-5, rtol=1e-5)
     hot = sd["t2d"].nonzero().flatten()
     # The logits cover the draft vocabulary only (column j: target id draft_to_target[j]).
     assert torch.equal(head.draft_to_target, hot)
     assert logits.shape[-1] == hot.numel() == draft.vocab_size
     torch.testing.assert_close(logits[0], want_logits, atol=1e-5, rtol=1e-5)
-    # One decode step fed the head's own output g (H wide: no fc) at position 8.
+    # One decode step fed the head's own output g at position 8.
     tok = torch.tensor([int(hot[3])])
     nxt, step_logits, step_g = draft.decode(tok, rows, torch.full((1,), 8), g[:, -1])
-    ref_hidden = torch.cat([_fc(sd, feats[0]), g[0, -1:]])
+    ref_hidden = torch.cat([projected[0], g[0, -1:]])
     want_logits, want_g = reference_head(tmp_path, sd, torch.cat([ids[0], tok]), ref_hidden)
     torch.testing.assert_close(step_g[0], want_g[-1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(step_logits[0], want_logits[-1], atol=1e-5, rtol=1e-5)
@@ -289,6 +292,10 @@ def test_head_forward_equals_plain_torch(tmp_path, own_embedding, bias):
     draft.pool.release(req)
     with pytest.raises(ValueError, match="aux_hidden.*width 40"):
         draft.decode(tok, rows, torch.full((1,), 8), torch.zeros(1, 40))
+    with pytest.raises(ValueError, match="aux_hidden.*width 96"):  # features need project()
+        draft.decode(tok, rows, torch.full((1,), 8), feats[:, 0])
+    with pytest.raises(ValueError, match="'features'.*capture_hidden"):
+        head.project(feats[..., :40])
 
 
 # -- drafting and the speculative loop ---------------------------------------------------------
@@ -434,11 +441,14 @@ def test_cli_generate_eagle3_with_a_random_head_is_still_exact(tmp_path, capsys)
     assert "Paris" in out and "EAGLE-3 head" in err and "[2, 15, 27]" in err
 
 
-def test_cli_eagle3_needs_a_checkpoint(monkeypatch, tmp_path):
+def test_cli_eagle3_needs_a_checkpoint(monkeypatch, tmp_path, capsys):
     from specdec_inductor import cli
-    monkeypatch.setattr(cli, "shipped_head", lambda method: str(tmp_path / "none"))
-    with pytest.raises(SystemExit, match="--method eagle3 needs --draft-model"):
+    from specdec_inductor import loading
+    monkeypatch.setattr(loading, "shipped_head", lambda method: str(tmp_path / "none"))
+    with pytest.raises(SystemExit) as info:  # the flags' check, before anything loads
         cli.main(["generate", "--eager", "--method", "eagle3", "--max-new-tokens", "2"])
+    assert info.value.code == 2
+    assert "argument --draft-model: method eagle3 needs a head checkpoint" in capsys.readouterr().err
 
 
 # -- a bf16 head on an fp32 target, trees over the draft vocabulary ----------------------------
@@ -478,7 +488,7 @@ def test_trees_rank_the_draft_vocabulary_like_the_full_one(tmp_path):
     assert torch.equal(proposer._tree.token_map, head.draft_to_target)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (1, 8), generator=gen)  # [1, T]
-    feats = torch.randn(1, 8, 3 * HIDDEN, generator=gen)  # [1, T, 3H]
+    feats = head.project(torch.randn(1, 8, 3 * HIDDEN, generator=gen))  # [1, T, H]
     req = draft.pool.admit([8], 1)[0]
     zero, eight = torch.zeros(1, dtype=torch.int64), torch.full((1,), 8)
     logits = draft.extend(ids, torch.arange(8).view(1, 8), torch.tensor([req.row]), zero,
@@ -512,7 +522,7 @@ def test_extend_keeps_each_requests_last_row_only_where_asked(tmp_path):
     assert draft.keeps_last_rows
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (2, 8), generator=gen)  # [B, T]
-    feats = torch.randn(2, 8, 3 * HIDDEN, generator=gen)  # [B, T, 3H]
+    feats = head.project(torch.randn(2, 8, 3 * HIDDEN, generator=gen))  # [B, T, H]
     reqs = draft.pool.admit([8, 8], 1)
     rows = torch.tensor([r.row for r in reqs])
     zero, lens = torch.zeros(2, dtype=torch.int64), torch.tensor([8, 5])  # ragged

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from specdec_inductor import cli  # noqa: E402
+from specdec_inductor import cli, loading  # noqa: E402
 from specdec_inductor.engine.engine import Engine  # noqa: E402
 from specdec_inductor.engine.kv_pool import KVPool  # noqa: E402
 from specdec_inductor.proposers.ngram import NgramProposer  # noqa: E402
@@ -169,15 +169,15 @@ def test_cli_mistakes_exit_2_naming_the_flag_before_loading(monkeypatch, capsys,
 def test_check_model_arg_accepts_paths_and_known_names(tmp_path, monkeypatch):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"")
-    assert cli._check_model_arg(None) is None
-    assert cli._check_model_arg(str(tmp_path)) == str(tmp_path)
-    assert cli._check_model_arg(str(gguf)) == str(gguf)
+    assert loading.check_model_arg(None) is None
+    assert loading.check_model_arg(str(tmp_path)) == str(tmp_path)
+    assert loading.check_model_arg(str(gguf)) == str(gguf)
     with pytest.raises(ValueError, match="neither an existing path"):
-        cli._check_model_arg("HuggingFaceTB/SmolLM2-typo")
+        loading.check_model_arg("HuggingFaceTB/SmolLM2-typo")
     for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):  # models.REGISTRY
-        assert cli._check_model_arg(name) == name
+        assert loading.check_model_arg(name) == name
     with pytest.raises(ValueError, match="neither an existing path"):
-        cli._check_model_arg("qwen2.5-coder-7b")
+        loading.check_model_arg("qwen2.5-coder-7b")
 
 
 def test_truncated_safetensors_names_the_file_and_the_fix(tmp_path, monkeypatch):

@@ -267,7 +267,7 @@ def test_eagle3_training_time_test_matches_drafting(data3_and_target, tmp_path):
         ids = tokens[1:i + 2].view(1, -1)  # x_1 .. x_{i+1}
         _, logits, g = engine.extend(ids, torch.arange(i + 1).view(1, -1), rows,
                                   torch.tensor([0]), torch.tensor([i + 1]), None,
-                                  feats[:i + 1].view(1, i + 1, -1))
+                                  head.project(feats[:i + 1]).view(1, i + 1, -1))
         assert logits.shape[-1] == vocab.numel()  # the draft vocabulary's columns
         torch.testing.assert_close(logits[0, i], want[0][0, i], atol=1e-4, rtol=1e-4)
         g = g[:, i]  # [1, H]
@@ -306,21 +306,19 @@ def test_shipped_heads_draft_for_the_default_model_exactly(method, model):
     """The heads in specdec_inductor/heads/ load by default for SmolLM2 -- the dense default
     and the same GGUF file kept quantized (`--model smollm2-135m`) -- and are accepted on a
     held-out prompt, with output identical to plain greedy decoding of that target."""
-    import argparse
-
-    from specdec_inductor import cli
     from specdec_inductor.engine.gguf_model import QuantLinear
     from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.loading import encode, shipped_head
+    from specdec_inductor.proposers.registry import (ProposerConfig, make_proposer,
+                                                     make_target_engine)
     from specdec_inductor.train.corpus import heldout_prompts
     target, tokenizer = load_model(model)
     assert isinstance(target.lm_head, QuantLinear) == (model is not None)
-    args = argparse.Namespace(method=method, draft_model=None, model=model, num_draft_tokens=6,
-                              topk=1, depth=None, max_batch=1, max_len=256, eager=True,
-                              attention=None, dtype="fp32", draft_layers=None)
-    engine = cli.build_engine(args, target)
-    proposer = cli.make_proposer(args, engine)
-    assert args.draft_model == cli.shipped_head(method)
-    ids = cli.encode(tokenizer, heldout_prompts()[0], chat=True)
+    config = ProposerConfig(method=method, target_model=model, num_draft_tokens=6, topk=1)
+    assert config.head_dir() == shipped_head(method)
+    engine = make_target_engine(config, target, max_batch=1, max_len=256, compile=False)
+    proposer = make_proposer(config, engine)
+    ids = encode(tokenizer, heldout_prompts()[0], chat=True)
     stats = SpeculativeStats()
     spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
     assert spec.generate([ids], 24, None, stats)[0] == engine.generate([ids], 24)[0]

@@ -469,31 +469,31 @@ def test_compiled_eagle_tree_extends_in_the_tree_graph_and_is_exact(tmp_path):
     _free(engine, draft)
 
 
-def test_cli_flags_reach_the_proposer_and_bad_ones_fail_early():
+def test_cli_flags_reach_the_proposer_config_and_bad_ones_fail_early():
     from specdec_inductor import cli
+    from specdec_inductor.proposers.registry import ProposerConfig, draft_engine_size
     args = cli.make_parser().parse_args(["generate", "--method", "standalone", "--topk", "3",
                                          "--depth", "4", "--num-draft-tokens", "10",
                                          "--max-batch", "2"])
-    assert (args.topk, args.depth) == (3, 4)
+    config = cli.proposer_config(args)
+    assert (config.topk, config.depth, config.num_draft_tokens) == (3, 4, 10)
     engine = type("E", (), {"max_batch": 2, "max_len": 100})()
-    assert cli._draft_engine_size(args, engine) == (8, 112)
+    assert draft_engine_size(config, engine) == (8, 112)
     # the measured default tree, when N holds it: (topk, depth), (draft max_batch, max_len)
     for method, shape, size in (("eagle", (2, 4), (6, 108)), ("eagle3", (3, 4), (8, 112))):
-        default = cli.make_parser().parse_args(["bench", "--method", method])
-        assert cli.tree_shape(default) == shape
-        assert cli._draft_engine_size(default, engine) == size
-        short = cli.make_parser().parse_args(["bench", "--method", method,
-                                              "--num-draft-tokens", "4"])
-        assert cli.tree_shape(short) == (1, None)  # depth 4 does not fit: a chain of 3
-        chain = cli.make_parser().parse_args(["bench", "--method", method, "--topk", "1"])
-        assert cli.tree_shape(chain) == (1, None)
-    default = cli.make_parser().parse_args(["bench", "--method", "standalone"])
-    assert cli.tree_shape(default) == (1, None)
-    assert cli._draft_engine_size(default, engine) == (2, 100)
+        default = ProposerConfig(method=method)
+        assert default.tree_shape() == shape
+        assert draft_engine_size(default, engine) == size
+        # depth 4 does not fit N=4: a chain of 3
+        assert ProposerConfig(method=method, num_draft_tokens=4).tree_shape() == (1, 3)
+        assert ProposerConfig(method=method, topk=1).tree_shape() == (1, 7)
+    default = ProposerConfig(method="standalone")
+    assert default.tree_shape() == (1, 7)
+    assert draft_engine_size(default, engine) == (2, 100)
     for argv, match in [(["--method", "ngram", "--topk", "2"], "--topk/--depth"),
                         (["--method", "standalone", "--topk", "2", "--depth", "1"],
                          "num_draft_tokens"),
-                        (["--method", "eagle", "--topk", "0"], "'topk'")]:
+                        (["--method", "eagle", "--topk", "0"], "--topk")]:
         with pytest.raises(SystemExit, match=match):  # before any model loads
             cli.make_proposer(cli.make_parser().parse_args(["generate"] + argv))
 

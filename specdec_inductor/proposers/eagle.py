@@ -6,14 +6,11 @@ checkpoint has one), then one Llama decoder layer `layers.0.*` whose input RMSNo
 no final norm, and the target's embedding and LM head. h_p is the target's final (normed)
 hidden state at position p; the head's output g_p stands in for h_{p+1} further down a draft.
 
-Per step: the draft first extends its own KV over the newly committed pairs (x_{p+1}, h_p) --
-the positions the target just verified, root and accepted drafts -- then decodes K - 1 more
-tokens feeding back its own g. Its KV row therefore always covers exactly the target's
-committed positions before drafting, and speculative positions are overwritten next step.
-With topk > 1 the head drafts EAGLE-2 top-k trees instead (proposers/tree_draft.py): each
-beam decodes through its own virtual row with its parent's g as aux input; the KV bookkeeping
-is unchanged (tree nodes only write past the committed positions). EAGLE-3 checkpoints are
-refused here.
+Drafting is DraftModelProposer's (draft_model.py), with hidden states: each step the head
+first extends its KV over the newly committed pairs (x_{p+1}, h_p) -- the positions the target
+just verified, root and accepted drafts -- then decodes K - 1 more tokens feeding back its own
+g, or expands an EAGLE-2 top-k tree (tree_draft.py), each beam with its parent's g as aux
+input. EAGLE-3 checkpoints are refused here.
 
 Draft vocabulary (FR-Spec-style, optional): a checkpoint directory may hold, beside the
 published layout, `draft_vocab.safetensors` with `draft_to_target` [Vd] (target ids, e.g. the
@@ -24,22 +21,17 @@ EAGLE-3 head's). Drafts only change which tokens are proposed; verification stay
 """
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor, nn
 
-from specdec_inductor.proposers.chain import (admit_draft_requests, chain_tree,
-                                              finish_draft_requests)
-from specdec_inductor.proposers.tree_draft import TreeDrafter, check_tree_shape
-from specdec_inductor.speculative import DraftTree, Proposer
+from specdec_inductor.proposers.draft_model import DraftModelProposer
 
 # T of a draft head's EXTEND graph (the Engine's prefill_chunk). After the prompt, each step
 # feeds the head the accepted drafts plus the bonus token: at most depth + 1 (5 for the shipped
-# trees), so 8 rows are enough and a 16-row chunk computed mostly padding (bench_spec,
-# SmolLM2 EAGLE-3 bf16 head, AVX2: the draft extend 3.0-3.2 -> 1.9 ms, a step's drafting
-# 9.2-11.2 -> 8.3-8.8 ms). A longer prompt or a deep chain takes more than one chunk.
+# trees), so 8 rows are enough, where a 16-row chunk computes mostly padding. A longer prompt
+# or a deep chain takes more than one chunk.
 DRAFT_PREFILL_CHUNK = 8
 
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
@@ -83,7 +75,8 @@ class EagleDraftModel(nn.Module):
                     self.lm_head.weight.copy_(full.weight[draft_vocab])
                     if full.bias is not None:
                         self.lm_head.bias.copy_(full.bias[draft_vocab])
-            self.register_buffer("draft_to_target", draft_vocab.to(torch.int64).clone())
+        self.register_buffer("draft_to_target", None if draft_vocab is None
+                             else draft_vocab.to(torch.int64).clone())
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, aux_hidden: Tensor,
                 specdec_batch=None, use_cache: bool = False, output_hidden_states: bool = False):
@@ -209,162 +202,17 @@ def load_eagle_head(path: str, target, full_vocab: bool = False) -> EagleDraftMo
     return head.to(dtype).eval()
 
 
-@dataclass
-class _EagleRequest:
-    request: object  # the draft pool's Request
-    cached: int  # draft KV covers positions [0, cached)
-    tokens: List[int]  # pending x_{p+1}, p = cached, cached + 1, ...
-    hidden: Tensor  # pending h_p [pending, H], one row per pending token
-    done: bool = False
-    root: int = 0
-    virtual_rows: List[int] = field(default_factory=list)  # trees: one draft-pool row per beam
-
-
-class EagleProposer(Proposer):
-    """Greedy EAGLE chains of K = N - 1 drafts (topk = 1) or EAGLE-2 top-k trees from
-    `draft_engine` (an Engine over an EagleDraftModel made with capture_hidden=[-1]); the
-    target Engine needs capture_hidden=[-1] too.
-
-    Args:
-        num_draft_tokens: N, nodes per tree including the root.
-        topk: branching (1: a chain, today's code path); depth: draft steps (default N - 1).
-        For trees the draft Engine needs max_batch >= batch * (1 + topk) and topk*(depth-1)
-        row positions past the target's.
-    """
+class EagleProposer(DraftModelProposer):
+    """DraftModelProposer over an Engine running an EagleDraftModel (made with
+    capture_hidden=[-1]); the target Engine needs capture_hidden=[-1] too. With a draft
+    vocabulary the head's logits columns are mapped to target ids."""
 
     needs_target_hidden = True
 
-    def __init__(self, draft_engine, num_draft_tokens: int, topk: int = 1,
-                 depth: Optional[int] = None):
-        if num_draft_tokens < 2:
-            raise ValueError(f"num_draft_tokens must be >= 2 (root + drafts), got {num_draft_tokens}")
-        if draft_engine.capture_hidden != [-1]:
-            raise ValueError("argument 'draft_engine' must be made with capture_hidden=[-1]")
-        depth = num_draft_tokens - 1 if depth is None else depth
-        check_tree_shape(num_draft_tokens, topk, depth)
-        self.engine = draft_engine
-        self.num_draft_tokens = num_draft_tokens
-        self.topk, self.depth = topk, depth
-        self.num_spec_steps = depth + 1
-        self.k = num_draft_tokens - 1
-        # An EAGLE-3 head's logits cover its own vocabulary: column j is target id
-        # _token_map[j] (the draft Engine's argmax ids are columns too).
-        self._token_map = getattr(getattr(draft_engine, "model", None), "draft_to_target", None)
-        self._tree = (TreeDrafter(draft_engine, num_draft_tokens, topk, depth, self._token_map)
-                      if topk > 1 else None)
-        self._requests: Dict[int, _EagleRequest] = {}
+    def draft_token_map(self) -> Optional[Tensor]:
+        return self.engine.model.draft_to_target
 
-    def _rows(self, states) -> Tensor:
-        pad = self.engine.pool.padding_row
-        rows = [pad if st.done else st.request.row for st in states]
-        rows += [pad] * (self.engine.bucket_for(len(rows)) - len(rows))
-        return torch.tensor(rows, dtype=torch.int64)  # [B]
-
-    def start(self, request_ids: List[int], contexts: List[List[int]], hidden: List[Tensor]):
-        reserve = max(self.num_draft_tokens, self.topk * (self.depth - 1) + 1)
-        requests = admit_draft_requests(self.engine.pool, contexts, reserve)
-        for rid, req, ctx, h in zip(request_ids, requests, contexts, hidden):
-            # Pairs (x_{p+1}, h_p) for the prompt positions p = 0 .. P-1.
-            self._requests[rid] = _EagleRequest(req, 0, list(ctx[1:]), h, root=ctx[-1])
-        if self._tree is not None:
-            try:
-                virtual = self._tree.reserve_rows(len(request_ids))
-            except BaseException:
-                self.finish(request_ids)
-                raise
-            for rid, rows in zip(request_ids, virtual):
-                self._requests[rid].virtual_rows = rows
-
-    def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
-        bs, eng = len(request_ids), self.engine
-        states = [self._requests[r] for r in request_ids]
-        req_rows = self._rows(states)
-        chunk = eng.prefill_chunk
-        last_logits = [None] * bs
-        last_g = [None] * bs
-        # Draft extend over the pending pairs (the prompt at the first step; later the root
-        # and the accepted drafts), chunk by chunk. A tree leaves each request's last chunk
-        # (at most `chunk` pairs) to TreeDrafter, which extends it in the tree's own graph.
-        keep = chunk if self._tree is not None else 0
-        while any(len(st.tokens) > keep and not st.done for st in states):
-            take = [0 if st.done else max(0, min(chunk, len(st.tokens) - keep)) for st in states]
-            args = self._extend_inputs(states, take, req_rows)
-            _, logits, g = eng.extend(*args[:5], None, args[5])
-            for b, st in enumerate(states):
-                if take[b] and not st.tokens:
-                    last_logits[b], last_g[b] = logits[b, take[b] - 1], g[b, take[b] - 1]
-        if self._tree is not None:
-            take = [0 if st.done else len(st.tokens) for st in states]
-            if any(t == 0 for t, st in zip(take, states) if not st.done):
-                raise RuntimeError("EagleProposer: a live request has no committed pair to "
-                                   "extend (commit after every step)")
-            extend = self._extend_inputs(states, take, req_rows)
-            # beams at depth 1 take the root's g, deeper ones their parent's
-            roots = torch.tensor([st.root for st in states])  # [bs]
-            return self._tree.draft(roots, seq_lens, None,
-                                    [None if st.done else st.request.row for st in states],
-                                    [st.cached for st in states],
-                                    [st.virtual_rows for st in states], None, extend=extend)
-        bucket = req_rows.shape[0]
-        hdim, hdtype = states[0].hidden.shape[-1], states[0].hidden.dtype
-        vocab = eng.vocab_size
-        for b in range(bs):  # finished requests: placeholders (their drafts are never used)
-            if last_logits[b] is None:
-                last_logits[b] = torch.zeros(vocab, dtype=eng.dtype)
-                last_g[b] = torch.zeros(hdim, dtype=hdtype)
-        tok = self._target_ids(torch.stack(last_logits).argmax(-1))  # [bs] d1
-        g = torch.stack(last_g)  # [bs, H]
-        drafts = [tok]
-        seq = torch.tensor([st.cached for st in states] + [1] * (bucket - bs))  # [B]
-        pad = bucket - bs
-        tok = torch.cat([tok, torch.zeros(pad, dtype=torch.int64)])
-        g = torch.cat([g, g.new_zeros(pad, g.shape[-1])])
-        for _ in range(self.k - 1):
-            tok, _, g = eng.decode(tok, req_rows, seq, g)
-            tok = self._target_ids(tok)
-            seq = seq + 1
-            drafts.append(tok[:bs])
-        chain = torch.stack(drafts, dim=1)  # [bs, K]
-        roots = torch.tensor([st.root for st in states])  # [bs]
-        return chain_tree(roots, chain, seq_lens)
-
-    def _target_ids(self, columns: Tensor) -> Tensor:
-        """Target ids of the draft logits' argmax columns."""
-        return columns if self._token_map is None else self._token_map[columns]
-
-    def _extend_inputs(self, states, take: List[int], req_rows: Tensor):
-        """Engine.extend's inputs for the next take[b] pending pairs of each request, which
-        they leave (the request's `cached` advances): (input_ids [B, T], positions [B, T],
-        req_rows, prefix_lens [B], extend_lens [B], aux [B, T, H]), B the bucket."""
-        bucket, chunk = req_rows.shape[0], self.engine.prefill_chunk
-        hdim, hdtype = states[0].hidden.shape[-1], states[0].hidden.dtype
-        ids = torch.zeros(bucket, chunk, dtype=torch.int64)  # [B, T]
-        aux = torch.zeros(bucket, chunk, hdim, dtype=hdtype)  # [B, T, H]
-        prefix = torch.zeros(bucket, dtype=torch.int64)  # [B]
-        ext = torch.zeros(bucket, dtype=torch.int64)  # [B]
-        for b, st in enumerate(states):
-            m = take[b]
-            if m == 0:
-                continue
-            ids[b, :m] = torch.tensor(st.tokens[:m], dtype=torch.int64)
-            aux[b, :m] = st.hidden[:m]
-            prefix[b], ext[b] = st.cached, m
-            st.cached += m
-            st.tokens, st.hidden = st.tokens[m:], st.hidden[m:]
-        positions = prefix.view(-1, 1) + torch.arange(chunk).view(1, -1)  # [B, T]
-        return ids, positions, req_rows, prefix, ext, aux
-
-    def commit(self, request_ids: List[int], emitted: List[List[int]], hidden: List[Tensor]):
-        for rid, toks, h in zip(request_ids, emitted, hidden):
-            st = self._requests[rid]
-            if not toks:
-                st.done = True
-                continue
-            # emitted[i] = x_{p+1} for the path position p whose target hidden is h[i].
-            st.tokens = st.tokens + list(toks)
-            rows = h[:len(toks)]
-            st.hidden = torch.cat([st.hidden, rows])
-            st.root = toks[-1]
-
-    def finish(self, request_ids: List[int]) -> None:
-        finish_draft_requests(self._requests, request_ids, self.engine.pool, self._tree)
+    def catch_up_tokens(self) -> int:
+        # The head's Engine is made with a prefill chunk sized for the catch-up
+        # (DRAFT_PREFILL_CHUNK), so the prompt and every step share one extend graph.
+        return self.engine.prefill_chunk

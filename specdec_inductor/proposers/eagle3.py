@@ -1,6 +1,6 @@
 """EAGLE-3 drafts: a one-layer head over three of the target's layers, with its own norm, LM
-head and reduced draft vocabulary. Drafting (draft extend, then chained decode steps) is
-EagleProposer's; this file loads the head and presents it with EagleDraftModel's interface.
+head and reduced draft vocabulary. Drafting is EagleProposer's (draft_model.py); this file
+loads the head and presents it with EagleDraftModel's interface.
 
 Published layout (checked against SGLang's models/llama_eagle3.py, SafeAILab/EAGLE and the
 SpecForge / HF `LlamaForCausalLMEagle3` configs): config.json with `draft_vocab_size`, optional
@@ -11,9 +11,10 @@ post_attention_layernorm}.weight`, `midlayer.self_attn.{q,k,v}_proj.weight` over
 `lm_head.weight` [Vd, H], `d2t` [Vd] (target id = draft id + d2t[draft id]), `t2d` [V] bool and
 an optional `embed_tokens.weight` [V, H] (else the target's embedding).
 
-Forward at position p, with x = the token at p + 1 and f = the feature for p:
-  h = fc(f) if f is the target's [low ; mid ; high] features (3*Ht wide), else f (the head's
-      own previous output g, H wide, fed back further down a draft);
+Forward at position p, with x = the token at p + 1 and h = the feature for p:
+  h = fc([low ; mid ; high]) of the target's three captured layers (3*Ht wide), projected by
+      the head's `project` as the target's rows arrive, or the head's own previous output g
+      (H wide) fed back further down a draft: the forward always reads H-wide features;
   a = h + o_proj(attn(cat(input_layernorm(embed(x)), hidden_norm(h))))   (attention over 2*H)
   g = a + mlp(post_attention_layernorm(a))        (pre-norm output, the next step's feature)
   logits = lm_head(norm(g)) over the draft vocabulary [Vd]: column j is the target id
@@ -99,7 +100,7 @@ class Eagle3DraftModel(nn.Module):
     draft vocabulary (column j is target id draft_to_target[j]; an Engine over this model
     reports vocab_size Vd and its argmax ids are draft ids), .hidden_states = (g,) with g
     [B, T, H] the pre-norm output.
-    aux_hidden is either the target's features [B, T, 3*Ht] (through fc) or g (as is)."""
+    aux_hidden [B, T, H] is either the target's features projected by `project` or g."""
 
     def __init__(self, config, target, target_hidden: int, draft_vocab: int, fc_bias: bool,
                  own_embedding: bool, target_hidden_layers: List[int]):
@@ -129,15 +130,11 @@ class Eagle3DraftModel(nn.Module):
                              f"or 0, got {logits_to_keep!r}")
         dtype = self.lm_head.weight.dtype  # the head's (a shared embedding may differ)
         emb = self.embed_tokens(input_ids).to(dtype)  # [B, T, H]
-        hidden = aux_hidden.to(dtype)
-        width = hidden.shape[-1]
-        if width == self.fc.in_features:
-            hidden = self.fc(hidden)  # target features [B, T, 3*Ht] -> [B, T, H]
-        elif width != self.config.hidden_size:
-            raise ValueError(f"argument 'aux_hidden' must be the target's features "
-                             f"({self.fc.in_features} wide: hidden_states "
-                             f"{self.target_hidden_layers}) or the head's own output "
-                             f"({self.config.hidden_size}), got width {width}")
+        hidden = aux_hidden.to(dtype)  # [B, T, H]
+        if hidden.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"argument 'aux_hidden' must be {self.config.hidden_size} wide (the "
+                             "target's features through project(), or the head's own output), "
+                             f"got width {hidden.shape[-1]}")
         kwargs = {} if specdec_batch is None else {"specdec_batch": specdec_batch}
         cos_sin = self.rotary_emb(hidden, position_ids=position_ids)
         g = self.midlayer(emb, hidden, cos_sin, **kwargs)  # [B, T, H]
@@ -148,6 +145,21 @@ class Eagle3DraftModel(nn.Module):
             kept = g.index_select(1, logits_to_keep)  # [B, K, H]
         logits = self.lm_head(self.norm(kept))  # [B, T or K, Vd]: draft ids
         return CausalLMOutputWithPast(logits=logits, hidden_states=(g,))
+
+    def project(self, features: Tensor) -> Tensor:
+        """fc over the target's captured features [..., 3*Ht] -> [..., H] in the head's dtype:
+        what the forward reads as the target's feature of a position."""
+        width = self.fc.in_features
+        if features.shape[-1] != width:
+            raise ValueError(
+                f"argument 'features': the target's captured features are {features.shape[-1]} "
+                f"wide, the EAGLE-3 head needs {width}: make the target Engine with "
+                f"capture_hidden={self.target_hidden_layers}")
+        # A handful of rows per commit: our GEMV (aten's bf16 GEMM is slower at 3 rows).
+        w, b = self.fc.weight, self.fc.bias
+        rows = features.reshape(-1, width).to(w.dtype)  # [n, 3*Ht]
+        with torch.no_grad():
+            return ops.skinny_linear(rows, w, b).view(*features.shape[:-1], w.shape[0])
 
 
 def _check_vocab_maps(path: str, d2t: Tensor, t2d: Tensor, vocab: int, draft_vocab: int) -> Tensor:
@@ -178,6 +190,18 @@ def _shape_error(path: str, key: str, got, want) -> Eagle3CheckpointError:
     return Eagle3CheckpointError(f"{path!r}: {key} has shape {tuple(got)}, expected {tuple(want)}")
 
 
+def _read_config(path: str) -> dict:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise Eagle3CheckpointError(f"argument 'path': no config.json in {path!r}")
+    with open(cfg_path) as f:
+        return json.load(f)
+
+
+def _text_config(target):
+    return target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+
+
 def default_head_dtype(target_dtype: torch.dtype) -> torch.dtype:
     """The head dtype the CLI and bench use unless told: bf16 where this CPU runs our bf16
     kernels (active ISA avx512, which includes avx512_bf16, or amx), else the target's."""
@@ -199,16 +223,12 @@ def load_eagle3_head(path: str, target, dtype: Optional[torch.dtype] = None) -> 
     from transformers import LlamaConfig
     if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"argument 'dtype' must be torch.float32 or torch.bfloat16, got {dtype}")
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        raise Eagle3CheckpointError(f"argument 'path': no config.json in {path!r}")
-    with open(cfg_path) as f:
-        raw = json.load(f)
+    raw = _read_config(path)
     try:
         sd = _read_state_dict(path)
     except EagleCheckpointError as exc:
         raise Eagle3CheckpointError(str(exc)) from None
-    tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    tcfg = _text_config(target)
     t_hidden, vocab = tcfg.hidden_size, tcfg.vocab_size
     if any(k.startswith("layers.") for k in sd) and not any(k.startswith("midlayer.") for k in sd):
         fc = tuple(sd["fc.weight"].shape) if "fc.weight" in sd else "absent"
@@ -241,10 +261,6 @@ def load_eagle3_head(path: str, target, dtype: Optional[torch.dtype] = None) -> 
         raise Eagle3CheckpointError(
             f"{path!r}: fc.weight has shape {tuple(fc_w.shape)}, the target needs "
             f"({hidden}, {3 * t_hidden}) (3 layers of hidden_size {t_hidden})")
-    if 3 * t_hidden == hidden:
-        raise Eagle3CheckpointError(f"{path!r}: fc input width {3 * t_hidden} equals the head's "
-                                    "hidden size, so target features and fed-back outputs "
-                                    "cannot be told apart")
     draft_vocab = sd["lm_head.weight"].shape[0]
     if raw.get("draft_vocab_size", draft_vocab) != draft_vocab:
         raise Eagle3CheckpointError(f"{path!r}: draft_vocab_size {raw['draft_vocab_size']} but "
@@ -298,14 +314,17 @@ def load_eagle3_head(path: str, target, dtype: Optional[torch.dtype] = None) -> 
     return head.eval()
 
 
+def read_target_layers(path: str, target) -> List[int]:
+    """The capture_hidden indices the EAGLE-3 head in `path` reads from `target`, from its
+    config.json alone (what the target Engine must capture, known before the head loads)."""
+    return eagle3_target_layers(_read_config(path), _text_config(target).num_hidden_layers, path)
+
+
 class Eagle3Proposer(EagleProposer):
     """EagleProposer over an Engine running an Eagle3DraftModel (made with capture_hidden=[-1]).
     `target_hidden_layers` are the capture_hidden indices the target Engine must be made with.
-
-    The target's features [*, 3*Ht] are projected by the head's fc here, as they arrive (start
-    / commit), so every feature EagleProposer holds and feeds the draft Engine is H wide, like
-    the head's own output g: EagleProposer keeps one feature width per batch (pending rows,
-    placeholders of finished requests). The head then skips fc (aux_hidden is H wide)."""
+    The target's features are projected by the head's fc (Eagle3DraftModel.project) as they
+    arrive (start / commit), so every feature the draft reads is H wide, like its own g."""
 
     def __init__(self, draft_engine, *args, **kwargs):
         head = getattr(draft_engine, "model", None)
@@ -314,24 +333,6 @@ class Eagle3Proposer(EagleProposer):
                              f"(load_eagle3_head), got {type(head).__name__}")
         super().__init__(draft_engine, *args, **kwargs)
         self.target_hidden_layers: List[int] = list(head.target_hidden_layers)
-        self._fc = head.fc
 
-    def _project(self, hidden: List[Tensor]) -> List[Tensor]:
-        """Target features [n, 3*Ht] -> fc -> [n, H] per request."""
-        width = self._fc.in_features
-        for h in hidden:
-            if h.shape[-1] != width:
-                raise ValueError(
-                    f"argument 'hidden': the target's captured features are {h.shape[-1]} wide, "
-                    f"the EAGLE-3 head needs {width}: make the target Engine with "
-                    f"capture_hidden={self.target_hidden_layers}")
-        # A handful of rows per commit: our GEMV (aten's bf16 GEMM took ~0.3 ms for 3 rows).
-        w, b = self._fc.weight, self._fc.bias
-        with torch.no_grad():
-            return [ops.skinny_linear(h.to(w.dtype), w, b) for h in hidden]
-
-    def start(self, request_ids, contexts, hidden):
-        super().start(request_ids, contexts, self._project(hidden))
-
-    def commit(self, request_ids, emitted, hidden):
-        super().commit(request_ids, emitted, self._project(hidden))
+    def target_features(self, hidden: Tensor) -> Tensor:
+        return self.engine.model.project(hidden)

@@ -26,8 +26,8 @@ normed h_p. (vLLM also zeroes the embedding at position 0; SGLang does not, nor 
 
 Only layer `layer` of the k is used, for every draft step (SGLang's single-layer NextN); the
 decoder layer is the target family's own class (Llama, Qwen2, Qwen3, Mistral: the family's base
-model built with one layer), so it runs through the specdec attention in its own Engine. The
-chain driver is EagleProposer's, unchanged.
+model built with one layer), so it runs through the specdec attention in its own Engine.
+Drafting is EagleProposer's (draft_model.py), unchanged.
 """
 import copy
 import json
@@ -51,6 +51,8 @@ class MtpDraftModel(nn.Module):
     """NextN layer as a module the Engine can run (the interface of EagleDraftModel):
     forward(input_ids, position_ids, aux_hidden=h, specdec_batch) -> .logits [B, T, V],
     .hidden_states = (g,) with g [B, T, H] the next step's aux."""
+
+    draft_to_target = None  # logits over the target's whole vocabulary
 
     def __init__(self, config, target, embed: nn.Module, head: nn.Module):
         super().__init__()
@@ -199,8 +201,9 @@ def load_mtp_head(path: str, target, layer: int = 0) -> MtpDraftModel:
 
 
 class MtpProposer(EagleProposer):
-    """Greedy MTP chains: EagleProposer's driver (draft extend over the committed (x_{p+1}, h_p)
-    pairs, then K - 1 decodes feeding back g) over an Engine running an MtpDraftModel."""
+    """MTP chains or trees: EagleProposer's drafting (draft extend over the committed
+    (x_{p+1}, h_p) pairs, then decodes feeding back g) over an Engine running an
+    MtpDraftModel."""
 
     @classmethod
     def from_model_dir(cls, path: str, target_engine, num_draft_tokens: int, layer: int = 0,
@@ -208,7 +211,7 @@ class MtpProposer(EagleProposer):
                        max_len=None) -> "MtpProposer":
         """NextN layer `layer` of `path` in a draft Engine shaped like `target_engine` (same
         batch, length, compile mode and attention backend; a top-k tree needs max_batch
-        >= batch * (1 + topk) and topk * depth more positions, see cli._draft_engine_size)."""
+        >= batch * (1 + topk) and topk * depth more positions: registry.draft_engine_size)."""
         from specdec_inductor.engine.engine import Engine
         head = load_mtp_head(path, target_engine.model, layer)
         draft = Engine(head, max_batch=max_batch or target_engine.max_batch,

@@ -1,5 +1,5 @@
 """Multi-step top-k draft trees (EAGLE-2 dynamic trees) over a draft `Engine`, shared by the
-STANDALONE and EAGLE proposers. Not here: the proposers' own KV catch-up (draft extend) and
+draft-model proposers (draft_model.py). Not here: the proposers' own KV catch-up (draft extend) and
 their request state; this file only turns the draft's logits at each root into a DraftTree.
 
 The rule (kernels.md section 1): step 0 takes the root's topk children, scored by their draft
@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from specdec_inductor import ops
-from specdec_inductor.engine.engine import _inference
 from specdec_inductor.engine.kv_pool import PoolExhaustedError
 from specdec_inductor.ops.tree import TreeMaskMode
 from specdec_inductor.speculative import DraftTree
@@ -74,6 +73,12 @@ def best_first(scores: Tensor, count: int) -> Tensor:
     """Column indices [R, count] of the `count` best scores of each row [R, C]; equal scores
     rank the lower index first."""
     return torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :count]
+
+
+def _as_inference(t: Optional[Tensor]) -> Optional[Tensor]:
+    """t as an inference tensor (a copy made in draft's inference mode when it is not one):
+    the tree program's inputs must be, as every Engine step's (Engine.compile_program)."""
+    return t if t is None or t.is_inference() else t.clone()
 
 
 class TreeDrafter:
@@ -190,9 +195,9 @@ class TreeDrafter:
             raise ValueError(f"argument 'extend' must hold Engine.extend's 6 inputs (input_ids, "
                              f"positions, req_rows, prefix_lens, extend_lens, aux), got "
                              f"{len(extend)}")
-        inputs = [_inference(t) for t in (roots.long(), seq_lens.long(), logits, live_t, req,
-                                          base, vrows, own, aux,
-                                          *(extend if extend is not None else [None] * 6))]
+        inputs = [_as_inference(t) for t in (roots.long(), seq_lens.long(), logits, live_t, req,
+                                             base, vrows, own, aux,
+                                             *(extend if extend is not None else [None] * 6))]
         if self._compiled is None and getattr(self.engine, "compiled", False):
             self._compiled = self.engine.compile_program(self._tree)
         if self._compiled is not None:

@@ -19,12 +19,6 @@ RUN_DEFAULTS = {
 }
 
 
-def eagle3_layers(num_layers: int):
-    """EAGLE-3's default low / mid / high features: the inputs of decoder layers 2, L//2 and
-    L-3 (HF hidden_states indices), as SGLang and the EAGLE-3 reference capture them."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
 def add_parser(sub, common) -> None:
     p = sub.add_parser("train-draft", help="train an EAGLE / EAGLE-3 draft head on the CPU")
     common(p)
@@ -75,9 +69,10 @@ def _log(msg: str) -> None:
 
 
 def run(args) -> int:
-    from specdec_inductor.cli import DTYPES, encode
     from specdec_inductor.engine.engine import eager_requested
     from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.loading import DTYPES, encode
+    from specdec_inductor.proposers.eagle3 import eagle3_target_layers
     from specdec_inductor.train.corpus import training_prompts
     from specdec_inductor.train.data import DraftData, build_draft_data, data_precision
     from specdec_inductor.train.trainer import TrainConfig, train_head, train_precision
@@ -109,7 +104,9 @@ def run(args) -> int:
     os.makedirs(out, exist_ok=True)
     t_start = time.perf_counter()
     target, tokenizer = load_model(args.model, DTYPES[args.dtype])
-    layers = eagle3_layers(target.config.num_hidden_layers) if args.method == "eagle3" else []
+    # EAGLE-3's default low / mid / high features, as the loaded head will read them
+    layers = (eagle3_target_layers({}, target.config.num_hidden_layers)
+              if args.method == "eagle3" else [])
     meta = {"prompts": args.num_prompts, "new_tokens": args.new_tokens, "seed": args.seed,
             "layers": layers, "model": args.model, "dtype": args.dtype, "chat": args.chat,
             "data_precision": precision}

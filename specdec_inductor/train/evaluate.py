@@ -3,11 +3,10 @@ corpus.heldout_prompts() (never in the training data), for chain and tree settin
 exactness against plain decoding checked on every prompt. Acceptance does not depend on
 compilation, so it runs eager by default (each tree shape would compile its own draft graphs);
 benchmarks/bench_spec.py measures the compiled speed."""
-import argparse
 from typing import Callable, List, Optional, Sequence, Tuple
 
 # (N nodes incl. the root, topk, depth): a chain and EAGLE-2-style trees ((8, 3, 4) is the
-# CLI's EAGLE-3 default, cli.DEFAULT_TREES).
+# EAGLE-3 default, proposers/registry.DEFAULT_TREES).
 DEFAULT_SETTINGS: List[Tuple[int, int, int]] = [(6, 1, 5), (8, 2, 4), (8, 3, 4), (12, 4, 4)]
 
 
@@ -16,8 +15,10 @@ def evaluate_head(method: str, head_dir: str, *, model_path: Optional[str] = Non
                   new_tokens: int = 96, prompts: Optional[Sequence[str]] = None,
                   settings: Sequence[Tuple[int, int, int]] = DEFAULT_SETTINGS,
                   progress: Callable[[str], None] = lambda s: None) -> dict:
-    from specdec_inductor.cli import DTYPES, build_engine, encode, make_proposer
     from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.loading import DTYPES, encode
+    from specdec_inductor.proposers.registry import (ProposerConfig, make_proposer,
+                                                     make_target_engine)
     from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
     from specdec_inductor.train.corpus import heldout_prompts
     target, tokenizer = load_model(model_path, DTYPES[dtype])
@@ -26,15 +27,15 @@ def evaluate_head(method: str, head_dir: str, *, model_path: Optional[str] = Non
     rows = []
     engine = None
     for n, topk, depth in settings:
-        args = argparse.Namespace(method=method, draft_model=head_dir, num_draft_tokens=n,
-                                  topk=topk, depth=depth, max_batch=1, max_len=512, eager=not compile,
-                                  attention=None, dtype=dtype, model=model_path, draft_layers=None)
-        if engine is None:
-            engine = build_engine(args, target)
-            plain = [engine.generate([p], new_tokens, tokenizer.eos_token_id)[0] for p in ids]
         try:
-            proposer = make_proposer(args, engine)
-        except (TypeError, ValueError, SystemExit) as exc:
+            config = ProposerConfig(method=method, draft_model=head_dir, num_draft_tokens=n,
+                                    topk=topk, depth=depth, target_model=model_path, dtype=dtype)
+            if engine is None:
+                engine = make_target_engine(config, target, max_batch=1, max_len=512,
+                                            compile=None if compile else False)
+                plain = [engine.generate([p], new_tokens, tokenizer.eos_token_id)[0] for p in ids]
+            proposer = make_proposer(config, engine)
+        except ValueError as exc:
             progress(f"[eval] N={n} topk={topk} depth={depth}: not available ({exc})")
             continue
         spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)

@@ -1,0 +1,318 @@
+"""The proposer of every method that drafts with a model of its own -- STANDALONE (a small
+causal LM), EAGLE, EAGLE-3 and MTP (one-layer heads over the target's hidden states) -- as one
+base class: admission into the draft Engine's KV pool, the catch-up extend over what the
+target committed, greedy chains and EAGLE-2 top-k trees (tree_draft.py). Subclasses supply the
+draft model (in the draft Engine) and whether it reads the target's hidden states; a draft
+model is EAGLE without hidden states (vLLM's DraftModelProposer, SGLang's StandaloneWorker).
+
+Draft KV bookkeeping. A model that reads hidden states caches pairs (x_{p+1}, h_p) at
+position p: the token after p with the target's feature of p (EAGLE's layout), so its first
+pending token is the prompt's second. A plain draft model caches x_p at position p. Either
+way, before drafting each request's draft KV covers every committed position, the root's
+included: a step extends the draft over its pending tokens (the prompt at the first step;
+later the bonus token and the accepted drafts), then decodes the chain or expands the tree
+past them. Speculative positions are overwritten by the next step's extend, with one
+exception: a chain from a draft model without hidden states wrote the exact KV of its drafts
+d1..d(K-1), so the accepted ones among them stay cached (commit) and the next catch-up is the
+bonus plus at most one draft.
+"""
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from specdec_inductor import ops
+from specdec_inductor.proposers.tree_draft import TreeDrafter, check_tree_shape
+from specdec_inductor.speculative import DraftTree, Proposer
+
+# Tokens a KV-reusing chain leaves to catch up after a step: the bonus, plus the last draft
+# when all K were accepted (its KV was never written). One small T keeps one extend graph.
+CATCH_UP_TOKENS = 2
+
+
+def admit_draft_requests(pool, contexts: Sequence[Sequence[int]], num_draft_tokens: int) -> List:
+    """One draft-pool request per context (prompt + first token), reserving the whole row:
+    the draft writes KV for every committed position plus up to N speculative ones."""
+    longest = max(len(c) for c in contexts)
+    budget = pool.max_len - longest
+    if budget < num_draft_tokens:
+        raise ValueError(f"draft engine max_len {pool.max_len} leaves no room for drafts "
+                         f"after a context of {longest} tokens")
+    return pool.admit([len(c) - 1 for c in contexts], budget)
+
+
+def finish_draft_requests(states: dict, request_ids: Sequence[int], pool, tree) -> None:
+    """Release the draft-pool rows of the given requests (their virtual tree rows, then their
+    request), every one of them even when one release raises (the first error is re-raised
+    at the end): a failed cleanup must not leak the others' rows."""
+    first = None
+    for rid in request_ids:
+        st = states.pop(rid, None)
+        if st is None:
+            continue
+        for release in ((lambda: tree.release_rows(st.virtual_rows)) if st.virtual_rows else None,
+                        lambda: pool.release(st.request)):
+            if release is None:
+                continue
+            try:
+                release()
+            except Exception as exc:  # noqa: BLE001 -- re-raised below, after the rest
+                first = first or exc
+    if first is not None:
+        raise first
+
+
+def chain_tree(roots: Tensor, chain: Tensor, seq_lens: Tensor) -> DraftTree:
+    """roots [B] and drafts chain [B, K] as a DraftTree of N = K + 1 nodes per request."""
+    bs, k = chain.shape
+    n = k + 1
+    tokens = torch.cat([roots.view(bs, 1), chain], dim=1)  # [B, N]
+    mask = torch.ones(n, n, dtype=torch.bool).tril().flatten().repeat(bs)  # [B*N*N]
+    positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
+    return DraftTree(tokens, mask, positions, ridx, nxt, sib, torch.full((bs,), k, dtype=torch.int64))
+
+
+def logits_and_hidden(out) -> Tuple[Tensor, Optional[Tensor]]:
+    """(logits [B, T, V], captured hidden [B, T, A] or None) of an Engine step's StepOutput."""
+    return out.logits, out.hidden
+
+
+@dataclass
+class _DraftRequest:
+    request: object  # the draft pool's Request
+    cached: int  # draft KV covers positions [0, cached)
+    pending: List[int]  # tokens to extend next, at positions cached, cached + 1, ...
+    hidden: Optional[Tensor]  # their target features [len(pending), A]; None without
+    root: int  # the last committed token: the next tree's root
+    done: bool = False  # emitted nothing at the last commit: drafts nothing more
+    proposed: List[int] = field(default_factory=list)  # the last chain, when its KV is kept
+    virtual_rows: List[int] = field(default_factory=list)  # trees: one draft-pool row per beam
+
+
+class DraftModelProposer(Proposer):
+    """Greedy chains of K = N - 1 drafts (topk = 1) or EAGLE-2 top-k trees from
+    `draft_engine`, an Engine over the draft model.
+
+    Args:
+        draft_engine: its max_len must cover the target's positions (prompt + new tokens + N)
+            plus topk*(depth-1) tree slots; its max_batch the target's batch, times 1 + topk
+            for trees (the requests plus one virtual row per beam): registry.draft_engine_size.
+            A draft that reads hidden states needs it made with capture_hidden=[-1] (its own
+            output g is fed back down a chain), and the target Engine captures what it reads.
+        num_draft_tokens: N, nodes per tree including the root.
+        topk: branching (1: a chain); depth: draft steps, the deepest node's depth (default
+            N - 1, as a chain needs).
+    """
+
+    # Subclasses whose draft reads the target's hidden states set this: the loop then passes
+    # them to start / commit (speculative.Proposer).
+    needs_target_hidden = False
+
+    def __init__(self, draft_engine, num_draft_tokens: int, topk: int = 1,
+                 depth: Optional[int] = None):
+        if num_draft_tokens < 2:
+            raise ValueError(f"argument 'num_draft_tokens' must be >= 2 (root + drafts), got "
+                             f"{num_draft_tokens}")
+        depth = num_draft_tokens - 1 if depth is None else depth
+        check_tree_shape(num_draft_tokens, topk, depth)
+        if self.needs_target_hidden and draft_engine.capture_hidden != [-1]:
+            raise ValueError("argument 'draft_engine' must be made with capture_hidden=[-1]")
+        self.engine = draft_engine
+        self.num_draft_tokens = num_draft_tokens
+        self.topk, self.depth = topk, depth
+        self.num_spec_steps = depth + 1
+        self.k = num_draft_tokens - 1
+        self._token_map = self.draft_token_map()
+        self._tree = (TreeDrafter(draft_engine, num_draft_tokens, topk, depth, self._token_map)
+                      if topk > 1 else None)
+        self._requests: Dict[int, _DraftRequest] = {}
+
+    # -- what subclasses supply ----------------------------------------------------------------
+    def draft_token_map(self) -> Optional[Tensor]:
+        """The target id [Vd] of each column of the draft's logits when they cover a reduced
+        vocabulary; None: the columns are the target's ids."""
+        return None
+
+    def target_features(self, hidden: Tensor) -> Tensor:
+        """What the draft reads of the target's captured hidden rows [n, k*H] (as they come)."""
+        return hidden
+
+    def catch_up_tokens(self) -> int:
+        """T of the extend that catches the draft up each step: the pending tokens of a normal
+        step fit it; more (the prompt, or after decode-only steps) take prefill chunks."""
+        if self.keeps_chain_kv and self._tree is None:
+            return CATCH_UP_TOKENS
+        return self.depth + 1  # every accepted draft and the bonus
+
+    @property
+    def keeps_chain_kv(self) -> bool:
+        """Whether a chain's draft KV is exact for the drafted tokens (no target hidden states
+        to replace), so accepted drafts need no second extend."""
+        return not self.needs_target_hidden
+
+    # -- the Proposer protocol (speculative.py) ------------------------------------------------
+    def start(self, request_ids: List[int], contexts: List[List[int]],
+              hidden: Optional[List[Tensor]] = None) -> None:
+        if self.needs_target_hidden and hidden is None:
+            raise ValueError(f"{type(self).__name__}.start needs the target's hidden states "
+                             "(argument 'hidden')")
+        # Features first: a refused one must leave nothing admitted behind.
+        feats = [None] * len(contexts) if hidden is None else [self.target_features(h)
+                                                                for h in hidden]
+        reserve = max(self.num_draft_tokens, self.topk * (self.depth - 1) + 1)
+        requests = admit_draft_requests(self.engine.pool, contexts, reserve)
+        shift = 1 if self.needs_target_hidden else 0  # pairs (x_{p+1}, h_p) start at x_1
+        for rid, req, ctx, f in zip(request_ids, requests, contexts, feats):
+            self._requests[rid] = _DraftRequest(req, 0, list(ctx[shift:]), f, root=ctx[-1])
+        if self._tree is not None:
+            try:
+                virtual = self._tree.reserve_rows(len(request_ids))
+            except BaseException:
+                self.finish(request_ids)
+                raise
+            for rid, rows in zip(request_ids, virtual):
+                self._requests[rid].virtual_rows = rows
+
+    def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
+        states = [self._requests[r] for r in request_ids]
+        req_rows = self._rows(states)
+        small = self.catch_up_tokens()
+        # A tree leaves each request's last `small` pending tokens to TreeDrafter, which
+        # extends them in the tree's own graph.
+        keep = small if self._tree is not None else 0
+        last_logits, last_hidden = self._catch_up(states, req_rows, small, keep)
+        roots = torch.tensor([st.root for st in states])  # [bs]
+        if self._tree is None:
+            return chain_tree(roots, self._chain(states, req_rows, last_logits, last_hidden),
+                              seq_lens)
+        take = [0 if st.done else len(st.pending) for st in states]
+        if any(t == 0 for t, st in zip(take, states) if not st.done):
+            raise RuntimeError(f"{type(self).__name__}: a live request has nothing committed to "
+                               "extend (commit after every step)")
+        extend = self._extend_inputs(states, take, req_rows, small)
+        # beams at depth 1 take the root's g, deeper ones their parent's
+        return self._tree.draft(roots, seq_lens, None,
+                                [None if st.done else st.request.row for st in states],
+                                [st.cached for st in states],
+                                [st.virtual_rows for st in states], None, extend=extend)
+
+    def commit(self, request_ids: List[int], emitted: List[List[int]],
+               hidden: Optional[List[Tensor]] = None) -> None:
+        for i, (rid, toks) in enumerate(zip(request_ids, emitted)):
+            st = self._requests[rid]
+            kept = self._kept_drafts(st, toks)
+            st.proposed = []
+            if not toks:
+                st.done = True
+                continue
+            st.cached += kept
+            st.pending = st.pending + list(toks[kept:])
+            if st.hidden is not None:
+                # emitted[j] = x_{p+1} for the path position p whose target hidden is hidden[j]
+                rows = self.target_features(hidden[i][:len(toks)])
+                st.hidden = torch.cat([st.hidden, rows])
+            st.root = toks[-1]
+
+    def finish(self, request_ids: List[int]) -> None:
+        finish_draft_requests(self._requests, request_ids, self.engine.pool, self._tree)
+
+    # -- drafting ------------------------------------------------------------------------------
+    def _rows(self, states) -> Tensor:
+        pad = self.engine.pool.padding_row
+        rows = [pad if st.done else st.request.row for st in states]
+        rows += [pad] * (self.engine.bucket_for(len(rows)) - len(rows))
+        return torch.tensor(rows, dtype=torch.int64)  # [B]
+
+    def _catch_up(self, states, req_rows: Tensor, small: int, keep: int):
+        """Extend each live request over its pending tokens but the last `keep`, in chunks of
+        `small` tokens when they fit one, else of the Engine's prefill_chunk. Returns the
+        draft's logits [V] and captured hidden [A] (or None) at the last extended row of each
+        request whose pending tokens are all extended (None elsewhere)."""
+        bs = len(states)
+        last_logits: List[Optional[Tensor]] = [None] * bs
+        last_hidden: List[Optional[Tensor]] = [None] * bs
+        excess = max((len(st.pending) - keep for st in states if not st.done), default=0)
+        chunk = small if excess <= small else self.engine.prefill_chunk
+        while any(len(st.pending) > keep and not st.done for st in states):
+            take = [0 if st.done else max(0, min(chunk, len(st.pending) - keep)) for st in states]
+            args = self._extend_inputs(states, take, req_rows, chunk)
+            logits, hidden = logits_and_hidden(self.engine.extend(*args[:5], None, args[5]))
+            for b, st in enumerate(states):
+                if take[b] and not st.pending:
+                    last_logits[b] = logits[b, take[b] - 1]
+                    last_hidden[b] = None if hidden is None else hidden[b, take[b] - 1]
+        return last_logits, last_hidden
+
+    def _extend_inputs(self, states, take: List[int], req_rows: Tensor, chunk: int):
+        """Engine.extend's inputs for the next take[b] pending tokens of each request, which
+        leave `pending` (the request's `cached` advances): (input_ids [B, T], positions [B, T],
+        req_rows, prefix_lens [B], extend_lens [B], aux [B, T, A] or None), B the bucket and
+        T = chunk."""
+        bucket = req_rows.shape[0]
+        ids = torch.zeros(bucket, chunk, dtype=torch.int64)  # [B, T]
+        prefix = torch.zeros(bucket, dtype=torch.int64)  # [B]
+        ext = torch.zeros(bucket, dtype=torch.int64)  # [B]
+        aux = None
+        if self.needs_target_hidden:
+            feats = states[0].hidden
+            aux = torch.zeros(bucket, chunk, feats.shape[-1], dtype=feats.dtype)  # [B, T, A]
+        for b, st in enumerate(states):
+            m = take[b]
+            if m == 0:
+                continue
+            ids[b, :m] = torch.tensor(st.pending[:m], dtype=torch.int64)
+            prefix[b], ext[b] = st.cached, m
+            st.cached += m
+            st.pending = st.pending[m:]
+            if aux is not None:
+                aux[b, :m] = st.hidden[:m]
+                st.hidden = st.hidden[m:]
+        positions = prefix.view(-1, 1) + torch.arange(chunk).view(1, -1)  # [B, T]
+        return ids, positions, req_rows, prefix, ext, aux
+
+    def _chain(self, states, req_rows: Tensor, last_logits, last_hidden) -> Tensor:
+        """The greedy chain [bs, K] of each request: its first draft from the catch-up's last
+        logits, K - 1 more by decode steps (fed back the draft's own hidden output when it
+        reads hidden states)."""
+        bs, eng = len(states), self.engine
+        pad = req_rows.shape[0] - bs
+        for b, st in enumerate(states):  # finished requests: placeholders (never verified)
+            if last_logits[b] is None:
+                last_logits[b] = torch.zeros(eng.vocab_size, dtype=eng.dtype)
+                if self.needs_target_hidden:
+                    last_hidden[b] = torch.zeros(st.hidden.shape[-1], dtype=st.hidden.dtype)
+        tok = self._target_ids(torch.stack(last_logits).argmax(-1))  # [bs] d1
+        drafts = [tok]
+        seq = torch.tensor([st.cached for st in states] + [1] * pad)  # [B]
+        tok = torch.cat([tok, torch.zeros(pad, dtype=torch.int64)])  # [B]
+        g = None
+        if self.needs_target_hidden:
+            g = torch.stack(last_hidden)  # [bs, A]
+            g = torch.cat([g, g.new_zeros(pad, g.shape[-1])])  # [B, A]
+        for _ in range(self.k - 1):
+            out = eng.decode(tok, req_rows, seq, g)
+            tok = self._target_ids(out.argmax)
+            if g is not None:
+                g = out.hidden
+            seq = seq + 1
+            drafts.append(tok[:bs])
+        chain = torch.stack(drafts, dim=1)  # [bs, K]
+        if self.keeps_chain_kv:
+            for b, st in enumerate(states):
+                st.proposed = chain[b].tolist()
+        return chain
+
+    def _target_ids(self, columns: Tensor) -> Tensor:
+        """Target ids of the draft logits' argmax columns."""
+        return columns if self._token_map is None else self._token_map[columns]
+
+    def _kept_drafts(self, st: _DraftRequest, toks: List[int]) -> int:
+        """How many of the committed tokens `toks` already have their draft KV: the leading
+        ones equal to the last chain's drafts d1..d(K-1), whose KV the chain wrote at exactly
+        these positions (only a chain that keeps its KV records a proposal)."""
+        kept = 0
+        while (kept < min(len(toks), len(st.proposed), self.k - 1)
+               and toks[kept] == st.proposed[kept]):
+            kept += 1
+        return kept
