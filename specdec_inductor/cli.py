@@ -384,6 +384,9 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-len", type=int, default=512)
         p.add_argument("--max-batch", type=int, default=1)
         p.add_argument("--eager", action="store_true", help="no torch.compile (as SPECDEC_EAGER=1)")
+        p.add_argument("--threads", default=None,
+                       help="'auto' (default, or $SPECDEC_THREADS): the decode's thread count "
+                            "follows the CPU other processes leave free; N: fixed at N threads")
         p.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
                        help="do not keep packed copies of the weights for the GEMVs (saves the "
                             "weights' size in memory; verify steps get ~2x slower)")
@@ -472,6 +475,15 @@ def check_args(args) -> Optional[str]:
         eager_requested()
     except ValueError as exc:
         return str(exc)
+    from specdec_inductor.engine.threads import THREADS_ENV, parse_threads_spec
+    for flag, value in (("--threads", getattr(args, "threads", None)),
+                        (THREADS_ENV, os.environ.get(THREADS_ENV))):
+        try:
+            if value is not None:
+                parse_threads_spec(value)
+        except ValueError:
+            name = f"argument {flag}" if flag.startswith("--") else f"{flag}={value!r}"
+            return f"{name}: must be 'auto' or a thread count >= 1"
     env = os.environ.get(ab.ENV_VAR)
     try:
         ab.resolve_backend(args.attention)
@@ -517,6 +529,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     error = check_args(args)
     if error:
         args.subparser.error(error)
+    if getattr(args, "threads", None) is not None:
+        from specdec_inductor.engine import threads
+        threads.configure(args.threads)
     from specdec_inductor import backend
     saved = backend.SWITCH_DEFAULTS["pack_weights"]
     backend.SWITCH_DEFAULTS["pack_weights"] = args.pack_weights  # every engine of this run

@@ -145,6 +145,8 @@ def test_compiled_warm_up_fits_a_max_len_that_fits_the_request(fake_model, monke
     (["generate", "--method", "standalone", "--draft-layers", "0"], {}, "--draft-layers"),
     (["generate"], {"SPECDEC_ATTENTION": "flash"}, "SPECDEC_ATTENTION"),
     (["generate"], {"SPECDEC_EAGER": "maybe"}, "SPECDEC_EAGER"),
+    (["generate", "--threads", "0"], {}, "--threads"),
+    (["generate"], {"SPECDEC_THREADS": "many"}, "SPECDEC_THREADS"),
     (["bench", "--repeats", "0"], {}, "--repeats"),
     (["bench", "--num-prompts", "0"], {}, "--num-prompts"),
     (["train-draft", "--method", "eagle3", "--draft-vocab-size", "0"], {}, "--draft-vocab-size"),
