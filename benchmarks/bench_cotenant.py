@@ -32,7 +32,7 @@ import time
 import torch
 
 import specdec_inductor
-from specdec_inductor.cli import encode, shipped_head
+from specdec_inductor.loading import encode, shipped_head
 from specdec_inductor.engine import threads
 from specdec_inductor.engine.engine import Engine, GenerationStats
 from specdec_inductor.engine.hf import default_gguf_path, load_model

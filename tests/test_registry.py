@@ -88,7 +88,7 @@ def test_registry_builds_every_method_and_it_drafts_exact_greedy(checkpoints, me
     spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
     ps = prompts(2)
     assert spec.generate(ps, 10) == engine.generate(ps, 10)
-    for e in (engine, getattr(proposer, "engine", engine)):
+    for e in (engine, proposer.engine or engine):
         e.pool.check_consistent()
         assert e.pool.num_free_slots == e.pool.num_slots and not e.pool.live_requests
 
