@@ -46,17 +46,20 @@ def check_model_arg(value: Optional[str]) -> Optional[str]:
 
 
 def load_checked(path: Optional[str], dtype: torch.dtype, dequantize: bool = False,
-                 quant_activation: str = "float"):
+                 quant_activation: str = "auto"):
     """hf.load_model, with a damaged safetensors file (a truncated conversion cache, an
     interrupted download) reported by name with what to do, not as a raw traceback; a named
     model that was never fetched ends with the command that fetches it. `dequantize`: GGUF
     tensors become dense weights of `dtype` (default: kept quantized, except the default model,
-    see hf.DEFAULT_QUANTIZED); `quant_activation`: float | int8 (ops.quant.QuantActivation)."""
+    see hf.DEFAULT_QUANTIZED); `quant_activation`: auto | float | int8 (ops.quant.QuantActivation;
+    auto: ops.quant.default_activation())."""
     from specdec_inductor.engine.hf import load_model
     try:
-        from specdec_inductor.ops.quant import QuantActivation
+        from specdec_inductor.ops.quant import QuantActivation, default_activation
+        activation = (default_activation() if quant_activation == "auto"
+                      else QuantActivation[quant_activation.upper()])
         return load_model(path, dtype, dequantize=True if dequantize else None,
-                          quant_activation=QuantActivation[quant_activation.upper()])
+                          quant_activation=activation)
     except FileNotFoundError as exc:
         if path in known_models():
             raise SystemExit(f"specdec: {exc}")

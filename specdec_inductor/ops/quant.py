@@ -53,6 +53,14 @@ def int8_path() -> str:
     return _C.quant_int8_path()
 
 
+def default_activation() -> "QuantActivation":
+    """The activation mode the CLI's `--quant-activations auto` picks: INT8 where the VNNI kernel
+    runs (it reads the quantized weights at about twice FLOAT's speed at one row, and the
+    engine's step graphs keep verify rows bit-identical to decode rows, so greedy speculation
+    still equals plain greedy), FLOAT where INT8 would take the slower portable loops."""
+    return QuantActivation.INT8 if int8_path() == "avx512" else QuantActivation.FLOAT
+
+
 # fmt -> (weights per block, bytes per block); the layouts are described in csrc/quant_isa.h.
 _BLOCKS = {
     QuantFormat.Q4_0: (32, 18),

@@ -79,7 +79,7 @@ class ProposerConfig:
     target_model: Optional[str] = None
     dtype: str = "fp32"
     dequantize: bool = False
-    quant_activations: str = "float"
+    quant_activations: str = "auto"
 
     def __post_init__(self):
         _check_config(self)
