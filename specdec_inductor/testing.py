@@ -249,3 +249,16 @@ def write_random_eagle3_checkpoint(path, target_config, seed=0, scale=0.3, draft
         from safetensors.torch import save_file
         save_file(sd, os.path.join(path, "model.safetensors"))
     return sd
+
+
+def tiny_gemma2(num_layers: int = 2, seed: int = 11):
+    """A tiny random Gemma-2-style model (eval mode): sliding-window layers (window 3)
+    alternating with full ones, attention soft cap 5, no final soft cap."""
+    import transformers
+    torch.manual_seed(seed)
+    config = transformers.Gemma2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        sliding_window=3, attn_logit_softcapping=5.0, final_logit_softcapping=None)
+    config._attn_implementation = "eager"
+    return transformers.AutoModelForCausalLM.from_config(config).eval()

@@ -492,14 +492,9 @@ def test_gemma2_window_and_softcap_speculative_greedy_equals_stock():
     from specdec_inductor.engine.engine import Engine
     from specdec_inductor.proposers.ngram import NgramProposer
     from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
-    torch.manual_seed(11)
-    config = transformers.Gemma2Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        sliding_window=3, attn_logit_softcapping=5.0, final_logit_softcapping=None)
-    config._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    assert "sliding_attention" in config.layer_types
+    from specdec_inductor.testing import tiny_gemma2
+    model = tiny_gemma2(num_layers=2)
+    assert "sliding_attention" in model.config.layer_types
     phrase = [5, 17, 42, 8, 61]
     prompt = phrase + [3, 9, 70] + phrase + phrase[:2]
     seq = list(prompt)

@@ -154,14 +154,9 @@ def test_sliding_and_full_layers_get_a_region_each():
     only by layers of its own kind (the window is a constant of the trace), and the compiled
     tokens equal eager's."""
     from torch._dynamo.utils import compilation_time_metrics, counters
-    torch.manual_seed(11)
-    config = transformers.Gemma2Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        sliding_window=3, attn_logit_softcapping=5.0, final_logit_softcapping=None)
-    config._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    assert config.layer_types.count("sliding_attention") == 2
+    from specdec_inductor.testing import tiny_gemma2
+    model = tiny_gemma2(num_layers=4)
+    assert model.config.layer_types.count("sliding_attention") == 2
     prompts = [[5, 17, 42, 8, 61, 3, 9, 70, 5, 17]]
     eager = Engine(model, max_batch=1, max_len=64, compile=False, prefill_chunk=8).generate(prompts, 8)
     compilation_time_metrics.clear()
