@@ -107,11 +107,6 @@ def batch_invariant_options(hidden_size: int) -> dict:
     return {"cpp.min_chunk_size": max(4096, hidden_size + 1)}
 
 
-def _hidden_size(model) -> int:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return int(getattr(cfg, "hidden_size", 0) or 0)
-
-
 def _param_layout(model) -> List[Tuple[str, torch.Size, Tuple[int, ...], torch.dtype]]:
     """(name, shape, strides, dtype) of every parameter: what the compiled steps assume."""
     return [(name, p.shape, p.stride(), p.dtype) for name, p in model.named_parameters()]
@@ -265,7 +260,7 @@ class Engine:
             if backend == "specdec":
                 from specdec_inductor.backend import specdec_backend
                 backend = functools.partial(specdec_backend, options={
-                    **ENGINE_INDUCTOR_OPTIONS, **batch_invariant_options(_hidden_size(model)),
+                    **ENGINE_INDUCTOR_OPTIONS, **batch_invariant_options(shape.hidden_size),
                     **(compile_options or {})})
             self._layout = _param_layout(model)
             guard_options = ({"guard_filter_fn": _skip_model_guards}

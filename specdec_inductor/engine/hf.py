@@ -235,11 +235,12 @@ def compile_layers_once(model) -> int:
 
 @dataclass
 class ModelShape:
-    """What the KV pool needs to know about a model."""
+    """What the engine needs to know about a model (its pool, its compile options)."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int  # the logits' width
+    hidden_size: int  # the residual stream's width (what the norms reduce over)
 
 
 def model_shape(model) -> ModelShape:
@@ -251,7 +252,7 @@ def model_shape(model) -> ModelShape:
     columns = getattr(model, "draft_to_target", None)
     vocab = cfg.vocab_size if columns is None else columns.numel()
     return ModelShape(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads,
-                      head_dim, vocab)
+                      head_dim, vocab, cfg.hidden_size)
 
 
 def default_gguf_path() -> str:
