@@ -2,14 +2,19 @@
 # Builds the llama.cpp baseline of the quantized benchmarks from the source vendored in the
 # llama-cpp-python sdist on PyPI (the same source bench_e2e's `pip install llama-cpp-python`
 # compiles), with the build machine's native flags: llama-bench (plain decode), the speculative
-# examples (draft-model speculation) and llama-lookup (prompt lookup). Idempotent: binaries land
-# in .cache/llamacpp/<version>/bin and are reused. Usage: bash benchmarks/build_llamacpp.sh
+# examples (draft-model speculation), llama-lookup (prompt lookup) and llama-server (the
+# OpenAI-compatible server bench_serve.py compares against). Idempotent: binaries land in
+# .cache/llamacpp/<version>/bin and are reused; a target added later builds on its own
+# (incrementally in the kept build directory). Usage: bash benchmarks/build_llamacpp.sh
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VERSION="${LLAMACPP_PYTHON_VERSION:-0.3.36}"
 DEST="$ROOT/.cache/llamacpp/$VERSION"
-TARGETS=(llama-bench llama-speculative llama-speculative-simple llama-lookup llama-completion)
-if [ -x "$DEST/bin/llama-bench" ] && [ -x "$DEST/bin/llama-lookup" ]; then
+TARGETS=(llama-bench llama-speculative llama-speculative-simple llama-lookup llama-completion
+         llama-server)
+missing=0
+for t in "${TARGETS[@]}"; do [ -x "$DEST/bin/$t" ] || missing=1; done
+if [ "$missing" = 0 ]; then
   echo "$DEST/bin"; exit 0
 fi
 mkdir -p "$DEST"

