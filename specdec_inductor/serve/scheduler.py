@@ -135,7 +135,6 @@ class Scheduler:
     def check(self, prompt: Sequence[int], max_tokens: int, speculative: bool = True) -> None:
         """Raise ContextLengthError unless the request fits the context, and what
         Engine.check_request raises (ValueError naming the argument) for bad token ids."""
-        self.engine.check_request([prompt], max_tokens)
         extra, limit = self.lane_for(speculative).extra, self.engine.max_len
         if len(prompt) + 1 + extra > limit:
             raise ContextLengthError(
@@ -148,6 +147,7 @@ class Scheduler:
                 f"{len(prompt) + max_tokens + extra} ({len(prompt)} in the prompt, {max_tokens} "
                 f"max_tokens and {extra} reserved by the decoder): reduce max_tokens to at most "
                 f"{limit - len(prompt) - extra}", "max_tokens")
+        self.engine.check_request([prompt], max_tokens)
 
     def submit(self, request: ServeRequest) -> None:
         """Queue a checked request; QueueFullError when max_queue requests already wait."""

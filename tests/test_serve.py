@@ -1,0 +1,356 @@
+"""`specdec serve` through the official `openai` client against servers started here (uvicorn in
+a background thread, ephemeral port, eager engines): streamed == non-streamed text, greedy text
+== `specdec generate`, 32 concurrent clients (greedy, sampled, opted out of speculation,
+cancelled mid-stream) with every greedy answer equal to its solo answer and the KV pool
+consistent and free afterwards, stop strings, 429 on a full queue, and bad requests answered
+with OpenAI-style errors naming the parameter, each followed by a request that succeeds.
+
+The text tests run the default SmolLM2 (its chat template and tokenizer matter); the load tests
+run a tiny random Llama over SmolLM2's tokenizer (its answers are gibberish, but exact)."""
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from specdec_inductor import cli  # noqa: E402
+from specdec_inductor.loading import DTYPES, encode, load_checked, model_directory  # noqa: E402
+from specdec_inductor.serve.app import chat_ids  # noqa: E402
+from specdec_inductor.serve.launch import build_service, start_in_thread  # noqa: E402
+
+MODEL = "smollm2-135m"
+PROMPTS = ["Tell me about penguins.", "Write a haiku about jazz.",
+           "Explain how wind turbines work, step by step, in detail.", "Hi",
+           "What is the capital of France? Answer briefly.",
+           "List three uses of bamboo and say why each one works.", "Cheese?",
+           "Write a Python function that rotates a list by k positions."]
+
+
+def _serve_args(*flags):
+    return cli.make_parser().parse_args(["serve", "--eager", *flags])
+
+
+class Server:
+    """A started service and its uvicorn thread; `client()` is an openai client for it."""
+
+    def __init__(self, args, model, tokenizer):
+        self.service = build_service(args, model, tokenizer)
+        self.scheduler = self.service.scheduler
+        self.http = start_in_thread(self.service)
+        self.base_url = self.http.base_url
+
+    def client(self, **kwargs):
+        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, **kwargs)
+
+    def wait_idle(self, timeout=60.0):
+        """Until nothing is queued or running; then the pools are checked (assert_idle)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.scheduler.inspect(self.scheduler.assert_idle).result(timeout)
+            except AssertionError as exc:
+                if "not idle" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def metrics(self) -> dict:
+        """The /metrics page as {'name{labels}': value}."""
+        text = urllib.request.urlopen(self.base_url[:-3] + "/metrics").read().decode()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
+
+    def close(self):
+        self.http.stop()
+        self.scheduler.stop(30)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(model_directory(None))
+
+
+def _tiny_llama(vocab_size):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64,
+                                      intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512)
+    config._attn_implementation = "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    server = Server(_serve_args("--method", "ngram", "--max-batch", "8", "--max-len", "320"),
+                    _tiny_llama(len(tokenizer)), tokenizer)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def smol():
+    model, tokenizer = load_checked(None, DTYPES["fp32"])
+    server = Server(_serve_args("--method", "ngram", "--max-batch", "4"), model, tokenizer)
+    server.tokenizer = tokenizer
+    yield server
+    server.close()
+
+
+def _complete(client, prompt, chat, stream=False, **kwargs):
+    """(text, finish_reason, completion tokens) of one request, streamed or not."""
+    kwargs = {"model": MODEL, "temperature": 0.0, **kwargs}
+    if chat:
+        call = client.chat.completions.create
+        kwargs["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        call = client.completions.create
+        kwargs["prompt"] = prompt
+    if not stream:
+        out = call(**kwargs)
+        choice = out.choices[0]
+        return (choice.message.content if chat else choice.text), choice.finish_reason, \
+            out.usage.completion_tokens
+    pieces, reason, used = [], None, None
+    for chunk in call(stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage is not None:
+            used = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            pieces.append((choice.delta.content if chat else choice.text) or "")
+            reason = choice.finish_reason or reason
+    return "".join(pieces), reason, used
+
+
+# -- the default model: chat template, text ---------------------------------------------------
+def test_chat_template_ids_equal_the_cli_encoding(smol):
+    message = [{"role": "user", "content": PROMPTS[0]}]
+    assert chat_ids(smol.tokenizer, message) == encode(smol.tokenizer, PROMPTS[0], chat=True)
+
+
+def test_greedy_chat_equals_specdec_generate(smol, capsys):
+    prompt, n = PROMPTS[4], 24
+    text, reason, used = _complete(smol.client(), prompt, chat=True, max_tokens=n)
+    capsys.readouterr()
+    assert cli.main(["generate", "--eager", "--prompt", prompt, "--max-new-tokens", str(n)]) == 0
+    expected = capsys.readouterr().out
+    assert expected.endswith("\n") and text == expected[:-1]
+    assert reason == ("length" if used == n else "stop") and 0 < used <= n
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+def test_streamed_text_equals_non_streamed(smol, chat):
+    client = smol.client()
+    prompt = PROMPTS[1] if chat else "Once upon a time, in a small village by the sea,"
+    full = _complete(client, prompt, chat, max_tokens=16)
+    streamed = _complete(client, prompt, chat, stream=True, max_tokens=16)
+    assert streamed == full and len(full[0]) > 20
+
+
+# -- the tiny model: load, stops, opt-out, errors ---------------------------------------------
+def test_stop_strings_cut_the_text_streamed_and_not(tiny):
+    client = tiny.client()
+    text, reason, used = _complete(client, PROMPTS[2], chat=False, max_tokens=40)
+    assert reason == "length" and used == 40
+    stop = text[len(text) // 2:len(text) // 2 + 3]  # a piece from the middle
+    expected = text[:text.index(stop)]
+    for stream in (False, True):
+        cut, reason, used = _complete(client, PROMPTS[2], chat=False, stream=stream,
+                                      max_tokens=40, stop=["@@never@@", stop])
+        assert (cut, reason) == (expected, "stop") and used < 40
+    tiny.wait_idle()
+
+
+def test_speculative_false_decodes_without_drafts_and_gives_the_same_tokens(tiny):
+    client = tiny.client()
+    steps = 'specdec_steps_total{method="none"}'
+    before = tiny.metrics()[steps]
+    plain = _complete(client, PROMPTS[5], chat=True, max_tokens=24,
+                      extra_body={"speculative": False})
+    assert tiny.metrics()[steps] > before  # it ran in the draft-less lane
+    assert plain == _complete(client, PROMPTS[5], chat=True, max_tokens=24)
+
+
+def _load_case(i):
+    """Request i of the 32-client test: (prompt, chat, max_tokens, kind, extra kwargs)."""
+    prompt, chat, n = PROMPTS[i % 8], i % 2 == 0, 8 + (i * 7) % 33
+    kind = ("greedy", "greedy", "sampled", "cancelled")[i // 8]
+    extra = {}
+    if kind == "sampled":
+        extra = {"temperature": 0.9, "top_p": 0.95, "seed": i, "extra_body": {"top_k": 50}}
+    elif kind == "cancelled":
+        n = 250  # still running when its client leaves
+    if kind == "greedy" and i % 3 == 0:
+        extra = {"extra_body": {"speculative": False}}
+    return prompt, chat, n, kind, extra
+
+
+def test_32_concurrent_clients(tiny):
+    solo = {}
+    client = tiny.client()
+    for i in range(16):  # greedy answers, one client at a time
+        prompt, chat, n, kind, _ = _load_case(i)
+        solo[i] = _complete(client, prompt, chat, max_tokens=n)[0]
+    cancelled_before = tiny.metrics().get('specdec_requests_total{outcome="cancelled"}', 0)
+    results, errors = {}, []
+    start = threading.Barrier(32)
+
+    def run(i):
+        prompt, chat, n, kind, extra = _load_case(i)
+        try:
+            start.wait()
+            c = tiny.client()
+            if kind != "cancelled":
+                results[i] = _complete(c, prompt, chat, stream=i % 4 < 2, max_tokens=n, **extra)
+                return
+            kwargs = {"model": MODEL, "max_tokens": n, "temperature": 0.0, "stream": True}
+            stream = (c.chat.completions.create(messages=[{"role": "user", "content": prompt}],
+                                                **kwargs) if chat
+                      else c.completions.create(prompt=prompt, **kwargs))
+            for k, chunk in enumerate(stream):
+                assert chunk.choices[0].finish_reason is None
+                if k == 3:
+                    break
+            stream.close()  # mid-stream: the server cancels it
+            results[i] = "closed"
+        except Exception as exc:  # noqa: BLE001 -- reported below
+            errors.append((i, repr(exc)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert len(results) == 32
+    for i in range(16):
+        assert results[i][0] == solo[i], i
+    for i in range(16, 24):
+        text, reason, used = results[i]
+        assert reason in ("stop", "length") and 0 < used <= _load_case(i)[2]
+    tiny.wait_idle()  # every KV slot is free and the pool consistent
+    cancelled = tiny.metrics()['specdec_requests_total{outcome="cancelled"}'] - cancelled_before
+    assert cancelled == 8
+
+
+def _post(url, body, raw=False):
+    """(status, parsed JSON) of a POST with a JSON (or raw) body."""
+    data = body if raw else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _ok():
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+
+
+BAD = [  # (endpoint, body change or raw bytes, status, param)
+    ("completions", b"{not json", 400, None),
+    ("completions", {"model": "gpt-4o"}, 404, "model"),
+    ("completions", {"max_tokens": -1}, 400, "max_tokens"),
+    ("completions", {"max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"max_tokens": 10 ** 9}, 400, "max_tokens"),
+    ("completions", {"max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {"prompt": "word " * 400}, 400, "prompt"),
+    ("chat/completions", {"prompt": None, "messages": [{"role": "user", "content": "x " * 400}]},
+     400, "messages"),
+    ("completions", {"temperature": 5}, 400, "temperature"),
+    ("completions", {"temperature": "hot"}, 400, "temperature"),
+    ("completions", {"top_p": 0}, 400, "top_p"),
+    ("completions", {"top_k": -1}, 400, "top_k"),
+    ("completions", {"seed": -3}, 400, "seed"),
+    ("completions", {"n": 2}, 400, "n"),
+    ("completions", {"logprobs": 2}, 400, "logprobs"),
+    ("completions", {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("completions", {"prompt": [1, 10 ** 7]}, 400, "prompt"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"frobnicate": True}, 400, "frobnicate"),
+    ("completions", {"model": None}, 400, "model"),
+    ("chat/completions", {"prompt": None}, 400, "messages"),
+    ("chat/completions", {"prompt": None, "messages": []}, 400, "messages"),
+    ("chat/completions", {"prompt": None, "messages": [{"role": "robot", "content": "x"}]},
+     400, "messages.0.role"),
+    ("chat/completions", {"prompt": None, "messages": [{"role": "user", "content": "x"}],
+                          "tools": [{"type": "function"}]}, 400, "tools"),
+]
+
+
+@pytest.mark.parametrize("endpoint,change,status,param", BAD,
+                         ids=[f"{i}-{case[3]}" for i, case in enumerate(BAD)])
+def test_bad_request_is_an_openai_error_and_the_next_request_succeeds(tiny, endpoint, change,
+                                                                       status, param):
+    url = f"{tiny.base_url}/{endpoint}"
+    if isinstance(change, bytes):
+        got, body = _post(url, change, raw=True)
+    else:
+        request = {**_ok(), **change}  # None: the field left out
+        got, body = _post(url, {k: v for k, v in request.items() if v is not None})
+    assert got == status, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+    if param and "." not in param and error["code"] != "context_length_exceeded":
+        assert param in error["message"], error
+    status_ok, answer = _post(f"{tiny.base_url}/completions", _ok())
+    assert status_ok == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+def test_openai_client_surfaces_the_errors(tiny):
+    client = tiny.client()
+    caught = []
+    for kwargs in ({"model": "nope"}, {"max_tokens": 10 ** 9}):
+        try:
+            client.completions.create(**{"model": MODEL, "prompt": "x", **kwargs})
+        except openai.APIStatusError as exc:
+            caught.append((exc.status_code, exc.body["param"]))
+    assert caught == [(404, "model"), (400, "max_tokens")]
+    assert _complete(client, "Hello", chat=False, max_tokens=3)[2] == 3
+
+
+def test_models_health_metrics_and_unknown_routes(tiny):
+    client = tiny.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    base = tiny.base_url[:-3]
+    assert json.loads(urllib.request.urlopen(base + "/health").read()) == {"status": "ok"}
+    got, body = _post(base + "/v1/embeddings", {"model": MODEL, "input": "x"})
+    assert got == 404 and body["error"]["type"] == "not_found_error"
+    metrics = tiny.metrics()
+    for name in ("specdec_generation_tokens_total", "specdec_time_to_first_token_seconds_count",
+                 "specdec_inter_token_latency_seconds_count", "specdec_queue_depth",
+                 'specdec_kv_pool_usage_ratio{pool="target"}',
+                 'specdec_mean_accepted_length{method="ngram"}',
+                 'specdec_acceptance_rate{method="ngram",position="0"}',
+                 "specdec_generation_tokens_per_second"):
+        assert name in metrics, name
+    assert metrics["specdec_generation_tokens_total"] > 0
+    assert metrics['specdec_http_errors_total{status="404"}'] >= 1
+
+
+def test_a_full_queue_answers_429(tokenizer):
+    server = Server(_serve_args("--max-batch", "1", "--max-queue", "1", "--max-len", "320"),
+                    _tiny_llama(len(tokenizer)), tokenizer)
+    try:
+        client = server.client()
+        running = client.completions.create(model=MODEL, prompt="a", max_tokens=250,
+                                            temperature=0, stream=True)
+        next(iter(running))  # admitted: it decodes now, the queue is empty
+        queued = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0,
+                                                messages=[{"role": "user", "content": "b"}],
+                                                stream=True)
+        got, body = _post(server.base_url + "/completions", _ok())
+        assert got == 429 and body["error"]["code"] == "rate_limit_exceeded", body
+        running.close()
+        assert "".join(c.choices[0].delta.content or "" for c in queued if c.choices)
+        server.wait_idle()
+    finally:
+        server.close()
