@@ -177,6 +177,18 @@ def test_speculative_false_decodes_without_drafts_and_gives_the_same_tokens(tiny
     assert plain == _complete(client, PROMPTS[5], chat=True, max_tokens=24)
 
 
+def test_a_lone_request_decodes_in_the_single_request_batch(tiny):
+    stream = tiny.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200,
+                                              temperature=0, stream=True)
+    next(iter(stream))
+    cohorts = tiny.scheduler.lanes[0].cohorts
+    running = tiny.scheduler.inspect(lambda: [(c.capacity, len(c.running))
+                                              for c in cohorts]).result(30)
+    stream.close()
+    assert running == [(1, 1), (8, 0)]
+    tiny.wait_idle()
+
+
 def _load_case(i):
     """Request i of the 32-client test: (prompt, chat, max_tokens, kind, extra kwargs)."""
     prompt, chat, n = PROMPTS[i % 8], i % 2 == 0, 8 + (i * 7) % 33

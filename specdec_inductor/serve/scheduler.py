@@ -17,6 +17,12 @@ the loop's guarantee); a sampled request keeps the target's distribution, but it
 stream depends on the tree sizes its batch verifies, so a seed repeats a request's text only
 under the same load.
 
+A batch keeps one bucket (its capacity's) for its whole life, and every step and prefill
+costs that bucket's rows. So each lane holds two batches, a single-request one (bucket 1)
+and a full one (bucket max_batch): a request that arrives to an idle lane runs alone at
+bucket 1 (one client pays no padding rows); anything else joins the full batch, and the
+single one drains as its request ends, so under load everything decodes in one step.
+
 The step API admits a group with one max_new_tokens: a group shares its largest request's
 budget and the scheduler ends each request at its own max_tokens (it retires the request
 right after the step that reached it, and never hands out tokens past it).
@@ -36,6 +42,9 @@ from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
 from specdec_inductor.speculative.loop import ActiveRequest
 
 log = logging.getLogger("specdec.serve")
+
+# The capacity of each lane's small batch (see the module docstring).
+SINGLE_CAPACITY = 1
 
 # finish_reason of a Delta that ends a request
 STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"
@@ -80,22 +89,48 @@ class ServeRequest:
     last_token_at: Optional[float] = None
 
 
-class Lane:
-    """A SpeculativeGenerator, its batch while the scheduler runs, its queue and its running
-    requests. `extra`: KV positions admission reserves past max_new_tokens (the draft tree)."""
+class Cohort:
+    """One open batch of a lane and the requests running in it."""
 
-    def __init__(self, method: str, generator: SpeculativeGenerator, capacity: int):
-        self.method, self.generator, self.capacity = method, generator, capacity
+    def __init__(self, lane: "Lane", capacity: int):
+        self.lane, self.capacity = lane, capacity
+        self.batch = None  # open while the scheduler runs
+        self.running: Dict[ActiveRequest, ServeRequest] = {}
+
+    def room(self) -> int:
+        return self.capacity - len(self.batch.requests)
+
+
+class Lane:
+    """A SpeculativeGenerator, its queue and its cohorts (batches: SINGLE_CAPACITY, then
+    max_batch). `extra`: KV positions admission reserves past max_new_tokens (the draft
+    tree)."""
+
+    def __init__(self, method: str, generator: SpeculativeGenerator, max_batch: int):
+        self.method, self.generator = method, generator
         self.extra = generator.num_draft_tokens
         self.stats = SpeculativeStats()
-        self.batch = None
         self.waiting: Deque[ServeRequest] = deque()
-        self.running: Dict[ActiveRequest, ServeRequest] = {}
+        capacities = sorted({min(SINGLE_CAPACITY, max_batch), max_batch})
+        self.cohorts = [Cohort(self, c) for c in capacities]
+
+    @property
+    def running(self) -> Dict[ActiveRequest, ServeRequest]:
+        return {a: r for c in self.cohorts for a, r in c.running.items()}
+
+    def cohort_for_admission(self) -> Optional[Cohort]:
+        """The single-request batch for the one request of an idle lane, else the full batch
+        while it has room, else any with room."""
+        single, full = self.cohorts[0], self.cohorts[-1]
+        idle = not any(c.running for c in self.cohorts)
+        if single is not full and idle and len(self.waiting) == 1:
+            return single
+        return next((c for c in reversed(self.cohorts) if c.room() > 0), None)
 
 
 class Scheduler:
     """Owns `engine` (and `proposer`) from start() to stop(). method: the proposer's name (the
-    metrics label); max_batch: requests decoding at once per lane (the batch capacity);
+    metrics label); max_batch: requests decoding at once per lane (the full batch's capacity);
     warmup_prompt: token ids of a scratch request run through every lane before serving (a
     compiled engine compiles its graphs there, an eager one pays its first-call costs)."""
 
@@ -197,7 +232,7 @@ class Scheduler:
     def assert_idle(self) -> None:
         """Between steps, with nothing queued or running: every pool consistent and fully free.
         The test hook for inspect()."""
-        assert self._queued == 0 and not any(l.running for l in self.lanes), "not idle"
+        assert self._queued == 0 and not self._busy(), "not idle"
         for pool in self.kv_pools():
             pool.check_consistent()
             assert pool.num_free_slots == pool.num_slots, (
@@ -205,19 +240,24 @@ class Scheduler:
             assert not pool.live_requests, "requests still hold rows"
 
     # -- the scheduler thread ------------------------------------------------------------------
+    @property
+    def _cohorts(self) -> List[Cohort]:
+        return [c for lane in self.lanes for c in lane.cohorts]
+
     def _run(self) -> None:
         try:
             self._warm_up()
             with contextlib.ExitStack() as scopes:
-                for lane in self.lanes:
-                    lane.batch = scopes.enter_context(lane.generator.batch(lane.capacity,
-                                                                           lane.stats))
+                for cohort in self._cohorts:
+                    lane = cohort.lane
+                    cohort.batch = scopes.enter_context(lane.generator.batch(cohort.capacity,
+                                                                             lane.stats))
                 self.ready.set()
                 while self._wait_for_work():
                     self._boundary()
-                    for lane in self.lanes:
-                        if lane.running:
-                            self._step(lane)
+                    for cohort in self._cohorts:
+                        if cohort.running:
+                            self._step(cohort)
         except BaseException as exc:  # noqa: BLE001 -- reported to every waiting client
             log.exception("the scheduler stopped")
             self.failed = exc
@@ -227,22 +267,26 @@ class Scheduler:
             self.ready.set()
 
     def _warm_up(self) -> None:
+        """A scratch request through every batch size of every lane (compiles their graphs)."""
         if self._warmup is None:
             return
         prompt, tokens = self._warmup
-        for lane in self.lanes:
-            gen = lane.generator
-            gen.compile_verify(batch_size=lane.capacity)
-            with gen.batch(lane.capacity) as batch:
+        for cohort in self._cohorts:
+            gen = cohort.lane.generator
+            gen.compile_verify(batch_size=cohort.capacity)
+            with gen.batch(cohort.capacity) as batch:
                 gen.admit(batch, [prompt], tokens + gen.num_draft_tokens)
                 while batch.live:
                     gen.step(batch)
+
+    def _busy(self) -> bool:
+        return any(c.running for c in self._cohorts)
 
     def _wait_for_work(self) -> bool:
         """Block until there is something to do; move new requests into their lanes and run
         the test hooks. False once stopping."""
         with self._cond:
-            while not (self._wake or self._stopping or any(l.running for l in self.lanes)):
+            while not (self._wake or self._stopping or self._busy()):
                 self._cond.wait()
             self._wake = False
             if self._stopping:
@@ -259,24 +303,24 @@ class Scheduler:
         return True
 
     def _boundary(self) -> None:
-        for lane in self.lanes:
-            cancelled = [a for a, r in lane.running.items() if r.cancelled]
+        for cohort in self._cohorts:
+            cancelled = [a for a, r in cohort.running.items() if r.cancelled]
             if cancelled:
-                self._retire(lane, cancelled)
+                self._retire(cohort, cancelled)
                 for a in cancelled:
-                    self._end(lane.running.pop(a), CANCELLED)
+                    self._end(cohort.running.pop(a), CANCELLED)
+        for lane in self.lanes:
             for request in [r for r in lane.waiting if r.cancelled]:
                 lane.waiting.remove(request)
                 self._dequeued(1)
                 self._end(request, CANCELLED)
-        for lane in self.lanes:
             self._admit_waiting(lane)
 
-    def _next_group(self, lane: Lane) -> Tuple[List[ServeRequest], int]:
-        """The longest head of the lane's queue that fits now, and its shared max_new_tokens
-        (the loop reserves prompt + max_new_tokens + extra slots per request)."""
+    def _next_group(self, lane: Lane, cohort: Cohort) -> Tuple[List[ServeRequest], int]:
+        """The longest head of the lane's queue that fits the cohort now, and its shared
+        max_new_tokens (the loop reserves prompt + max_new_tokens + extra slots per request)."""
         pool = self.engine.pool
-        rows = min(pool.num_free_rows, lane.capacity - len(lane.batch.requests))
+        rows = min(pool.num_free_rows, cohort.room())
         group: List[ServeRequest] = []
         longest = most = prompt_slots = 0
         for request in lane.waiting:
@@ -292,15 +336,16 @@ class Scheduler:
 
     def _admit_waiting(self, lane: Lane) -> None:
         while lane.waiting:
-            group, most = self._next_group(lane)
+            cohort = lane.cohort_for_admission()
+            group, most = self._next_group(lane, cohort) if cohort is not None else ([], 0)
             if not group:
                 return
             try:
                 # The one admission call site (chunked-prefill options go here).
-                actives = lane.generator.admit(lane.batch, [r.prompt for r in group], most,
+                actives = lane.generator.admit(cohort.batch, [r.prompt for r in group], most,
                                                [r.sampling for r in group], self.eos_token_id)
             except PoolExhaustedError:
-                if any(l.running for l in self.lanes):
+                if self._busy():
                     return  # a draft model's pool is full: retried after the next retire
                 self._fail_group(lane, group, "no KV room for the request")
                 continue
@@ -312,27 +357,27 @@ class Scheduler:
             for request, active in zip(group, actives):
                 lane.waiting.popleft()
                 request.active = active
-                lane.running[active] = request
+                cohort.running[active] = request
             self._dequeued(len(group))
             for request, active in zip(group, actives):
                 self._deliver(request, active.tokens, now)
-            self._retire_finished(lane)
+            self._retire_finished(cohort)
 
-    def _step(self, lane: Lane) -> None:
+    def _step(self, cohort: Cohort) -> None:
         try:
-            emitted = lane.generator.step(lane.batch)
+            emitted = cohort.lane.generator.step(cohort.batch)
         except Exception as exc:  # noqa: BLE001 -- its requests fail, the server serves on
             log.exception("a step failed")
-            failed = list(lane.running)
+            failed = list(cohort.running)
             with contextlib.suppress(Exception):
-                self._retire(lane, failed)
+                self._retire(cohort, failed)
             for a in failed:
-                self._end(lane.running.pop(a), ERROR, f"decoding failed: {exc}")
+                self._end(cohort.running.pop(a), ERROR, f"decoding failed: {exc}")
             return
         now = time.perf_counter()
         for active, tokens in emitted.items():
-            self._deliver(lane.running[active], tokens, now)
-        self._retire_finished(lane)
+            self._deliver(cohort.running[active], tokens, now)
+        self._retire_finished(cohort)
 
     def _deliver(self, request: ServeRequest, tokens: List[int], now: float) -> None:
         """Hand out a step's tokens, cut at the request's own max_tokens."""
@@ -354,16 +399,16 @@ class Scheduler:
         if reason is not None and self.metrics is not None:
             self.metrics.request_ended(reason)
 
-    def _retire_finished(self, lane: Lane) -> None:
-        done = [a for a, r in lane.running.items() if r.finished]
+    def _retire_finished(self, cohort: Cohort) -> None:
+        done = [a for a, r in cohort.running.items() if r.finished]
         if done:
-            self._retire(lane, done)
+            self._retire(cohort, done)
             for a in done:
-                del lane.running[a]
+                del cohort.running[a]
 
     @staticmethod
-    def _retire(lane: Lane, actives: List[ActiveRequest]) -> None:
-        lane.generator.retire(lane.batch, *actives)
+    def _retire(cohort: Cohort, actives: List[ActiveRequest]) -> None:
+        cohort.lane.generator.retire(cohort.batch, *actives)
 
     def _fail_group(self, lane: Lane, group: List[ServeRequest], message: str) -> None:
         for request in group:
@@ -389,10 +434,12 @@ class Scheduler:
             self._stopping = True
         for _, future in calls:
             future.set_exception(RuntimeError(message))
-        pending = inbox + [r for l in self.lanes for r in list(l.waiting) + list(l.running.values())]
+        pending = inbox + [r for lane in self.lanes
+                           for r in list(lane.waiting) + list(lane.running.values())]
         for lane in self.lanes:
             lane.waiting.clear()
-            lane.running.clear()
+            for cohort in lane.cohorts:
+                cohort.running.clear()
         for request in pending:
             if not request.finished:
                 self._end(request, ERROR, message)

@@ -1,0 +1,252 @@
+"""`specdec serve` under load: N concurrent clients (default 1, 4, 16) send the held-out prompts
+(train/corpus.py) as streamed chat completions through the official `openai` client, to our
+server with each --methods entry ("none": no speculation) and to llama.cpp's llama-server
+(built from the vendored source by build_llamacpp.sh) on the same GGUF file, with the same
+prompts, client and settings (greedy, --max-tokens, stop at eos).
+
+Per server and concurrency: aggregate tokens/s (completion tokens of all requests / wall time
+of the run), p50 / p99 time to first token (request sent -> first text chunk) and p50 / p99
+inter-token latency (per request: (last chunk - first chunk) / (completion tokens - 1), so a
+speculative step that sends several tokens in one chunk counts as several tokens), mean
+completion tokens. Every server is started first and stays up; the runs then take turns
+(repeat -> concurrency -> server) so a drift of the machine's speed hits them alike. tok/s is
+the median over --repeats; latencies pool the repeats' requests. Ratios: vs llama-server at
+the same concurrency, vs our no-speculation server at the same concurrency, and vs the same
+server at concurrency 1 (the scaling).
+
+    bash benchmarks/build_llamacpp.sh      # once (llama-server)
+    python benchmarks/bench_serve.py                                  # none, ngram, eagle3
+    python benchmarks/bench_serve.py --eager --concurrency 1,4 --prompts 4 --max-tokens 16 \\
+        --requests-per-client 1 --repeats 1                           # a quick smoke run
+"""
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from bench_quant_e2e import llamacpp_bin, model_file  # noqa: E402
+from specdec_inductor.train.corpus import heldout_prompts  # noqa: E402
+
+NAME = "bench"  # the model name both servers answer to
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server subprocess on a free port; `up()` waits for GET /health to answer 200."""
+
+    def __init__(self, label: str, cmd: List[str], log_dir: str):
+        self.label, self.port = label, free_port()
+        self.log_path = os.path.join(log_dir, label.replace(" ", "_") + ".log")
+        self.log = open(self.log_path, "w")
+        cmd = [c.replace("{port}", str(self.port)) for c in cmd]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env={**os.environ, "PYTHONPATH": ROOT})
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    def up(self, timeout: float) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.label} exited (rc {self.proc.returncode}); see "
+                                   f"{self.log_path}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
+                    return time.monotonic() - t0
+            except OSError:
+                time.sleep(1.0)
+        raise RuntimeError(f"{self.label} not healthy after {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def ours(method: str, args, log_dir: str) -> ServerProcess:
+    cmd = [sys.executable, "-m", "specdec_inductor.cli", "serve", "--port", "{port}",
+           "--method", method, "--max-batch", str(args.max_batch), "--max-len",
+           str(args.max_len), "--max-queue", str(4 * max(args.concurrency)),
+           "--served-model-name", NAME, "--max-new-tokens", str(args.max_tokens)]
+    cmd += ["--model", args.model] if args.model else []
+    cmd += ["--eager"] if args.eager else []
+    return ServerProcess(f"ours {method}", cmd, log_dir)
+
+
+def llama_server(bindir: str, args, log_dir: str) -> ServerProcess:
+    threads = args.threads or os.cpu_count()
+    cmd = [os.path.join(bindir, "llama-server"), "-m", model_file(args.model), "--port", "{port}",
+           "--host", "127.0.0.1", "-a", NAME, "-t", str(threads), "-np", str(args.max_batch),
+           "-c", str(args.max_len * args.max_batch), "-cb", "--no-webui"]
+    return ServerProcess("llama-server", cmd, log_dir)
+
+
+def one_request(base_url: str, prompt: str, max_tokens: int) -> dict:
+    """Stream one chat completion; the client-side timings of its chunks."""
+    import openai
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    t0 = time.perf_counter()
+    first = last = None
+    chunks, used = 0, None
+    for chunk in client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            temperature=0.0, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            used = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].delta.content:
+            now = time.perf_counter()
+            first = now if first is None else first
+            last, chunks = now, chunks + 1
+    tokens = used if used is not None else chunks
+    return {"ttft": (first if first is not None else time.perf_counter()) - t0,
+            "itl": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None,
+            "tokens": tokens}
+
+
+def run_load(server: ServerProcess, prompts: List[str], clients: int, per_client: int,
+             max_tokens: int) -> dict:
+    """`clients` threads, each sending `per_client` requests one after the other."""
+    results, errors = [], []
+
+    def client(c):
+        for j in range(per_client):
+            try:
+                results.append(one_request(server.base_url,
+                                           prompts[(c * per_client + j) % len(prompts)],
+                                           max_tokens))
+            except Exception as exc:  # noqa: BLE001 -- counted and shown
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{server.label}: {len(errors)} failed requests, e.g. {errors[0]}")
+    return {"tok_s": sum(r["tokens"] for r in results) / wall, "requests": results}
+
+
+def percentile(values: List[float], q: float) -> float:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def summarize(runs: List[dict]) -> dict:
+    requests = [r for run in runs for r in run["requests"]]
+    ttft, itl = [r["ttft"] for r in requests], [r["itl"] for r in requests]
+    return {"tok_s": statistics.median(run["tok_s"] for run in runs),
+            "ttft50": percentile(ttft, 50), "ttft99": percentile(ttft, 99),
+            "itl50": percentile(itl, 50), "itl99": percentile(itl, 99),
+            "tokens": statistics.mean(r["tokens"] for r in requests)}
+
+
+def ratio(a: Optional[dict], b: Optional[dict]) -> str:
+    return f"{a['tok_s'] / b['tok_s']:.2f}x" if a and b else "-"
+
+
+def print_table(table: Dict[str, Dict[int, dict]], concurrency: List[int]) -> None:
+    print("| server | clients | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | tokens/request | "
+          "vs llama-server | vs ours none | vs its 1 client |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in concurrency:
+        for label, rows in table.items():
+            r = rows[c]
+            print(f"| {label} | {c} | {r['tok_s']:.1f} | {r['ttft50'] * 1e3:.0f} / "
+                  f"{r['ttft99'] * 1e3:.0f} | {r['itl50'] * 1e3:.1f} / {r['itl99'] * 1e3:.1f} | "
+                  f"{r['tokens']:.1f} | {ratio(r, table.get('llama-server', {}).get(c))} | "
+                  f"{ratio(r, table.get('ours none', {}).get(c))} | "
+                  f"{ratio(r, rows.get(concurrency[0]))} |")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model name or .gguf (default: the SmolLM2-135M Q4_1 file, kept quantized "
+                        "as llama-server runs it)")
+    p.add_argument("--methods", default="none,ngram,eagle3",
+                   help="our servers, one per method (none: no speculation)")
+    p.add_argument("--concurrency", default="1,4,16", help="clients at once, comma list")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=len(heldout_prompts()),
+                   help="the first K held-out prompts")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-batch", type=int, default=16, help="both servers' parallel requests")
+    p.add_argument("--max-len", type=int, default=512, help="context per request")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--eager", action="store_true", help="our servers uncompiled (smoke runs)")
+    p.add_argument("--threads", type=int, default=None, help="llama-server -t (default: cores)")
+    p.add_argument("--llamacpp-bin", default=None, help="llama.cpp bin dir (default: build it)")
+    p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--startup-timeout", type=float, default=1800.0)
+    args = p.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    methods = args.methods.split(",")
+    for name, value in (("--repeats", args.repeats), ("--prompts", args.prompts),
+                        ("--requests-per-client", args.requests_per_client),
+                        ("--max-tokens", args.max_tokens), ("--concurrency",
+                                                            min(args.concurrency))):
+        if value < 1:
+            raise SystemExit(f"bench_serve: {name} must be >= 1")
+    prompts = heldout_prompts()[:args.prompts]
+    log_dir = tempfile.mkdtemp(prefix="bench_serve_")
+    bindir = None if args.no_llamacpp else llamacpp_bin(args.llamacpp_bin)
+    servers = []
+    try:
+        for method in methods:  # one at a time: each compiles (or warms up) on all cores
+            servers.append(ours(method, args, log_dir))
+            print(f"# {servers[-1].label}: up in {servers[-1].up(args.startup_timeout):.0f} s",
+                  flush=True)
+        if bindir is not None:
+            servers.append(llama_server(bindir, args, log_dir))
+            print(f"# llama-server: up in {servers[-1].up(args.startup_timeout):.0f} s", flush=True)
+        for server in servers:  # untimed: first-request costs
+            one_request(server.base_url, prompts[0], 4)
+        runs: Dict[str, Dict[int, List[dict]]] = {s.label: {c: [] for c in args.concurrency}
+                                                  for s in servers}
+        for _ in range(args.repeats):
+            for c in args.concurrency:
+                for server in servers:
+                    run = run_load(server, prompts, c, args.requests_per_client, args.max_tokens)
+                    runs[server.label][c].append(run)
+                    print(f"# {server.label}, {c} clients: {run['tok_s']:.1f} tok/s", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    import torch
+    print(f"# {args.model or 'smollm2-135m'} ({os.path.basename(model_file(args.model))}), "
+          f"{os.cpu_count()} cores, torch {torch.__version__}; ours "
+          f"{'eager' if args.eager else 'compiled'}; {len(prompts)} held-out prompts, "
+          f"{args.requests_per_client} requests per client, max_tokens {args.max_tokens}, greedy, "
+          f"stop at eos; max batch {args.max_batch}; tok/s medians of {args.repeats}; "
+          f"server logs in {log_dir}")
+    print_table({label: {c: summarize(r) for c, r in rows.items()}
+                 for label, rows in runs.items()}, args.concurrency)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
