@@ -128,6 +128,17 @@ def _complete(client, prompt, chat, stream=False, **kwargs):
     return "".join(pieces), reason, used
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--port", "70000"], "argument --port: must lie in [0, 65535]"),
+    (["--max-queue", "0"], "argument --max-queue: must be >= 1"),
+    (["--method", "ngram", "--num-draft-tokens", "1"], "--num-draft-tokens"),
+])
+def test_serve_flags_are_checked_before_anything_loads(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", *flags])
+    assert message in capsys.readouterr().err
+
+
 # -- the default model: chat template, text ---------------------------------------------------
 def test_chat_template_ids_equal_the_cli_encoding(smol):
     message = [{"role": "user", "content": PROMPTS[0]}]

@@ -125,7 +125,7 @@ def _scheduler_gauges(scheduler) -> List[str]:
     lines = _family("queue_depth", "gauge", "Requests waiting for admission.",
                     [("", {}, scheduler.queue_depth)])
     lines += _family("running_requests", "gauge", "Requests decoding, per method (lane).",
-                     [("", {"method": l.method}, len(l.running)) for l in scheduler.lanes])
+                     [("", {"method": l.method}, l.running_count) for l in scheduler.lanes])
     pools = list(zip(("target", "draft"), scheduler.kv_pools()))
     lines += _family("kv_slots_used", "gauge", "KV pool slots held by requests.",
                      [("", {"pool": n}, p.num_slots - p.num_free_slots) for n, p in pools])

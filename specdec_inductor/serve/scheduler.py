@@ -21,7 +21,10 @@ A batch keeps one bucket (its capacity's) for its whole life, and every step and
 costs that bucket's rows. So each lane holds two batches, a single-request one (bucket 1)
 and a full one (bucket max_batch): a request that arrives to an idle lane runs alone at
 bucket 1 (one client pays no padding rows); anything else joins the full batch, and the
-single one drains as its request ends, so under load everything decodes in one step.
+single one drains as its request ends, so under load everything decodes in one step (while
+both hold requests, an iteration steps both: a burst that starts with one request pays that
+until the single request ends). A bucket that follows the live count needs the step API to
+resize a batch between steps (it owns the bucket-sized step state).
 
 The step API admits a group with one max_new_tokens: a group shares its largest request's
 budget and the scheduler ends each request at its own max_tokens (it retires the request
@@ -116,7 +119,12 @@ class Lane:
 
     @property
     def running(self) -> Dict[ActiveRequest, ServeRequest]:
+        """The scheduler thread's view (other threads: running_count)."""
         return {a: r for c in self.cohorts for a, r in c.running.items()}
+
+    @property
+    def running_count(self) -> int:
+        return sum(len(c.running) for c in self.cohorts)  # no iteration over a changing dict
 
     def cohort_for_admission(self) -> Optional[Cohort]:
         """The single-request batch for the one request of an idle lane, else the full batch
