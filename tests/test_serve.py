@@ -8,7 +8,6 @@ with OpenAI-style errors naming the parameter, each followed by a request that s
 The text tests run the default SmolLM2 (its chat template and tokenizer matter); the load tests
 run a tiny random Llama over SmolLM2's tokenizer (its answers are gibberish, but exact)."""
 import json
-import re
 import threading
 import time
 import urllib.error
