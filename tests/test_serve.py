@@ -24,6 +24,7 @@ from specdec_inductor import cli  # noqa: E402
 from specdec_inductor.loading import DTYPES, encode, load_checked, model_directory  # noqa: E402
 from specdec_inductor.serve.app import chat_ids  # noqa: E402
 from specdec_inductor.serve.launch import build_service, start_in_thread  # noqa: E402
+from specdec_inductor.testing import write_random_eagle3_checkpoint  # noqa: E402
 
 MODEL = "smollm2-135m"
 PROMPTS = ["Tell me about penguins.", "Write a haiku about jazz.",
@@ -76,10 +77,10 @@ def tokenizer():
     return transformers.AutoTokenizer.from_pretrained(model_directory(None))
 
 
-def _tiny_llama(vocab_size):
+def _tiny_llama(vocab_size, layers=2):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64,
-                                      intermediate_size=128, num_hidden_layers=2,
+                                      intermediate_size=128, num_hidden_layers=layers,
                                       num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=512)
     config._attn_implementation = "sdpa"
@@ -373,6 +374,36 @@ def test_a_full_queue_answers_429(tokenizer):
         assert got == 429 and body["error"]["code"] == "rate_limit_exceeded", body
         running.close()
         assert "".join(c.choices[0].delta.content or "" for c in queued if c.choices)
+        server.wait_idle()
+    finally:
+        server.close()
+
+
+def test_eagle3_server_answers_greedy_as_its_draftless_lane(tokenizer, tmp_path):
+    """A draft-model method (its own draft Engine and KV pool, the target's hidden states):
+    concurrent greedy answers equal the draft-less lane's, and both pools end free."""
+    target = _tiny_llama(len(tokenizer), layers=4)
+    write_random_eagle3_checkpoint(str(tmp_path), target.config, seed=3, layer_ids=[0, 1, 2])
+    server = Server(_serve_args("--method", "eagle3", "--draft-model", str(tmp_path),
+                                "--max-batch", "4", "--max-len", "256"), target, tokenizer)
+    try:
+        assert len(server.scheduler.kv_pools()) == 2  # the draft model's pool is checked too
+        client = server.client()
+        plain = [_complete(client, p, chat=True, max_tokens=12,
+                           extra_body={"speculative": False}) for p in PROMPTS[:3]]
+        got = [None] * 3
+
+        def run(i):
+            got[i] = _complete(server.client(), PROMPTS[i], chat=True, stream=i == 1,
+                               max_tokens=12)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == plain
+        assert server.metrics()['specdec_steps_total{method="eagle3"}'] > 0
         server.wait_idle()
     finally:
         server.close()
