@@ -101,7 +101,8 @@ class Cohort:
         self.running: Dict[ActiveRequest, ServeRequest] = {}
 
     def room(self) -> int:
-        return self.capacity - len(self.batch.requests)
+        # Every admitted, unretired request (a prompt still prefilling in chunks too).
+        return self.capacity - len(self.running)
 
 
 class Lane:
@@ -397,6 +398,8 @@ class Scheduler:
             reason = LENGTH
         else:
             reason = None
+        if not tokens and reason is None:
+            return  # nothing yet (a prompt still being prefilled in chunks)
         if self.metrics is not None and tokens:
             self.metrics.tokens_delivered(request, len(tokens), now)
         if request.first_token_at is None:
