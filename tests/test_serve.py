@@ -189,6 +189,7 @@ def test_speculative_false_decodes_without_drafts_and_gives_the_same_tokens(tiny
 
 
 def test_a_lone_request_decodes_in_the_single_request_batch(tiny):
+    assert [c.capacity for c in tiny.scheduler.lanes[0].cohorts] == [1, 4, 8]
     stream = tiny.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200,
                                               temperature=0, stream=True)
     next(iter(stream))
@@ -196,7 +197,7 @@ def test_a_lone_request_decodes_in_the_single_request_batch(tiny):
     running = tiny.scheduler.inspect(lambda: [(c.capacity, len(c.running))
                                               for c in cohorts]).result(30)
     stream.close()
-    assert running == [(1, 1), (8, 0)]
+    assert running == [(1, 1), (4, 0), (8, 0)]
     tiny.wait_idle()
 
 

@@ -18,13 +18,14 @@ stream depends on the tree sizes its batch verifies, so a seed repeats a request
 under the same load.
 
 A batch keeps one bucket (its capacity's) for its whole life, and every step and prefill
-costs that bucket's rows. So each lane holds two batches, a single-request one (bucket 1)
-and a full one (bucket max_batch): a request that arrives to an idle lane runs alone at
-bucket 1 (one client pays no padding rows); anything else joins the full batch, and the
-single one drains as its request ends, so under load everything decodes in one step (while
-both hold requests, an iteration steps both: a burst that starts with one request pays that
-until the single request ends). A bucket that follows the live count needs the step API to
-resize a batch between steps (it owns the bucket-sized step state).
+costs that bucket's rows. So each lane holds a ladder of batches (capacities 1, 4, 16, ...
+up to max_batch: LADDER) and admits a request into the smallest one that holds the lane's
+whole demand (running + waiting) and has room: one client decodes at bucket 1, four at
+bucket 4, and as the load settles its requests gather in the batch that fits it (the smaller
+ones drain as their requests end). While several batches hold requests an iteration steps
+each of them (a burst that starts small pays that until its first requests end). A bucket
+that follows the live count needs the step API to resize a batch between steps (it owns
+the bucket-sized step state).
 
 The step API admits a group with one max_new_tokens: a group shares its largest request's
 budget and the scheduler ends each request at its own max_tokens (it retires the request
@@ -46,8 +47,8 @@ from specdec_inductor.speculative.loop import ActiveRequest
 
 log = logging.getLogger("specdec.serve")
 
-# The capacity of each lane's small batch (see the module docstring).
-SINGLE_CAPACITY = 1
+# Each lane's batch capacities grow by this factor from 1 up to max_batch (module docstring).
+LADDER = 4
 
 # finish_reason of a Delta that ends a request
 STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"
@@ -106,17 +107,20 @@ class Cohort:
 
 
 class Lane:
-    """A SpeculativeGenerator, its queue and its cohorts (batches: SINGLE_CAPACITY, then
-    max_batch). `extra`: KV positions admission reserves past max_new_tokens (the draft
-    tree)."""
+    """A SpeculativeGenerator, its queue and its cohorts (batches of capacities 1, LADDER,
+    LADDER**2, ... and max_batch). `extra`: KV positions admission reserves past
+    max_new_tokens (the draft tree)."""
 
     def __init__(self, method: str, generator: SpeculativeGenerator, max_batch: int):
         self.method, self.generator = method, generator
         self.extra = generator.num_draft_tokens
         self.stats = SpeculativeStats()
         self.waiting: Deque[ServeRequest] = deque()
-        capacities = sorted({min(SINGLE_CAPACITY, max_batch), max_batch})
-        self.cohorts = [Cohort(self, c) for c in capacities]
+        capacities, c = [], 1
+        while c < max_batch:
+            capacities.append(c)
+            c *= LADDER
+        self.cohorts = [Cohort(self, c) for c in capacities + [max_batch]]
 
     @property
     def running(self) -> Dict[ActiveRequest, ServeRequest]:
@@ -128,13 +132,12 @@ class Lane:
         return sum(len(c.running) for c in self.cohorts)  # no iteration over a changing dict
 
     def cohort_for_admission(self) -> Optional[Cohort]:
-        """The single-request batch for the one request of an idle lane, else the full batch
-        while it has room, else any with room."""
-        single, full = self.cohorts[0], self.cohorts[-1]
-        idle = not any(c.running for c in self.cohorts)
-        if single is not full and idle and len(self.waiting) == 1:
-            return single
-        return next((c for c in reversed(self.cohorts) if c.room() > 0), None)
+        """The smallest batch that holds the lane's whole demand (running + waiting) and has
+        room, else the largest with room."""
+        demand = self.running_count + len(self.waiting)
+        fits = [c for c in self.cohorts if c.capacity >= demand and c.room() > 0]
+        return fits[0] if fits else next((c for c in reversed(self.cohorts) if c.room() > 0),
+                                         None)
 
 
 class Scheduler:
@@ -276,17 +279,22 @@ class Scheduler:
             self.ready.set()
 
     def _warm_up(self) -> None:
-        """A scratch request through every batch size of every lane (compiles their graphs)."""
+        """Scratch requests through every batch of every lane, so their graphs compile before
+        serving: on a compiled engine in groups of every bucket size up to the batch's
+        capacity too (a draft model's steps take the bucket of the live requests' count)."""
         if self._warmup is None:
             return
         prompt, tokens = self._warmup
         for cohort in self._cohorts:
             gen = cohort.lane.generator
             gen.compile_verify(batch_size=cohort.capacity)
-            with gen.batch(cohort.capacity) as batch:
-                gen.admit(batch, [prompt], tokens + gen.num_draft_tokens)
-                while batch.live:
-                    gen.step(batch)
+            sizes = ([b for b in self.engine.buckets if b <= cohort.capacity]
+                     if self.engine.compiled else [1])
+            for size in sizes:
+                with gen.batch(cohort.capacity) as batch:
+                    gen.admit(batch, [prompt] * size, tokens + gen.num_draft_tokens)
+                    while batch.live:
+                        gen.step(batch)
 
     def _busy(self) -> bool:
         return any(c.running for c in self._cohorts)
