@@ -334,14 +334,25 @@ struct KDecode6 {
   }
 };
 
-// acc + block b of x row m times the decoded weight block w (quant_isa.h's K definition): the
+// Row m of a QuantizedXK.
+struct XRow {
+  const int8_t* q;
+  const float* d;
+  const float* d_bsum32;
+  const int16_t* bsum16;
+  XRow(const QuantizedXK& X, int64_t m)
+      : q(X.q + m * X.K), d(X.d + m * (X.K / 256)), d_bsum32(X.d_bsum32 + m * (X.K / 32)),
+        bsum16(X.bsum16 + m * (X.K / 16)) {}
+};
+
+// acc + block b of x row x times the decoded weight block w (quant_isa.h's K definition): the
 // integer block sum I (vpmaddubsw: u * q pairs, no saturation since u < 64; vpdpwssd: times the
 // pair's sub-block scale, into int32), then acc += I * (d * d_x) and, for Q4_K / Q5_K,
 // acc += (-dmin * mn) * (d_x * sum q) per sub-block. The one float sequence of a (x row,
 // weight row) pair, whatever the number of rows: batch invariance.
 template <class Dec>
-inline __m512 block_dot(const KBlock& w, const QuantizedXK& X, int64_t m, int64_t b, __m512 acc) {
-  const int8_t* q = X.q + m * X.K + 256 * b;
+inline __m512 block_dot(const KBlock& w, const XRow& x, int64_t b, __m512 acc) {
+  const int8_t* q = x.q + 256 * b;
   const __m512i zero = _mm512_setzero_si512();
   __m512i i0 = _mm512_dpwssd_epi32(zero, _mm512_maddubs_epi16(w.u[0], _mm512_loadu_si512(q)), w.sc[0]);
   __m512i i1 = _mm512_dpwssd_epi32(zero, _mm512_maddubs_epi16(w.u[1], _mm512_loadu_si512(q + 64)), w.sc[1]);
@@ -349,14 +360,11 @@ inline __m512 block_dot(const KBlock& w, const QuantizedXK& X, int64_t m, int64_
   i1 = _mm512_dpwssd_epi32(i1, _mm512_maddubs_epi16(w.u[3], _mm512_loadu_si512(q + 192)), w.sc[3]);
   __m512i isum = _mm512_add_epi32(i0, i1);
   if (!Dec::kMins) {
-    const __m256i bsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.bsum16 + m * (X.K / 16) + 16 * b));
+    const __m256i bsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsum16 + 16 * b));
     isum = _mm512_add_epi32(isum, _mm512_zextsi256_si512(_mm256_madd_epi16(bsum, w.corr)));
   }
-  const float dx = X.d[m * (X.K / 256) + b];
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w.d * dx), acc);
-  if (Dec::kMins) {
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(0x00FF, X.d_bsum32 + m * (X.K / 32) + 8 * b), w.mins, acc);
-  }
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w.d * x.d[b]), acc);
+  if (Dec::kMins) acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(0x00FF, x.d_bsum32 + 8 * b), w.mins, acc);
   return acc;
 }
 
@@ -367,9 +375,11 @@ thread_local AlignedBuffer<KBlock> t_kblocks;
 template <int MB, class Dec>
 inline void k_dot_rows(const KBlock* w, const QuantizedXK& X, int64_t m0, float* out) {
   __m512 acc[MB];
+  static_assert(MB <= 4, "up to 4 rows of x");
+  const XRow rows[4] = {XRow(X, m0), XRow(X, m0 + (MB > 1)), XRow(X, m0 + 2 * (MB > 2)), XRow(X, m0 + 3 * (MB > 3))};
   for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < X.K / 256; ++b)
-    for (int i = 0; i < MB; ++i) acc[i] = block_dot<Dec>(w[b], X, m0 + i, b, acc[i]);
+    for (int i = 0; i < MB; ++i) acc[i] = block_dot<Dec>(w[b], rows[i], b, acc[i]);
   for (int i = 0; i < MB; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
@@ -384,11 +394,12 @@ void k_linear_rows(const QuantLinearInt8Block& b) {
   if (X.M == 1) {
     for (int64_t n = b.n_begin; n < b.n_end; ++n) {
       const uint8_t* p = b.w + n * b.w_stride;
+      const XRow x(X, 0);
       __m512 acc = _mm512_setzero_ps();
       for (int64_t c = 0; c < blocks; ++c) {
         KBlock w;
         Dec::block(p + c * Dec::kBytes, w);
-        acc = block_dot<Dec>(w, X, 0, c, acc);
+        acc = block_dot<Dec>(w, x, c, acc);
       }
       const float out = _mm512_reduce_add_ps(acc);
       store_outputs(b, 0, 1, n, &out);
