@@ -11,7 +11,7 @@
 // (32-value blocks, or 256 for the K formats) into per-thread buffers that only grow, then the
 // AVX-512 VNNI kernels (quant_avx512vnni.cpp) run when active_isa() >= AVX512 and the CPU has
 // AVX-512 VNNI ("quant_linear_int8:avx512"); else the K formats run the AVX2 kernel
-// (quant_int8_avx2.cpp, "quant_linear_int8:avx2") when AVX2 or better is active; the portable
+// (quant_avx2.cpp, "quant_linear_int8:avx2") when AVX2 or better is active; the portable
 // loops run the rest ("quant_linear_int8:portable").
 #include <torch/extension.h>
 

@@ -18,6 +18,7 @@
 
 #include <cstring>
 
+#include "isa_util.h"
 #include "quant_isa.h"
 
 namespace specdec {

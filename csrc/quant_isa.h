@@ -4,8 +4,6 @@
 // this boundary.
 #pragma once
 #include <cstdint>
-#include <cstdlib>
-#include <new>
 
 namespace specdec {
 
@@ -140,25 +138,6 @@ inline bool is_k_format(QuantFmt fmt) {
   return fmt == QuantFmt::Q4_K || fmt == QuantFmt::Q5_K || fmt == QuantFmt::Q6_K;
 }
 
-// A per-thread buffer of decoded weights for the SIMD kernels (64-byte aligned, grows only).
-template <class T>
-struct AlignedBuffer {
-  T* data = nullptr;
-  int64_t size = 0;
-  T* get(int64_t n) {
-    if (n > size) {
-      std::free(data);
-      data = static_cast<T*>(std::aligned_alloc(64, static_cast<size_t>(n) * sizeof(T)));
-      if (data == nullptr) {
-        size = 0;
-        throw std::bad_alloc();
-      }
-      size = n;
-    }
-    return data;
-  }
-  ~AlignedBuffer() { std::free(data); }
-};
 }  // namespace
 // The quantized rows of x for the K formats (K a multiple of 256), with the sums the kernels
 // need besides the quants: the 32-quant sums times d for the mins of Q4_K / Q5_K, the 16-quant
@@ -190,7 +169,8 @@ void quant_linear_int8_portable(const QuantLinearInt8Block& blk);
 // against the integer sub-block scales into one int32 accumulator per 256 weights, one convert
 // and one FMA per block. Called only when cpu_has_avx512_vnni().
 void quant_linear_int8_avx512vnni(const QuantLinearInt8Block& blk);
-// AVX2 + FMA + F16C, K formats only: the same scheme with vpmaddubsw + vpmaddwd on 8 lanes.
+// AVX2 + FMA + F16C, K formats only (quant_avx2.cpp): the same scheme with vpmaddubsw +
+// vpmaddwd on 8 lanes.
 void quant_linear_int8k_avx2(const QuantLinearInt8Block& blk);
 // Rows [m_begin, m_end) of x [M, K] fp32 quantized into QuantizedX's buffers (offset: the
 // format's int8_weight_offset). The portable version (quant.cpp) is the same bit for bit.
