@@ -10,6 +10,7 @@
 
 #include "isa_util.h"
 #include "quant_isa.h"
+#include "quant_k_rows.h"
 
 namespace specdec {
 namespace {
@@ -370,18 +371,17 @@ struct KDecode6 {
 // acc + block b of x row m times the decoded weight block w: the exact integer block sum, then
 // acc += I * (d * d_x) and, for Q4_K / Q5_K, acc += (-dmin * mn) * (d_x * sum q) per sub-block.
 template <class Dec>
-inline __m256 block_dot(const KBlock2& w, const QuantizedXK& X, int64_t m, int64_t b, __m256 acc) {
-  const int8_t* q = X.q + m * X.K + 256 * b;
+inline __m256 block_dot(const KBlock2& w, const XRow& x, int64_t b, __m256 acc) {
+  const int8_t* q = x.q + 256 * b;
   __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
   for (int s = 0; s < 8; s += 2) {
     i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(w.u[s], load32(q + 32 * s)), w.sc[s]));
     i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_maddubs_epi16(w.u[s + 1], load32(q + 32 * s + 32)), w.sc[s + 1]));
   }
   __m256i isum = _mm256_add_epi32(i0, i1);
-  if (!Dec::kMins) isum = _mm256_add_epi32(isum, _mm256_madd_epi16(load32(X.bsum16 + m * (X.K / 16) + 16 * b), w.corr));
-  const float dx = X.d[m * (X.K / 256) + b];
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * dx), acc);
-  if (Dec::kMins) acc = _mm256_fmadd_ps(_mm256_loadu_ps(X.d_bsum32 + m * (X.K / 32) + 8 * b), w.mins, acc);
+  if (!Dec::kMins) isum = _mm256_add_epi32(isum, _mm256_madd_epi16(load32(x.bsum16 + 16 * b), w.corr));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d[b]), acc);
+  if (Dec::kMins) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x.d_bsum32 + 8 * b), w.mins, acc);
   return acc;
 }
 
@@ -395,65 +395,23 @@ inline float reduce8(__m256 v) {
 
 thread_local AlignedBuffer<KBlock2> t_kblocks;
 
-inline void store_output(const QuantLinearInt8Block& b, int64_t m, int64_t n, float v) {
-  if (b.bias) v += b.bias[n];
-  b.y[m * b.y_stride + n] = v;
-}
-
-template <int MB, class Dec>
-inline void dot_rows(const KBlock2* w, const QuantLinearInt8Block& b, int64_t m0, int64_t n) {
-  const QuantizedXK& X = b.xk;
-  __m256 acc[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < X.K / 256; ++c)
-    for (int i = 0; i < MB; ++i) acc[i] = block_dot<Dec>(w[c], X, m0 + i, c, acc[i]);
-  for (int i = 0; i < MB; ++i) store_output(b, m0 + i, n, reduce8(acc[i]));
-}
-
-template <class Dec>
-void k_linear_rows(const QuantLinearInt8Block& b) {
-  const QuantizedXK& X = b.xk;
-  const int64_t blocks = X.K / 256;
-  if (X.M == 1) {
-    for (int64_t n = b.n_begin; n < b.n_end; ++n) {
-      const uint8_t* p = b.w + n * b.w_stride;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t c = 0; c < blocks; ++c) {
-        KBlock2 w;
-        Dec::block(p + c * Dec::kBytes, w);
-        acc = block_dot<Dec>(w, X, 0, c, acc);
-      }
-      store_output(b, 0, n, reduce8(acc));
-    }
-    return;
-  }
-  KBlock2* buf = t_kblocks.get(blocks);
-  for (int64_t n = b.n_begin; n < b.n_end; ++n) {
-    const uint8_t* p = b.w + n * b.w_stride;
-    for (int64_t c = 0; c < blocks; ++c) Dec::block(p + c * Dec::kBytes, buf[c]);
-    for (int64_t m = 0; m < X.M;) {
-      const int64_t left = X.M - m;
-      if (left >= 4) {
-        dot_rows<4, Dec>(buf, b, m, n);
-        m += 4;
-      } else if (left >= 2) {
-        dot_rows<2, Dec>(buf, b, m, n);
-        m += 2;
-      } else {
-        dot_rows<1, Dec>(buf, b, m, n);
-        m += 1;
-      }
-    }
-  }
-}
+// The vector policy of quant_k_rows.h: 8 fp32 lanes.
+struct KVec256 {
+  using Block = KBlock2;
+  using Acc = __m256;
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static float reduce(Acc acc) { return reduce8(acc); }
+  template <class Dec>
+  static Acc dot(const Block& w, const XRow& x, int64_t b, Acc acc) { return block_dot<Dec>(w, x, b, acc); }
+};
 
 }  // namespace
 
 void quant_linear_int8k_avx2(const QuantLinearInt8Block& b) {
   switch (b.fmt) {
-    case QuantFmt::Q4_K: k_linear_rows<KDecode45<false>>(b); break;
-    case QuantFmt::Q5_K: k_linear_rows<KDecode45<true>>(b); break;
-    case QuantFmt::Q6_K: k_linear_rows<KDecode6>(b); break;
+    case QuantFmt::Q4_K: k_linear_rows<KVec256, KDecode45<false>>(b, t_kblocks); break;
+    case QuantFmt::Q5_K: k_linear_rows<KVec256, KDecode45<true>>(b, t_kblocks); break;
+    case QuantFmt::Q6_K: k_linear_rows<KVec256, KDecode6>(b, t_kblocks); break;
     default: break;  // 32-weight formats never reach this kernel (quant.cpp's int8 path)
   }
 }

@@ -20,6 +20,7 @@
 
 #include "isa_util.h"
 #include "quant_isa.h"
+#include "quant_k_rows.h"
 
 namespace specdec {
 namespace {
@@ -335,17 +336,6 @@ struct KDecode6 {
   }
 };
 
-// Row m of a QuantizedXK.
-struct XRow {
-  const int8_t* q;
-  const float* d;
-  const float* d_bsum32;
-  const int16_t* bsum16;
-  XRow(const QuantizedXK& X, int64_t m)
-      : q(X.q + m * X.K), d(X.d + m * (X.K / 256)), d_bsum32(X.d_bsum32 + m * (X.K / 32)),
-        bsum16(X.bsum16 + m * (X.K / 16)) {}
-};
-
 // acc + block b of x row x times the decoded weight block w (quant_isa.h's K definition): the
 // integer block sum I (vpmaddubsw: u * q pairs, no saturation since u < 64; vpdpwssd: times the
 // pair's sub-block scale, into int32), then acc += I * (d * d_x) and, for Q4_K / Q5_K,
@@ -371,65 +361,15 @@ inline __m512 block_dot(const KBlock& w, const XRow& x, int64_t b, __m512 acc) {
 
 thread_local AlignedBuffer<KBlock> t_kblocks;
 
-// out[i] = weight row (decoded blocks w) . x row m0 + i for MB rows: the weight block loads are
-// shared by the MB rows.
-template <int MB, class Dec>
-inline void k_dot_rows(const KBlock* w, const QuantizedXK& X, int64_t m0, float* out) {
-  __m512 acc[MB];
-  static_assert(MB <= 4, "up to 4 rows of x");
-  const XRow rows[4] = {XRow(X, m0), XRow(X, m0 + (MB > 1)), XRow(X, m0 + 2 * (MB > 2)), XRow(X, m0 + 3 * (MB > 3))};
-  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < X.K / 256; ++b)
-    for (int i = 0; i < MB; ++i) acc[i] = block_dot<Dec>(w[b], rows[i], b, acc[i]);
-  for (int i = 0; i < MB; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
-}
-
-// One row of x (decode): each weight block is decoded in registers and consumed at once.
-// Several rows (verify, prefill): a weight row is decoded once into a per-thread buffer
-// (L1/L2), then multiplied into 4 rows of x at a time. Per (x row, 64 weights) the dot costs a
-// vpmaddubsw and a vpdpwssd; per 256 weights a convert and one or two FMAs.
-template <class Dec>
-void k_linear_rows(const QuantLinearInt8Block& b) {
-  const QuantizedXK& X = b.xk;
-  const int64_t blocks = X.K / 256;
-  if (X.M == 1) {
-    for (int64_t n = b.n_begin; n < b.n_end; ++n) {
-      const uint8_t* p = b.w + n * b.w_stride;
-      const XRow x(X, 0);
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < blocks; ++c) {
-        KBlock w;
-        Dec::block(p + c * Dec::kBytes, w);
-        acc = block_dot<Dec>(w, x, c, acc);
-      }
-      const float out = _mm512_reduce_add_ps(acc);
-      store_outputs(b, 0, 1, n, &out);
-    }
-    return;
-  }
-  KBlock* buf = t_kblocks.get(blocks);
-  for (int64_t n = b.n_begin; n < b.n_end; ++n) {
-    const uint8_t* p = b.w + n * b.w_stride;
-    for (int64_t c = 0; c < blocks; ++c) Dec::block(p + c * Dec::kBytes, buf[c]);
-    // The next row's bytes into L2 while this row's dot products run.
-    if (n + 1 < b.n_end) {
-      const char* next = reinterpret_cast<const char*>(p + b.w_stride);
-      for (int64_t off = 0; off < blocks * Dec::kBytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
-    }
-    for (int64_t m = 0; m < X.M;) {
-      const int64_t left = X.M - m;
-      const int mb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-      float out[4];
-      switch (mb) {
-        case 4: k_dot_rows<4, Dec>(buf, X, m, out); break;
-        case 2: k_dot_rows<2, Dec>(buf, X, m, out); break;
-        default: k_dot_rows<1, Dec>(buf, X, m, out); break;
-      }
-      store_outputs(b, m, mb, n, out);
-      m += mb;
-    }
-  }
-}
+// The vector policy of quant_k_rows.h: 16 fp32 lanes.
+struct KVec512 {
+  using Block = KBlock;
+  using Acc = __m512;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static float reduce(Acc acc) { return _mm512_reduce_add_ps(acc); }
+  template <class Dec>
+  static Acc dot(const Block& w, const XRow& x, int64_t b, Acc acc) { return block_dot<Dec>(w, x, b, acc); }
+};
 
 }  // namespace
 
@@ -505,9 +445,9 @@ void quant_linear_int8_avx512vnni(const QuantLinearInt8Block& b) {
     case QuantFmt::Q5_0: linear_rows<SmallBlocks<QuantFmt::Q5_0>, true>(b); break;
     case QuantFmt::Q5_1: linear_rows<SmallBlocks<QuantFmt::Q5_1>, false>(b); break;
     case QuantFmt::Q8_0: linear_rows<SmallBlocks<QuantFmt::Q8_0>, true>(b); break;
-    case QuantFmt::Q4_K: k_linear_rows<KDecode45<false>>(b); break;
-    case QuantFmt::Q5_K: k_linear_rows<KDecode45<true>>(b); break;
-    case QuantFmt::Q6_K: k_linear_rows<KDecode6>(b); break;
+    case QuantFmt::Q4_K: k_linear_rows<KVec512, KDecode45<false>>(b, t_kblocks); break;
+    case QuantFmt::Q5_K: k_linear_rows<KVec512, KDecode45<true>>(b, t_kblocks); break;
+    case QuantFmt::Q6_K: k_linear_rows<KVec512, KDecode6>(b, t_kblocks); break;
   }
 }
 
