@@ -10,14 +10,26 @@ the INT8 columns give its rate and its speedup over FLOAT and over F.linear.
 
     python benchmarks/bench_quant.py [--rows 1,8,16] [--repeats 7] [--path avx512] [--no-head]
                                      [--threads 1] [--formats Q4_K,Q6_K] [--shapes 8960x1536]
+                                     [--baseline /work/main]
+
+--baseline ROOT: also times INT8 with the kernels of another checkout (ROOT's specdec_inductor
+and its built extension, e.g. main's before a kernel change) in a second process that takes
+turns with this one call by call on the same random weights; the "vs base" column is the
+baseline's time over ours (> 1: ours is faster) and "base/M=1" the baseline's M-row time over
+its own 1-row time.
 
 On a machine shared with other jobs, --threads 1 gives steadier numbers (an OpenMP barrier can
 wait a whole scheduler slice for a descheduled worker); the bandwidth probe then uses one thread
 too.
 """
 import argparse
+import json
 import os
 import platform
+import statistics
+import subprocess
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -38,13 +50,72 @@ F16_FIELDS = {QuantFormat.Q4_1: [0, 2], QuantFormat.Q8_0: [0], QuantFormat.Q4_K:
 
 
 def random_weight(fmt, n, k):
-    """uint8 [N, row_bytes] of random `fmt` blocks with small finite fp16 scales."""
+    """uint8 [N, row_bytes] of random `fmt` blocks with small finite fp16 scales (seeded by the
+    shape: the baseline process builds the same bytes)."""
+    gen = torch.Generator().manual_seed(int(fmt) * 1_000_003 + n * 7 + k)
     size, nbytes = quant_block(fmt)
-    blocks = torch.randint(0, 256, (n * k // size, nbytes), dtype=torch.uint8)
+    blocks = torch.randint(0, 256, (n * k // size, nbytes), dtype=torch.uint8, generator=gen)
     for off in F16_FIELDS[fmt]:
-        vals = (torch.rand(blocks.shape[0]) * 0.01).to(torch.float16)
+        vals = (torch.rand(blocks.shape[0], generator=gen) * 0.01).to(torch.float16)
         blocks[:, off:off + 2] = vals.view(torch.uint8).reshape(-1, 2)
     return blocks.reshape(n, -1)
+
+
+def case_input(fmt, n, k, m):
+    """The weight and x of a case (x seeded too)."""
+    return random_weight(fmt, n, k), torch.randn(m, k, generator=torch.Generator().manual_seed(m * 31 + k))
+
+
+def worker():
+    """The --baseline process: reads a JSON case per line ([fmt, n, k, m]), prints the seconds of
+    one INT8 quant_linear call on it (its inputs built and warmed up on first sight)."""
+    cache = {}
+    for line in sys.stdin:
+        fmt, n, k, m = json.loads(line)
+        key = (fmt, n, k, m)
+        if key not in cache:
+            cache.clear()
+            w, x = case_input(QuantFormat(fmt), n, k, m)
+            cache[key] = (w, x)
+            quant_linear(x, w, QuantFormat(fmt), activation=QuantActivation.INT8)
+        w, x = cache[key]
+        t0 = time.perf_counter()
+        quant_linear(x, w, QuantFormat(fmt), activation=QuantActivation.INT8)
+        print(time.perf_counter() - t0, flush=True)
+
+
+class Baseline:
+    """A worker process on another checkout's kernels; `runner(case)` gives a callable that has
+    the worker time one call and returns after it (so median_times can interleave it)."""
+
+    def __init__(self, root, threads):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.dirname(os.path.abspath(__file__))]))
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker"]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     cwd=root)
+        self.last = None
+
+    def runner(self, case):
+        def run():
+            self.proc.stdin.write(json.dumps(case) + "\n")
+            self.proc.stdin.flush()
+            self.last = float(self.proc.stdout.readline())
+        return run
+
+    def timed(self, case, repeats, own):
+        """Median seconds of the worker's call and of `own` (this process), taking turns."""
+        times, mine = [], []
+        self.runner(case)()
+        own()
+        for _ in range(repeats):
+            self.runner(case)()
+            times.append(self.last)
+            t0 = time.perf_counter()
+            own()
+            mine.append(time.perf_counter() - t0)
+        return statistics.median(times), statistics.median(mine)
 
 
 def main():
@@ -56,9 +127,15 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument("--formats", default=None, help="only these formats, e.g. Q4_K,Q6_K")
     ap.add_argument("--shapes", default=None, help="only these NxK shapes, e.g. 8960x1536,1536x8960")
+    ap.add_argument("--baseline", default=None, help="a checkout (with its built extension) whose "
+                    "INT8 kernels to time against ours in the same run")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.worker:
+        return worker()
+    base = Baseline(args.baseline, args.threads) if args.baseline else None
     rows = [int(r) for r in args.rows.split(",")]
     formats = None if args.formats is None else [QuantFormat[f] for f in args.formats.split(",")]
     shapes = None if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -68,11 +145,16 @@ def main():
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
           f"torch threads {torch.get_num_threads()}, path {specdec_inductor.active_isa()} "
           f"(detected {specdec_inductor.detected_isa()}), torch {torch.__version__}")
-    print(f"read bandwidth (torch.sum over 1 GiB): {bw:.1f} GB/s\n")
+    print(f"read bandwidth (torch.sum over 1 GiB): {bw:.1f} GB/s; load average "
+          f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}")
+    if base:
+        print(f"baseline INT8 kernels: {args.baseline}")
+    print()
     print(f"{'':20} | {'FLOAT':^22} | {'INT8':^22} | {'':16} | {'speedup':^15}")
     print(f"{'fmt':5} {'N':>6} {'K':>5} {'M':>3} | {'ms':>8} {'GB/s':>6} {'of bw':>6} | "
           f"{'ms':>8} {'GB/s':>6} {'of bw':>6} | {'F.linear fp32 ms':>16} | "
-          f"{'FLOAT':>7} {'INT8':>7}")
+          f"{'FLOAT':>7} {'INT8':>7}" + (f" | {'base ms':>8} {'vs base':>7} {'base/M=1':>8} {'ours/M=1':>8}"
+                                          if base else ""))
     for fmt, n, k in CASES:
         if args.no_head and n > 40000:
             continue
@@ -80,16 +162,25 @@ def main():
             continue
         w = random_weight(fmt, n, k)  # [N, row_bytes]
         w_dq = quant_dequantize(w, fmt)  # [N, K] fp32
+        one_row = {}  # baseline and ours at M = 1
         for m in rows:
-            x = torch.randn(m, k)  # [M, K]
+            x = case_input(fmt, n, k, m)[1]  # [M, K]
             t_q, t_8, t_ref = median_times(
                 [lambda: quant_linear(x, w, fmt),
                  lambda: quant_linear(x, w, fmt, activation=QuantActivation.INT8),
                  lambda: F.linear(x, w_dq)], args.repeats)
             gbs, gbs8 = w.numel() / t_q / 1e9, w.numel() / t_8 / 1e9
-            print(f"{fmt.name:5} {n:6d} {k:5d} {m:3d} | {t_q * 1e3:8.3f} {gbs:6.1f} {gbs / bw:6.2f} | "
-                  f"{t_8 * 1e3:8.3f} {gbs8:6.1f} {gbs8 / bw:6.2f} | {t_ref * 1e3:16.3f} | "
-                  f"{t_ref / t_q:7.2f} {t_ref / t_8:7.2f}   INT8/FLOAT x{t_q / t_8:.2f}")
+            line = (f"{fmt.name:5} {n:6d} {k:5d} {m:3d} | {t_q * 1e3:8.3f} {gbs:6.1f} {gbs / bw:6.2f} | "
+                    f"{t_8 * 1e3:8.3f} {gbs8:6.1f} {gbs8 / bw:6.2f} | {t_ref * 1e3:16.3f} | "
+                    f"{t_ref / t_q:7.2f} {t_ref / t_8:7.2f}")
+            if base:
+                t_base, t_ours = base.timed([int(fmt), n, k, m], args.repeats,
+                                            lambda: quant_linear(x, w, fmt, activation=QuantActivation.INT8))
+                one_row.setdefault("base", t_base)
+                one_row.setdefault("ours", t_ours)
+                line += (f" | {t_base * 1e3:8.3f} {t_base / t_ours:7.2f} {t_base / one_row['base']:8.2f} "
+                         f"{t_ours / one_row['ours']:8.2f}")
+            print(line, flush=True)
         del w, w_dq
 
 

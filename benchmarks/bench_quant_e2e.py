@@ -14,6 +14,9 @@ time, time to the first token (load + compile + prefill, this process: cold with
 TORCHINDUCTOR_CACHE_DIR), resident memory against the file size plus the KV pool.
 --compare-rows: per prompt and method, how many verify rows reproduce our AR's decode logits
 bit for bit (greedy speculation can equal AR only where they do).
+--int8-agreement: only the accuracy of INT8 activations against FLOAT on the target (eager, one
+forward over each prompt's chat text followed by FLOAT's greedy continuation): top-1 agreement
+by position and the median over positions of max |logit difference| / max |logit|.
 
     bash benchmarks/build_llamacpp.sh        # once (~10 min on 2 cores)
     specdec fetch-model qwen2.5-coder-1.5b   # and qwen2.5-coder-0.5b for the draft
@@ -217,6 +220,26 @@ def compare_rows(recorder, engine, methods, kind, ids, max_new_tokens):
     recorder.on = False
 
 
+def int8_agreement(args):
+    """INT8 activations against FLOAT on the target, teacher-forced on FLOAT's own greedy text
+    (the engine's FLOAT greedy; the forwards on plain-attention models of the same file)."""
+    from specdec_inductor.engine.gguf_model import load_gguf
+    generator, tokenizer = load_model(args.model, torch.float32, quant_activation=QuantActivation.FLOAT)
+    engine = Engine(generator, max_batch=1, max_len=args.max_len, compile=False)
+    models = {act: load_gguf(model_file(args.model), activation=act)[0]
+              for act in (QuantActivation.FLOAT, QuantActivation.INT8)}
+    for kind in args.prompts.split(","):
+        ids = encode(tokenizer, PROMPTS[kind], chat=True)
+        text = torch.tensor([ids + engine.generate([ids], args.max_new_tokens)[0]])
+        with torch.no_grad():
+            f, i = (models[act](text).logits[0, len(ids) - 1:-1] for act in models)  # [T, V] each
+        agree = (f.argmax(-1) == i.argmax(-1)).float().mean().item()
+        rel = ((f - i).abs().amax(-1) / f.abs().amax(-1)).median().item()
+        print(f"{kind}: {f.shape[0]} generated positions, INT8 top-1 == FLOAT's at {agree:.3f}; "
+              f"median max|logit difference| / max|logit| {rel:.4f}", flush=True)
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model name or .gguf (default: SmolLM2-135M Q4_1)")
@@ -238,7 +261,11 @@ def main():
     p.add_argument("--compare-rows", action="store_true",
                    help="check that each verify row's logits equal the decode step's bit for bit "
                         "(one extra AR and speculative run per prompt, untimed)")
+    p.add_argument("--int8-agreement", action="store_true",
+                   help="only compare INT8 activations' logits with FLOAT's (no timing)")
     args = p.parse_args()
+    if args.int8_agreement:
+        return int8_agreement(args)
     for name in args.prompts.split(","):
         if name not in PROMPTS:
             raise SystemExit(f"--prompts: unknown prompt {name!r} ({', '.join(PROMPTS)})")

@@ -1,5 +1,5 @@
 // Scalar helpers and a scratch buffer for the ISA translation units (`*_avx2.cpp`,
-// `*_avx512.cpp`): bf16 <-> fp32 conversions and a per-thread fp32 buffer. Everything sits in an
+// `*_avx512.cpp`): bf16 <-> fp32 conversions and per-thread buffers. Everything sits in an
 // anonymous namespace, so each unit gets its own copy compiled with its own flags and no copy
 // can be picked by the linker for another unit or the portable library. No std:: containers
 // (their template code is shared with the portable library).
@@ -28,16 +28,17 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// A per-thread fp32 buffer that only grows, 64-byte aligned (freed at thread exit); throws
+// A per-thread buffer of T that only grows, 64-byte aligned (freed at thread exit); throws
 // std::bad_alloc when the allocation fails.
-struct ScratchBuffer {
-  float* data = nullptr;
+template <class T>
+struct AlignedBuffer {
+  T* data = nullptr;
   int64_t size = 0;
-  float* get(int64_t n) {
+  T* get(int64_t n) {
     if (n > size) {
       std::free(data);
-      const int64_t bytes = ((n * 4 + 63) / 64) * 64;
-      data = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(bytes)));
+      const int64_t bytes = ((n * static_cast<int64_t>(sizeof(T)) + 63) / 64) * 64;
+      data = static_cast<T*>(std::aligned_alloc(64, static_cast<size_t>(bytes)));
       if (data == nullptr) {
         size = 0;
         throw std::bad_alloc();
@@ -46,8 +47,9 @@ struct ScratchBuffer {
     }
     return data;
   }
-  ~ScratchBuffer() { std::free(data); }
+  ~AlignedBuffer() { std::free(data); }
 };
+struct ScratchBuffer : AlignedBuffer<float> {};
 
 }  // namespace
 }  // namespace specdec

@@ -8,9 +8,11 @@
 // parallel region per call. Batch invariance: a row of quant_linear's output is bitwise the same
 // whatever the number of rows of x and wherever the row sits (see QuantLinearBlock).
 // INT8 activations (activation = 1; definition in quant_isa.h): x is quantized once per call
-// into per-thread buffers that only grow, then the AVX-512 VNNI kernel (quant_avx512vnni.cpp)
-// runs when active_isa() >= AVX512 and the CPU has AVX-512 VNNI ("quant_linear_int8:avx512"),
-// the portable one otherwise ("quant_linear_int8:portable"; no AVX2 INT8 kernel yet).
+// (32-value blocks, or 256 for the K formats) into per-thread buffers that only grow, then the
+// AVX-512 VNNI kernels (quant_avx512vnni.cpp) run when active_isa() >= AVX512 and the CPU has
+// AVX-512 VNNI ("quant_linear_int8:avx512"); else the K formats run the AVX2 kernel
+// (quant_avx2.cpp, "quant_linear_int8:avx2") when AVX2 or better is active; the portable
+// loops run the rest ("quant_linear_int8:portable").
 #include <torch/extension.h>
 
 #include <c10/util/Half.h>
@@ -143,8 +145,8 @@ void quant_linear_portable(const QuantLinearBlock& b) {
   }
 }
 
-// The integer form of a weight row (quant_isa.h, INT8 activations): w[k] = scale[k / 16] * wq[k]
-// + mn[k / 32], every value exact.
+// The integer form of a 32-weight-format row (quant_isa.h, INT8 activations): w[k] =
+// scale[k / 16] * wq[k] + mn[k / 32], every value exact.
 void int8_parts_portable(QuantFmt fmt, const uint8_t* p, int64_t K, int32_t* wq, float* scale,
                          float* mn) {
   for (int64_t b = 0; b < K / 32; ++b) mn[b] = 0.0f;
@@ -182,18 +184,30 @@ void int8_parts_portable(QuantFmt fmt, const uint8_t* p, int64_t K, int32_t* wq,
       }
       break;
     }
+    default:  // K formats: k_parts_portable
+      break;
+  }
+}
+
+// The integer form of a K-format weight row (quant_isa.h): wq [K] (q, or q - 32 for Q6_K),
+// isc [K / 16] the integer scale of each 16 weights (Q4_K / Q5_K: the sub-block's 6-bit sc
+// twice), d [K / 256] the block's fp16 d, minf [K / 32] -dmin * mn (exact; 0 for Q6_K).
+void k_parts_portable(QuantFmt fmt, const uint8_t* p, int64_t K, int32_t* wq, int32_t* isc,
+                      float* d, float* minf) {
+  switch (fmt) {
     case QuantFmt::Q4_K:
     case QuantFmt::Q5_K: {
       const bool fifth = fmt == QuantFmt::Q5_K;
       for (int64_t k = 0; k < K; k += 256, p += fifth ? 176 : 144) {
-        const float d = load_f16(p), dmin = load_f16(p + 2);
+        const float dmin = load_f16(p + 2);
+        d[k / 256] = load_f16(p);
         const uint8_t* qh = p + 16;
         const uint8_t* qs = p + (fifth ? 48 : 16);
         for (int s = 0; s < 8; ++s) {
           int sc, m;
           k_scale_min(p + 4, s, &sc, &m);
-          scale[(k + 32 * s) / 16] = scale[(k + 32 * s) / 16 + 1] = d * static_cast<float>(sc);
-          mn[(k + 32 * s) / 32] = -(dmin * static_cast<float>(m));
+          isc[(k + 32 * s) / 16] = isc[(k + 32 * s) / 16 + 1] = sc;
+          minf[(k + 32 * s) / 32] = -(dmin * static_cast<float>(m));
           for (int l = 0; l < 32; ++l) {
             int q = (qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 15;
             if (fifth) q |= ((qh[l] >> s) & 1) << 4;
@@ -206,8 +220,9 @@ void int8_parts_portable(QuantFmt fmt, const uint8_t* p, int64_t K, int32_t* wq,
     case QuantFmt::Q6_K:
       for (int64_t k = 0; k < K; k += 256, p += 210) {
         const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-        const float d = load_f16(p + 208);
-        for (int i = 0; i < 16; ++i) scale[k / 16 + i] = d * static_cast<float>(sc[i]);
+        d[k / 256] = load_f16(p + 208);
+        for (int i = 0; i < 16; ++i) isc[k / 16 + i] = sc[i];
+        for (int s = 0; s < 8; ++s) minf[k / 32 + s] = 0.0f;
         for (int g = 0; g < 8; ++g) {
           const int h = g / 4, t = g % 4;
           for (int l = 0; l < 32; ++l) {
@@ -218,10 +233,53 @@ void int8_parts_portable(QuantFmt fmt, const uint8_t* p, int64_t K, int32_t* wq,
         }
       }
       break;
+    default:  // 32-weight formats: int8_parts_portable
+      break;
+  }
+}
+
+// The K formats' INT8 definition (quant_isa.h) with the integer block sums in int32 and the
+// rest in double.
+void quant_linear_int8k_portable(const QuantLinearInt8Block& b) {
+  const QuantizedXK& X = b.xk;
+  const int64_t K = X.K;
+  thread_local std::vector<int32_t> wq, isc;
+  thread_local std::vector<float> dw, minf;
+  wq.resize(static_cast<size_t>(K));
+  isc.resize(static_cast<size_t>(K / 16));
+  dw.resize(static_cast<size_t>(K / 256));
+  minf.resize(static_cast<size_t>(K / 32));
+  for (int64_t n = b.n_begin; n < b.n_end; ++n) {
+    k_parts_portable(b.fmt, b.w + n * b.w_stride, K, wq.data(), isc.data(), dw.data(), minf.data());
+    for (int64_t m = 0; m < X.M; ++m) {
+      const int8_t* q = X.q + m * K;
+      double acc = 0.0;
+      for (int64_t k = 0; k < K; k += 256) {
+        const double dx = X.d[m * (K / 256) + k / 256];
+        int32_t block = 0;
+        for (int64_t g = k / 16; g < (k + 256) / 16; ++g) {
+          int32_t dot = 0;
+          for (int j = 0; j < 16; ++j) dot += wq[16 * g + j] * q[16 * g + j];
+          block += isc[g] * dot;
+        }
+        acc += static_cast<double>(dw[k / 256]) * dx * block;
+        for (int64_t s = k / 32; s < (k + 256) / 32; ++s) {
+          int32_t sum = 0;
+          for (int j = 0; j < 32; ++j) sum += q[32 * s + j];
+          acc += static_cast<double>(minf[s]) * dx * sum;
+        }
+      }
+      if (b.bias) acc += b.bias[n];
+      b.y[m * b.y_stride + n] = static_cast<float>(acc);
+    }
   }
 }
 
 void quant_linear_int8_portable(const QuantLinearInt8Block& b) {
+  if (is_k_format(b.fmt)) {
+    quant_linear_int8k_portable(b);
+    return;
+  }
   const int64_t K = b.x.K, lanes = b.x.Kp / 4;
   thread_local std::vector<int32_t> wq;
   thread_local std::vector<float> scale, mn;
@@ -255,7 +313,7 @@ namespace {
 // Rows [m_begin, m_end) of x [M, K] fp32 quantized into X's buffers (quant_isa.h's definition;
 // the reference, quant_linear_ref(activation=INT8), rounds the same way).
 void quantize_x_rows(const float* x, int64_t K, int offset, int64_t Kp, int8_t* q, float* d,
-                     float* d_sum, float* block_d_sum, int32_t* neg_offset_sum, int64_t m_begin,
+                     float* d_sum, int32_t* neg_offset_sum, int64_t m_begin,
                      int64_t m_end) {
   for (int64_t m = m_begin; m < m_end; ++m) {
     const float* xm = x + m * K;
@@ -269,14 +327,41 @@ void quantize_x_rows(const float* x, int64_t K, int offset, int64_t Kp, int8_t* 
         if (k < K && dk != 0.0f) v = std::min(127.0f, std::max(-127.0f, std::nearbyint(xm[k + j] / dk)));
         qm[k + j] = static_cast<int8_t>(v);
       }
-      int32_t block_sum = 0;
-      for (int j = 0; j < 32; ++j) block_sum += qm[k + j];
-      block_d_sum[m * (Kp / 32) + k / 32] = dk * static_cast<float>(block_sum);
       for (int64_t l = k / 4; l < (k + 32) / 4; ++l) {
         const int32_t s = qm[4 * l] + qm[4 * l + 1] + qm[4 * l + 2] + qm[4 * l + 3];
         d[m * (Kp / 4) + l] = dk;
         d_sum[m * (Kp / 4) + l] = dk * static_cast<float>(s);
         neg_offset_sum[m * (Kp / 4) + l] = -offset * s;
+      }
+    }
+  }
+}
+
+// Rows [m_begin, m_end) of x [M, K] fp32 quantized in 256-value blocks (the K formats;
+// QuantizedXK), the rounding as quantize_x_rows.
+void quantize_xk_rows(const float* x, int64_t K, int8_t* q, float* d, float* d_bsum32,
+                      int16_t* bsum16, int64_t m_begin, int64_t m_end) {
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    const float* xm = x + m * K;
+    int8_t* qm = q + m * K;
+    for (int64_t k = 0; k < K; k += 256) {
+      float amax = 0.0f;
+      for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(xm[k + j]));
+      const float dk = amax / 127.0f;
+      d[m * (K / 256) + k / 256] = dk;
+      for (int j = 0; j < 256; ++j) {
+        float v = 0.0f;
+        if (dk != 0.0f) v = std::min(127.0f, std::max(-127.0f, std::nearbyint(xm[k + j] / dk)));
+        qm[k + j] = static_cast<int8_t>(v);
+      }
+      for (int64_t g = k / 16; g < (k + 256) / 16; ++g) {
+        int32_t s = 0;
+        for (int j = 0; j < 16; ++j) s += qm[16 * g + j];
+        bsum16[m * (K / 16) + g] = static_cast<int16_t>(s);
+      }
+      for (int64_t s = k / 32; s < (k + 256) / 32; ++s) {
+        const int32_t sum = bsum16[m * (K / 16) + 2 * s] + bsum16[m * (K / 16) + 2 * s + 1];
+        d_bsum32[m * (K / 32) + s] = dk * static_cast<float>(sum);
       }
     }
   }
@@ -292,12 +377,17 @@ Isa quant_path() {
   return Isa::PORTABLE;
 }
 
-// The INT8 path: the VNNI kernel where it was built, the CPU has avx512_vnni and AVX-512 or
-// better is active; the portable loops otherwise (also what _C.quant_int8_path() reports).
-Isa quant_int8_path() {
+// The INT8 path of `fmt`: the VNNI kernels where they were built, the CPU has avx512_vnni and
+// AVX-512 or better is active; for the K formats the AVX2 kernel where AVX2 or better is active
+// otherwise; the portable loops else (also what _C.quant_int8_path(fmt) reports).
+Isa quant_int8_path(QuantFmt fmt) {
 #ifdef SPECDEC_BUILT_AVX512VNNI
   if (active_isa() >= Isa::AVX512 && cpu_has_avx512_vnni()) return Isa::AVX512;
 #endif
+#ifdef SPECDEC_BUILT_AVX2
+  if (is_k_format(fmt) && active_isa() >= Isa::AVX2) return Isa::AVX2;
+#endif
+  (void)fmt;
   return Isa::PORTABLE;
 }
 
@@ -360,44 +450,78 @@ void for_row_blocks(int64_t N, int64_t row_bytes, int64_t M, const Fn& fn) {
   });
 }
 
-// y [M, N] = x2 [M, K] W^T + bias with INT8 activations (quant_isa.h). Returns the path that ran.
-Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fmt,
-                      const float* bias, at::Tensor& y, int64_t row_bytes) {
-  const int64_t M = x2.size(0), K = x2.size(1), N = weight.size(0);
+// Rows of x per parallel chunk of the activation quantization (~64 Ki values).
+int64_t quantize_grain(int64_t K) { return std::max<int64_t>(1, (int64_t{1} << 16) / K); }
+
+// x2 [M, K] quantized in 32-value blocks (the 32-weight formats) into per-thread buffers that
+// only grow (a decode step calls this ~200 times: no allocation per call). Workers of the
+// parallel regions of the same call only read them.
+QuantizedX quantize_x(const at::Tensor& x2, QuantFmt fmt, Isa isa) {
+  const int64_t M = x2.size(0), K = x2.size(1);
   const int64_t Kp = (K + 63) / 64 * 64;
-  const int offset = int8_weight_offset(static_cast<QuantFmt>(fmt));
-  // QuantizedX's arrays in per-thread buffers that only grow (a decode step calls this ~200
-  // times: no allocation per call). Workers of the parallel regions below only read them while
-  // this call runs.
+  const int offset = int8_weight_offset(fmt);
   thread_local std::vector<int8_t> q_buf;
   thread_local std::vector<float> f_buf;
   thread_local std::vector<int32_t> neg_buf;
   const int64_t lanes = M * (Kp / 4);
   q_buf.resize(static_cast<size_t>(M * Kp));
-  f_buf.resize(static_cast<size_t>(2 * lanes + M * (Kp / 32)));
+  f_buf.resize(static_cast<size_t>(2 * lanes));
   neg_buf.resize(static_cast<size_t>(lanes));
   int8_t* q = q_buf.data();                    // [M, Kp]
   float* d = f_buf.data();                     // [M, Kp/4]
   float* d_sum = d + lanes;                    // [M, Kp/4]
-  float* block_d_sum = d_sum + lanes;          // [M, Kp/32]
   int32_t* neg_offset_sum = neg_buf.data();    // [M, Kp/4]
-  const Isa isa = quant_int8_path();
-  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 16) / K), [&](int64_t begin, int64_t end) {
+  const float* x = x2.const_data_ptr<float>();
+  at::parallel_for(0, M, quantize_grain(K), [&](int64_t begin, int64_t end) {
 #ifdef SPECDEC_BUILT_AVX512VNNI
     if (isa == Isa::AVX512) {
-      quant_quantize_x_avx512vnni(x2.const_data_ptr<float>(), K, offset, Kp, q, d, d_sum,
-                                  block_d_sum, neg_offset_sum, begin, end);
+      quant_quantize_x_avx512vnni(x, K, offset, Kp, q, d, d_sum, neg_offset_sum, begin, end);
       return;
     }
 #endif
-    quantize_x_rows(x2.const_data_ptr<float>(), K, offset, Kp, q, d, d_sum, block_d_sum,
-                    neg_offset_sum, begin, end);
+    (void)isa;
+    quantize_x_rows(x, K, offset, Kp, q, d, d_sum, neg_offset_sum, begin, end);
   });
-  const QuantLinearInt8Block blk{
-      static_cast<QuantFmt>(fmt),
-      {M, K, Kp, q, d, d_sum, block_d_sum, neg_offset_sum},
-      static_cast<const uint8_t*>(weight.const_data_ptr()), weight.stride(0), bias,
-      y.data_ptr<float>(), N, 0, 0};
+  return {M, K, Kp, q, d, d_sum, neg_offset_sum};
+}
+
+// x2 [M, K] quantized in 256-value blocks (the K formats), buffers as quantize_x.
+QuantizedXK quantize_xk(const at::Tensor& x2, Isa isa) {
+  const int64_t M = x2.size(0), K = x2.size(1);
+  thread_local std::vector<int8_t> q_buf;
+  thread_local std::vector<float> f_buf;
+  thread_local std::vector<int16_t> s_buf;
+  q_buf.resize(static_cast<size_t>(M * K));
+  f_buf.resize(static_cast<size_t>(M * (K / 256 + K / 32)));
+  s_buf.resize(static_cast<size_t>(M * (K / 16)));
+  int8_t* q = q_buf.data();                 // [M, K]
+  float* d = f_buf.data();                  // [M, K/256]
+  float* d_bsum32 = d + M * (K / 256);      // [M, K/32]
+  int16_t* bsum16 = s_buf.data();           // [M, K/16]
+  const float* x = x2.const_data_ptr<float>();
+  at::parallel_for(0, M, quantize_grain(K), [&](int64_t begin, int64_t end) {
+#ifdef SPECDEC_BUILT_AVX512VNNI
+    if (isa == Isa::AVX512) {
+      quant_quantize_xk_avx512vnni(x, K, q, d, d_bsum32, bsum16, begin, end);
+      return;
+    }
+#endif
+    (void)isa;
+    quantize_xk_rows(x, K, q, d, d_bsum32, bsum16, begin, end);
+  });
+  return {M, K, q, d, d_bsum32, bsum16};
+}
+
+// y [M, N] = x2 [M, K] W^T + bias with INT8 activations (quant_isa.h). Returns the path that ran.
+Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fmt,
+                      const float* bias, at::Tensor& y, int64_t row_bytes) {
+  const int64_t M = x2.size(0), N = weight.size(0);
+  const QuantFmt f = static_cast<QuantFmt>(fmt);
+  const Isa isa = quant_int8_path(f);
+  QuantLinearInt8Block blk{f, {}, {}, static_cast<const uint8_t*>(weight.const_data_ptr()),
+                           weight.stride(0), bias, y.data_ptr<float>(), N, 0, 0};
+  if (is_k_format(f)) blk.xk = quantize_xk(x2, isa);
+  else blk.x = quantize_x(x2, f, isa);
   for_row_blocks(N, row_bytes, M, [&](int64_t n_begin, int64_t n_end) {
     QuantLinearInt8Block part = blk;
     part.n_begin = n_begin;
@@ -405,6 +529,12 @@ Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fm
 #ifdef SPECDEC_BUILT_AVX512VNNI
     if (isa == Isa::AVX512) {
       quant_linear_int8_avx512vnni(part);
+      return;
+    }
+#endif
+#ifdef SPECDEC_BUILT_AVX2
+    if (isa == Isa::AVX2) {
+      quant_linear_int8k_avx2(part);
       return;
     }
 #endif
@@ -543,8 +673,12 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& weight, int6
 }  // namespace
 
 void bind_quant(pybind11::module& m) {
-  m.def("quant_int8_path", [] { return std::string(isa_name(quant_int8_path())); },
-        "Path of quant_linear with INT8 activations now: 'avx512' (VNNI) or 'portable'.");
+  m.def("quant_int8_path", [](int64_t fmt) {
+          check_fmt(fmt);
+          return std::string(isa_name(quant_int8_path(static_cast<QuantFmt>(fmt))));
+        }, pybind11::arg("fmt"),
+        "Path of quant_linear with INT8 activations for ggml type `fmt` now: 'avx512' (VNNI), "
+        "'avx2' (K formats) or 'portable'.");
 }
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {

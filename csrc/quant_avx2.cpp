@@ -10,6 +10,7 @@
 
 #include "isa_util.h"
 #include "quant_isa.h"
+#include "quant_k_rows.h"
 
 namespace specdec {
 namespace {
@@ -286,6 +287,133 @@ void quant_dequantize_row_avx2(QuantFmt fmt, const uint8_t* row, int64_t K, floa
 #define SPECDEC_DEQUANTIZE_ROW(Rows) dequantize_row<Rows>(row, K, out)
   SPECDEC_QUANT_FLOAT_DISPATCH(fmt, SPECDEC_DEQUANTIZE_ROW)
 #undef SPECDEC_DEQUANTIZE_ROW
+}
+
+
+// ---- INT8 activations, K formats (Q4_K, Q5_K, Q6_K; quant_isa.h has the definition) ----
+// The AVX-512 VNNI kernel's scheme on 256-bit vectors without VNNI: per 32 weights and row of
+// x, vpmaddubsw multiplies the weight bytes into the quants as 16 int16 pairs and vpmaddwd
+// multiplies the pairs by the sub-block's integer scale into int32 lanes; per 256 weights the
+// lanes are converted and scaled once. One row of x: each weight block is decoded in
+// registers; several rows: a weight row is decoded once into a per-thread buffer and multiplied
+// into up to 4 rows of x. A (x row, weight row) pair sees the same operations whatever the
+// number of rows: batch invariance. (The 32-weight formats have no AVX2 INT8 kernel: the
+// portable loops run them.)
+namespace {
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// A weight block decoded for the integer dot: 8 sub-blocks of 32 unsigned bytes (u), each
+// sub-block's int16 scale of every vpmaddubsw pair (sc), the block's d, -dmin * mn per
+// sub-block (Q4_K / Q5_K: mins) or -32 * sc of the 16 groups as int16 (Q6_K: corr).
+struct KBlock2 {
+  __m256i u[8], sc[8];
+  __m256 mins;
+  __m256i corr;
+  float d;
+};
+
+template <bool kFifthBit>
+struct KDecode45 {
+  static constexpr bool kMins = true;
+  static constexpr int64_t kBytes = kFifthBit ? 176 : 144;
+  static inline void block(const uint8_t* p, KBlock2& w) {
+    const float dmin = load_f16(p + 2);
+    alignas(32) float mins[8];
+    for (int s = 0; s < 8; ++s) {
+      int sc, mn;
+      k_scale_min(p + 4, s, &sc, &mn);
+      w.sc[s] = _mm256_set1_epi16(static_cast<short>(sc));
+      mins[s] = -(dmin * static_cast<float>(mn));  // exact: an fp16 times a 6-bit integer
+    }
+    w.mins = _mm256_load_ps(mins);
+    w.d = load_f16(p);
+    const uint8_t* qs = p + (kFifthBit ? 48 : 16);
+    const __m256i nib = _mm256_set1_epi8(15);
+    const __m256i qh = kFifthBit ? load32(p + 16) : _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      // Sub-blocks 2j and 2j + 1: the low and high nibbles of the same 32 bytes.
+      const __m256i v = load32(qs + 32 * j);
+      w.u[2 * j] = _mm256_and_si256(v, nib);
+      w.u[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    }
+    if (kFifthBit) {
+      for (int s = 0; s < 8; ++s) {
+        const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << s));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+        w.u[s] = _mm256_or_si256(w.u[s], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+      }
+    }
+  }
+};
+
+struct KDecode6 {
+  static constexpr bool kMins = false;
+  static constexpr int64_t kBytes = 210;
+  static inline void block(const uint8_t* p, KBlock2& w) {
+    const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
+    const __m256i nib = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    for (int g = 0; g < 8; ++g) {
+      const int h = g / 4, t = g % 4;
+      const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(load32(p + 64 * h + 32 * (t % 2)), 4 * (t / 2)), nib);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load32(p + 128 + 32 * h), 2 * t), three);
+      w.u[g] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+      // int16 lanes 0-7 (weights 0-15) take scale 2g, lanes 8-15 scale 2g + 1.
+      w.sc[g] = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * g]), _mm_set1_epi16(scales[2 * g + 1]));
+    }
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+    w.corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(s16, 5));  // -32 * sc
+    w.mins = _mm256_setzero_ps();
+    w.d = load_f16(p + 208);
+  }
+};
+
+// acc + block b of x row m times the decoded weight block w: the exact integer block sum, then
+// acc += I * (d * d_x) and, for Q4_K / Q5_K, acc += (-dmin * mn) * (d_x * sum q) per sub-block.
+template <class Dec>
+inline __m256 block_dot(const KBlock2& w, const XRow& x, int64_t b, __m256 acc) {
+  const int8_t* q = x.q + 256 * b;
+  __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+  for (int s = 0; s < 8; s += 2) {
+    i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(w.u[s], load32(q + 32 * s)), w.sc[s]));
+    i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_maddubs_epi16(w.u[s + 1], load32(q + 32 * s + 32)), w.sc[s + 1]));
+  }
+  __m256i isum = _mm256_add_epi32(i0, i1);
+  if (!Dec::kMins) isum = _mm256_add_epi32(isum, _mm256_madd_epi16(load32(x.bsum16 + 16 * b), w.corr));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d[b]), acc);
+  if (Dec::kMins) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x.d_bsum32 + 8 * b), w.mins, acc);
+  return acc;
+}
+
+// The 8 lanes summed in a fixed order.
+inline float reduce8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+thread_local AlignedBuffer<KBlock2> t_kblocks;
+
+// The vector policy of quant_k_rows.h: 8 fp32 lanes.
+struct KVec256 {
+  using Block = KBlock2;
+  using Acc = __m256;
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static float reduce(Acc acc) { return reduce8(acc); }
+  template <class Dec>
+  static Acc dot(const Block& w, const XRow& x, int64_t b, Acc acc) { return block_dot<Dec>(w, x, b, acc); }
+};
+
+}  // namespace
+
+void quant_linear_int8k_avx2(const QuantLinearInt8Block& b) {
+  switch (b.fmt) {
+    case QuantFmt::Q4_K: k_linear_rows<KVec256, KDecode45<false>>(b, t_kblocks); break;
+    case QuantFmt::Q5_K: k_linear_rows<KVec256, KDecode45<true>>(b, t_kblocks); break;
+    case QuantFmt::Q6_K: k_linear_rows<KVec256, KDecode6>(b, t_kblocks); break;
+    default: break;  // 32-weight formats never reach this kernel (quant.cpp's int8 path)
+  }
 }
 
 }  // namespace specdec

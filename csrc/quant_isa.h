@@ -96,23 +96,29 @@ void quant_linear_avx2(const QuantLinearBlock& blk);
 void quant_dequantize_row_avx2(QuantFmt fmt, const uint8_t* row, int64_t K, float* out);
 
 // INT8 activations (QuantActivation.INT8 in ops/quant.py). Each row of x is cut into blocks of
-// 32 along K; block b has d[b] = max|x| / 127 (fp32 division; 0 for an all-zero block) and
-// q[k] = round-half-to-even(x[k] / d[b]) (fp32 division; 0 when d[b] == 0), clamped to
-// [-127, 127]. The weight row is read as w[k] = scale[k / 16] * wq[k] + min[k / 32] with integer
-// quants wq (q - 8 for Q4_0, q - 16 for Q5_0, q for Q4_1 / Q5_1 / Q8_0 / Q4_K / Q5_K, q - 32 for
-// Q6_K) and exact fp32 scales (d, d * sc) and mins (m for Q4_1 / Q5_1, -dmin * mn for Q4_K /
-// Q5_K, 0 else):
+// G values along K: G = 32 for the 32-weight formats, G = 256 for the K formats (one activation
+// block per weight super-block, as ggml's Q8_K). Block b has d[b] = max|x| / 127 (fp32
+// division; 0 for an all-zero block) and q[k] = round-half-to-even(x[k] / d[b]) (fp32
+// division; 0 when d[b] == 0), clamped to [-127, 127].
+// 32-weight formats: the weight row is read as w[k] = scale[k / 16] * wq[k] + min[k / 32] with
+// integer quants wq (q - 8 for Q4_0, q - 16 for Q5_0, q for Q4_1 / Q5_1 / Q8_0) and the exact
+// fp32 scale d and min (m for Q4_1 / Q5_1, 0 else):
 //   y[m, n] = sum_g scale[g] * d[g / 2] * (sum_{k in 16-group g} wq[k] q[k])
-//           + sum_b min[b] * d[b] * (sum_{k in block b} q[k])   (+ bias[n]),
-// the integer dots exact, the rest in fp32 in a fixed order per (x row, weight row) pair.
-// The quantized rows of x, padded with zeros to Kp = K rounded up to 64 (64 quants per VNNI
-// step; "lane" = 4 consecutive quants, one int32 lane of vpdpbusd):
+//           + sum_b min[b] * d[b] * (sum_{k in block b} q[k])   (+ bias[n]).
+// K formats: the integer sub-block scales stay integers; per 256-weight block b with the file's
+// fp16 d (and dmin), the 6-bit sc[s] / mn[s] (Q4_K / Q5_K, 32-weight sub-blocks s) or the int8
+// sc[g] (Q6_K, 16-weight groups g, wq = q - 32):
+//   I[b] = sum_s sc[s] * (sum_{k in s} wq[k] q[k])   (an exact integer)
+//   y[m, n] = sum_b (d * d[b]) * I[b]
+//           + sum_b sum_s (-dmin * mn[s]) * (d[b] * sum_{k in s} q[k])   (Q4_K / Q5_K)   (+ bias),
+// the integer sums exact, the rest in fp32 in a fixed order per (x row, weight row) pair.
+// The quantized rows of x for the 32-weight formats, padded with zeros to Kp = K rounded up to
+// 64 (64 quants per VNNI step; "lane" = 4 consecutive quants, one int32 lane of vpdpbusd):
 struct QuantizedX {
   int64_t M, K, Kp;
   const int8_t* q;          // [M, Kp] quants
   const float* d;           // [M, Kp / 4] the block's d of each lane
   const float* d_sum;       // [M, Kp / 4] d * (sum of the lane's 4 quants)
-  const float* block_d_sum; // [M, Kp / 32] d * (sum of the block's 32 quants)
   const int32_t* neg_offset_sum;  // [M, Kp / 4] -offset * (sum of the lane's 4 quants), see below
 };
 // The VNNI kernel multiplies unsigned weight bytes by signed quants (vpdpbusd): a format whose
@@ -125,15 +131,30 @@ inline int int8_weight_offset(QuantFmt fmt) {
     case QuantFmt::Q4_0: return 8;
     case QuantFmt::Q5_0: return 16;
     case QuantFmt::Q8_0: return 128;  // stored signed; u = wq + 128 (sign bit flipped)
-    case QuantFmt::Q6_K: return 32;
     default: return 0;
   }
 }
+inline bool is_k_format(QuantFmt fmt) {
+  return fmt == QuantFmt::Q4_K || fmt == QuantFmt::Q5_K || fmt == QuantFmt::Q6_K;
+}
+
 }  // namespace
+// The quantized rows of x for the K formats (K a multiple of 256), with the sums the kernels
+// need besides the quants: the 32-quant sums times d for the mins of Q4_K / Q5_K, the 16-quant
+// sums for Q6_K's offset (wq = u - 32: the integer dot of u is corrected by -32 * sc * sum).
+struct QuantizedXK {
+  int64_t M, K;
+  const int8_t* q;        // [M, K] quants
+  const float* d;         // [M, K / 256] each block's d
+  const float* d_bsum32;  // [M, K / 32] d * (sum of the 32 quants)
+  const int16_t* bsum16;  // [M, K / 16] sum of the 16 quants
+};
 // One block of output features [n_begin, n_end) for all M rows (bias as QuantLinearBlock).
+// x is filled for the 32-weight formats, xk for the K formats.
 struct QuantLinearInt8Block {
   QuantFmt fmt;
   QuantizedX x;
+  QuantizedXK xk;
   const uint8_t* w;
   int64_t w_stride;
   const float* bias;
@@ -143,14 +164,23 @@ struct QuantLinearInt8Block {
 };
 // Portable: integer dots in int32, the sum in double (the correctness path).
 void quant_linear_int8_portable(const QuantLinearInt8Block& blk);
-// AVX-512 VNNI (+ F/BW/VL/DQ): 64 weights per vpdpbusd step, fp32 lane accumulators, up to 4
-// rows of x per pass over a weight row. Called only when cpu_has_avx512_vnni().
+// AVX-512 VNNI (+ F/BW/VL/DQ). 32-weight formats: 64 weights per vpdpbusd step, fp32 lane
+// accumulators, up to 4 rows of x per pass over a weight row. K formats: vpmaddubsw + vpdpwssd
+// against the integer sub-block scales into one int32 accumulator per 256 weights, one convert
+// and one FMA per block. Called only when cpu_has_avx512_vnni().
 void quant_linear_int8_avx512vnni(const QuantLinearInt8Block& blk);
+// AVX2 + FMA + F16C, K formats only (quant_avx2.cpp): the same scheme with vpmaddubsw +
+// vpmaddwd on 8 lanes.
+void quant_linear_int8k_avx2(const QuantLinearInt8Block& blk);
 // Rows [m_begin, m_end) of x [M, K] fp32 quantized into QuantizedX's buffers (offset: the
 // format's int8_weight_offset). The portable version (quant.cpp) is the same bit for bit.
 void quant_quantize_x_avx512vnni(const float* x, int64_t K, int offset, int64_t Kp, int8_t* q,
-                                 float* d, float* d_sum, float* block_d_sum,
+                                 float* d, float* d_sum,
                                  int32_t* neg_offset_sum, int64_t m_begin, int64_t m_end);
+// Rows [m_begin, m_end) of x [M, K] fp32 quantized in 256-value blocks into QuantizedXK's
+// buffers; the portable version (quant.cpp) is the same bit for bit.
+void quant_quantize_xk_avx512vnni(const float* x, int64_t K, int8_t* q, float* d, float* d_bsum32,
+                                  int16_t* bsum16, int64_t m_begin, int64_t m_end);
 
 // The FLOAT kernels' format dispatch, written once for the AVX2 and AVX-512 units: each unit
 // defines its own row types (Q4_0Rows ... Q6_KRows, QK45Rows<is_q5>) under these names and

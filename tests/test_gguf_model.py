@@ -269,7 +269,8 @@ def test_load_model_dispatch(monkeypatch):
 def test_activation_mode_reaches_every_quantized_layer(tiny):
     """load_gguf's `activation` (default FLOAT) is every QuantLinear's, recorded on the model;
     INT8 runs the kernel it names and stays close to the exact weights' logits (8-bit
-    activations err by ~0.4% of each 32-value block's largest |x|)."""
+    activations err by ~0.4% of each block's largest |x|: 32-value blocks, 256 for the K formats
+    as ggml's Q8_K; this random tiny model's logits move by ~3-7%)."""
     import specdec_inductor
     from specdec_inductor.ops.quant import QuantActivation, int8_path
     default, tokenizer = load_gguf(tiny["qwen2"])
@@ -283,7 +284,7 @@ def test_activation_mode_reaches_every_quantized_layer(tiny):
     got, ref = _logits(int8, tokenizer, PROMPTS[0]), _logits(exact, tokenizer, PROMPTS[0])
     assert f"quant_linear_int8:{int8_path()}" in specdec_inductor.kernel_path_counts()
     assert not torch.equal(got, ref)  # the activations really were rounded
-    assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
+    assert (got - ref).abs().max() <= 0.08 * ref.abs().max()
     dense, _ = load_gguf(tiny["qwen2"], dequantize=True)
     assert dense.quant_activation is None
 

@@ -43,10 +43,15 @@ def _cpu_has_vnni():
 VNNI = _cpu_has_vnni()
 
 
-def int8_kernel_of(path):
-    """INT8 activations run the AVX-512 VNNI kernel on an AVX-512 path of a VNNI CPU (recorded
-    as 'avx512'), the portable kernel everywhere else."""
-    return "avx512" if kernel_of(path) == "avx512" and VNNI else "portable"
+def int8_kernel_of(path, fmt):
+    """INT8 activations run the AVX-512 VNNI kernels on an AVX-512 path of a VNNI CPU (recorded
+    as 'avx512'); else the K formats run their AVX2 kernel on an AVX2 or wider path; the portable
+    kernel runs the rest."""
+    if kernel_of(path) == "avx512" and VNNI:
+        return "avx512"
+    if path != "portable" and quant_block(fmt)[0] == 256:
+        return "avx2"
+    return "portable"
 
 
 def kernel_of(path):
@@ -362,13 +367,14 @@ def test_threads_do_not_change_the_result(path, activation, fmt):
 # --- INT8 activations ------------------------------------------------------------------------
 
 
-def _int8_x(m, k, gen, dtype):
-    """x [M, K] with the INT8 edge cases in row 0: an all-zero block and a block whose quants are
-    exact halves (max 127 -> d = 1: 2.5 -> 2, -3.5 -> -4, 0.5 -> 0, half to even)."""
+def _int8_x(m, k, gen, dtype, block=32):
+    """x [M, K] with the INT8 edge cases in row 0 for activation blocks of `block` values: an
+    all-zero block and a block whose quants are exact halves (max 127 -> d = 1: 2.5 -> 2,
+    -3.5 -> -4, 0.5 -> 0, half to even)."""
     x = torch.randn(m, k, generator=gen)
-    x[0, :32] = 0.0
-    if k >= 64:
-        x[0, 32:64] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5] * 4)
+    x[0, :block] = 0.0
+    if k >= 2 * block:
+        x[0, block:2 * block] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5] * (block // 8))
     return x.to(dtype)
 
 
@@ -381,7 +387,8 @@ def test_int8_linear_matches_reference(fmt, dtype, path, m):
     is fp32 rounding, bounded by 2 * (K/64 + 8) * 2^-24 * (sum of |terms|) -- K/64 fused
     multiply-adds per lane, the scale products, the 16-lane reduction and the bias -- plus the
     final bf16 rounding (2^-8 relative) for bf16 x. An odd number of 32-weight blocks (K = 96)
-    exercises the unpaired last block."""
+    exercises the unpaired last block. The K formats quantize x per 256 values (their own
+    reference), the others per 32."""
     size = quant_block(fmt)[0]
     k = 3 * 32 if size == 32 else 2 * 256
     n = 11
@@ -389,12 +396,12 @@ def test_int8_linear_matches_reference(fmt, dtype, path, m):
     seed = int(fmt) * 1000 + m
     gen = torch.Generator().manual_seed(seed)
     w = random_weight(fmt, n, k, seed)  # [N, row_bytes]
-    x = _int8_x(m, k, gen, dtype)  # [M, K]
+    x = _int8_x(m, k, gen, dtype, block=size)  # [M, K]
     b = torch.randn(n, generator=gen).to(dtype) if bias else None  # [N]
     specdec_inductor.reset_kernel_path_counts()
     with specdec_inductor.forced_isa(path):
         out = quant_linear(x, w, fmt, b, activation=QuantActivation.INT8)
-    assert specdec_inductor.kernel_path_counts() == {f"quant_linear_int8:{int8_kernel_of(path)}": 1}
+    assert specdec_inductor.kernel_path_counts() == {f"quant_linear_int8:{int8_kernel_of(path, fmt)}": 1}
     assert out.dtype == dtype and out.shape == (m, n)
     ref, magnitude = quant_linear_int8_terms_ref(x, w, fmt, b)  # [M, N] each, fp64
     bound = 2 * (k / 64 + 8) * 2.0 ** -24 * magnitude
@@ -437,7 +444,7 @@ def test_int8_linear_is_batch_invariant(fmt, path):
                 assert torch.equal(quant_linear(xd[:16], w, fmt, bd, int8), alone[:16])
             finally:
                 torch.set_num_threads(threads)
-    assert set(specdec_inductor.kernel_path_counts()) == {f"quant_linear_int8:{int8_kernel_of(path)}"}
+    assert set(specdec_inductor.kernel_path_counts()) == {f"quant_linear_int8:{int8_kernel_of(path, fmt)}"}
 
 
 def test_int8_default_is_float():
@@ -448,3 +455,71 @@ def test_int8_default_is_float():
                        quant_linear(x, w, QuantFormat.Q4_K, activation=QuantActivation.FLOAT))
     assert torch.equal(torch.ops.specdec.quant_linear(x, w, int(QuantFormat.Q4_K)),
                        quant_linear(x, w, QuantFormat.Q4_K))
+
+
+K_FORMATS = [QuantFormat.Q4_K, QuantFormat.Q5_K, QuantFormat.Q6_K]
+
+
+def _saturating_weight(fmt, n, k, sign):
+    """K-format blocks whose integer quants are all at the top (every quant byte 0xFF: Q4_K 15,
+    Q5_K 31, Q6_K 63 - 32 = 31) and whose sub-block scales are the largest (6-bit 63, or int8
+    127 / -128 by `sign`), d = 1: the largest int16 pair products and int32 block sums."""
+    size, nbytes = quant_block(fmt)
+    blocks = torch.full((n * k // size, nbytes), 0xFF, dtype=torch.uint8)
+    one = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    for off in F16_FIELDS[fmt]:
+        blocks[:, off:off + 2] = one
+    if fmt == QuantFormat.Q6_K:
+        blocks[:, 192:208] = torch.tensor([127 if sign > 0 else -128], dtype=torch.int8).view(torch.uint8)
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_int8_k_formats_extreme_integer_sums(fmt, path):
+    """The largest quants and scales against x = +-1 (quants +-127): no int16 pair saturates
+    and no int32 block sum overflows (the result matches the fp64 definition)."""
+    k, n = 3 * 256, 4
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3, 256:] = 0.5
+    for sign in (1, -1):
+        w = _saturating_weight(fmt, n, k, sign)
+        with specdec_inductor.forced_isa(path):
+            out = quant_linear(x, w, fmt, activation=QuantActivation.INT8)
+        ref, magnitude = quant_linear_int8_terms_ref(x, w, fmt)
+        assert ((out.double() - ref).abs() <= 2 * (k / 64 + 8) * 2.0 ** -24 * magnitude).all(), (out, ref)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_int8_k_formats_long_rows(fmt, path):
+    """K = 8960 (the 1.5B model's down projection, 35 blocks of 256): every row of M = 1..9 and
+    16 equals the same row alone bitwise, within the 2x-style bound of the fp64 definition."""
+    k, n = 8960, 13
+    w = random_weight(fmt, n, k, seed=41)  # [N, row_bytes]
+    x = _int8_x(16, k, torch.Generator().manual_seed(41), torch.float32, block=256)  # [16, K]
+    int8 = QuantActivation.INT8
+    specdec_inductor.reset_kernel_path_counts()
+    with specdec_inductor.forced_isa(path):
+        alone = torch.cat([quant_linear(x[r:r + 1], w, fmt, activation=int8) for r in range(16)])
+        for rows in list(range(2, 10)) + [16]:
+            assert torch.equal(quant_linear(x[:rows], w, fmt, activation=int8), alone[:rows]), rows
+    assert set(specdec_inductor.kernel_path_counts()) == {f"quant_linear_int8:{int8_kernel_of(path, fmt)}"}
+    ref, magnitude = quant_linear_int8_terms_ref(x, w, fmt)
+    assert ((alone.double() - ref).abs() <= 2 * (k / 64 + 8) * 2.0 ** -24 * magnitude).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int8_path_names_the_kernel_that_runs(fmt):
+    """ops.quant.int8_path(fmt) reports the kernel a call records, on every runnable path."""
+    from specdec_inductor.ops.quant import int8_path
+    w = random_weight(fmt, 3, quant_block(fmt)[0], seed=5)
+    x = torch.randn(2, quant_block(fmt)[0])
+    for path in PATHS:
+        specdec_inductor.reset_kernel_path_counts()
+        with specdec_inductor.forced_isa(path):
+            quant_linear(x, w, fmt, activation=QuantActivation.INT8)
+            assert int8_path(fmt) == int8_kernel_of(path, fmt)
+        assert specdec_inductor.kernel_path_counts() == {f"quant_linear_int8:{int8_kernel_of(path, fmt)}": 1}

@@ -34,9 +34,12 @@ class QuantActivation(enum.IntEnum):
     """How quant_linear multiplies x into the weights.
 
     FLOAT: exact fp32 products of x and the exactly dequantized weights.
-    INT8: x is quantized to 8 bits per 32-value block first and the products are integer dot
-    products (as llama.cpp's Q8_0 / Q8_K activations): on AVX-512 VNNI one vpdpbusd does 64
-    multiply-adds, so decode and verify run at memory speed; the result differs from FLOAT by the
+    INT8: x is quantized to 8 bits per block first (32 values for the 32-weight formats, 256 for
+    the K formats, as llama.cpp's Q8_0 / Q8_K activations) and the products are integer dot
+    products: on AVX-512 VNNI one vpdpbusd does 64 multiply-adds (32-weight formats), or a
+    vpmaddubsw + vpdpwssd pair does 64 with the K formats' integer sub-block scales applied in
+    integer space and one float multiply per 256 weights, so decode runs at memory speed and
+    verify rows cost a fraction of a decode step each. The result differs from FLOAT by the
     activation rounding (about 0.4 % of each block's largest |x|). Rows are batch invariant as
     with FLOAT (x is quantized row by row), but a last-bit difference in x can move a quant by
     one step, so INT8 needs inputs that are themselves bitwise the same in decode and verify.
@@ -45,12 +48,13 @@ class QuantActivation(enum.IntEnum):
     INT8 = 1
 
 
-def int8_path() -> str:
-    """The path INT8 activations take now: "avx512" (the VNNI kernel: built, the CPU has
-    avx512_vnni, AVX-512 or better active) or "portable" (scalar loops, slower than FLOAT's
-    SIMD kernels)."""
+def int8_path(fmt: Optional["QuantFormat"] = None) -> str:
+    """The path INT8 activations take now for `fmt`: "avx512" (the VNNI kernels: built, the CPU
+    has avx512_vnni, AVX-512 or better active), "avx2" (the K formats' AVX2 kernel where VNNI
+    does not run) or "portable" (scalar loops, slower than FLOAT's SIMD kernels). fmt=None: the
+    path of the 32-weight formats (Q8_0 ...), which is "avx512" only with VNNI."""
     from specdec_inductor import _C
-    return _C.quant_int8_path()
+    return _C.quant_int8_path(int(_format(QuantFormat.Q8_0 if fmt is None else fmt)))
 
 
 def default_activation() -> "QuantActivation":
@@ -116,15 +120,21 @@ def quant_linear(x: Tensor, weight: Tensor, fmt: QuantFormat, bias: Optional[Ten
     number of rows M = prod(x.shape[:-1]), each row's result independent of M.
 
     activation=INT8 (x taken in fp32, bf16 widened exactly; finite values):
-      - each row of x is cut into blocks of 32 along K; block b has d_b = max|x| / 127 (fp32
-        division) and quants q = round-half-to-even(x / d_b) (fp32 division) clamped to
-        [-127, 127]; an all-zero block has d_b = 0 and q = 0.
-      - the weight row is read as w[k] = scale[k // 16] * wq[k] + min[k // 32] with integer
-        quants wq (Q4_0: q - 8, Q5_0: q - 16, Q6_K: q - 32, others the stored q) and the file's
-        exact scales (d, d * sc) and mins (Q4_1 / Q5_1: m, Q4_K / Q5_K: -dmin * mn, others 0).
-      - y[m, n] = sum_g scale[g] * d_(g // 2) * (sum over the 16-group g of wq * q)
-                  + sum_b min[b] * d_b * (sum over block b of q)   (+ bias[n]),
-        the integer sums exact, the rest accumulated in fp32 in a fixed order.
+      - each row of x is cut into blocks of G values along K (G = 32; G = 256 for Q4_K / Q5_K /
+        Q6_K); block b has d_b = max|x| / 127 (fp32 division) and quants
+        q = round-half-to-even(x / d_b) (fp32 division) clamped to [-127, 127]; an all-zero block
+        has d_b = 0 and q = 0.
+      - 32-weight formats: the weight row is read as w[k] = scale * wq[k] + min per 32-weight
+        block, with integer quants wq (Q4_0: q - 8, Q5_0: q - 16, others the stored q) and the
+        file's exact scale d and min (Q4_1 / Q5_1: m, others 0);
+        y[m, n] = sum_g scale[g] * d_(g // 2) * (sum over the 16-group g of wq * q)
+                  + sum_b min[b] * d_b * (sum over block b of q)   (+ bias[n]).
+      - K formats, per 256-weight block b with the file's d (and dmin) and integer sub-block
+        scales sc (Q4_K / Q5_K: 6-bit per 32 weights, wq = q; Q6_K: int8 per 16 weights,
+        wq = q - 32): I_b = sum over sub-blocks s of sc[s] * (sum over s of wq * q), an exact
+        integer; y[m, n] = sum_b (d * d_b) * I_b
+                  + sum_b sum_s (-dmin * mn[s]) * (d_b * sum over s of q)   (Q4_K / Q5_K)   (+ bias[n]).
+      The integer sums are exact, the rest accumulated in fp32 in a fixed order.
     `quant_linear_ref(..., activation=INT8)` computes the same in fp64.
     """
     return torch.ops.specdec.quant_linear.default(x, weight, int(_format(fmt)), bias,

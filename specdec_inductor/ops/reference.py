@@ -431,6 +431,38 @@ def quant_dequantize_ref(weight: Tensor, fmt) -> Tensor:
     return w.reshape(n, -1)
 
 
+def _k_int_parts(blocks: Tensor, fmt) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The integer form of K-format blocks ([B, bytes] uint8): wq [B, 256] int64 (Q6_K: q - 32),
+    isc [B, 16] int64 (the integer scale of each 16 weights: Q4_K / Q5_K's 6-bit sub-block scale
+    twice, Q6_K's int8 scale), d [B, 1] float64 (the fp16 d) and minimum [B, 8] float64
+    (-dmin * mn per 32-weight sub-block, exact; 0 for Q6_K). w = d * isc * wq + minimum."""
+    from specdec_inductor.ops.quant import QuantFormat
+
+    b = blocks.to(torch.int64)  # [B, bytes]
+    if fmt in (QuantFormat.Q4_K, QuantFormat.Q5_K):
+        sc, mn = _k_scale_min(b[:, 4:16])  # [B, 8] each
+        qs = b[:, 16:144] if fmt == QuantFormat.Q4_K else b[:, 48:176]  # [B, 128]
+        wq = torch.stack([qs.reshape(-1, 4, 32) & 15, qs.reshape(-1, 4, 32) >> 4], 2).reshape(-1, 8, 32)
+        if fmt == QuantFormat.Q5_K:
+            wq = wq | ((b[:, None, 16:48] >> torch.arange(8)[:, None]) & 1) << 4
+        isc = sc.long().repeat_interleave(2, 1)  # [B, 16]
+        d = _f16_field(blocks, 0).double()
+        minimum = -(_f16_field(blocks, 2) * mn).double()  # [B, 8]
+    else:  # Q6_K
+        ql, qh = b[:, 0:128], b[:, 128:192]
+        groups = []
+        for g in range(8):
+            h, t = divmod(g, 4)
+            lo = (ql[:, 64 * h + 32 * (t % 2):][:, :32] >> 4 * (t // 2)) & 15
+            hi = (qh[:, 32 * h:32 * h + 32] >> 2 * t) & 3
+            groups.append((lo | hi << 4) - 32)
+        wq = torch.cat(groups, 1)
+        isc = blocks[:, 192:208].contiguous().view(torch.int8).long()  # [B, 16]
+        d = _f16_field(blocks, 208).double()
+        minimum = torch.zeros(blocks.shape[0], 8, dtype=torch.float64)
+    return wq.reshape(-1, 256), isc, d, minimum
+
+
 def quant_int8_parts_ref(weight: Tensor, fmt) -> Tuple[Tensor, Tensor, Tensor]:
     """The integer form of uint8 [N, row_bytes] ggml blocks used by INT8 activations:
     w[n, k] = scale[n, k // 16] * wq[n, k] + minimum[n, k // 32] (exact). Returns wq [N, K] int64,
@@ -441,58 +473,70 @@ def quant_int8_parts_ref(weight: Tensor, fmt) -> Tuple[Tensor, Tensor, Tensor]:
     size, nbytes = quant_block(fmt)
     n = weight.shape[0]
     blocks = weight.reshape(-1, nbytes)  # [B, bytes]
+    if size == 256:
+        wq, isc, d, minimum = _k_int_parts(blocks, fmt)
+        return wq.reshape(n, -1), (d * isc).reshape(n, -1), minimum.reshape(n, -1)
     b = blocks.to(torch.int64)  # [B, bytes]
     nibbles = lambda qs: torch.cat([qs & 15, qs >> 4], 1)  # noqa: E731  [B, 16] -> [B, 32]
-    minimum = torch.zeros(blocks.shape[0], size // 32, dtype=torch.float64)  # [B, size / 32]
-    if fmt in (QuantFormat.Q4_0, QuantFormat.Q4_1, QuantFormat.Q5_0, QuantFormat.Q5_1, QuantFormat.Q8_0):
-        d = _f16_field(blocks, 0).double()  # [B, 1]
-        if fmt == QuantFormat.Q4_0:
-            wq = nibbles(b[:, 2:18]) - 8
-        elif fmt == QuantFormat.Q4_1:
-            wq = nibbles(b[:, 4:20])
-            minimum = _f16_field(blocks, 2).double()
-        elif fmt == QuantFormat.Q5_0:
-            bits = (b[:, 2:6, None] >> torch.arange(8)) & 1  # [B, 4, 8]: bit j of the u32 qh
-            wq = (nibbles(b[:, 6:22]) | bits.reshape(-1, 32) << 4) - 16
-        elif fmt == QuantFormat.Q5_1:
-            bits = (b[:, 4:8, None] >> torch.arange(8)) & 1
-            wq = nibbles(b[:, 8:24]) | bits.reshape(-1, 32) << 4
-            minimum = _f16_field(blocks, 2).double()
-        else:
-            wq = blocks[:, 2:34].view(torch.int8).long()
-        scale = d.expand(-1, 2)  # [B, 2]
-    elif fmt in (QuantFormat.Q4_K, QuantFormat.Q5_K):
-        sc, mn = _k_scale_min(b[:, 4:16])  # [B, 8] each
-        qs = b[:, 16:144] if fmt == QuantFormat.Q4_K else b[:, 48:176]  # [B, 128]
-        wq = torch.stack([qs.reshape(-1, 4, 32) & 15, qs.reshape(-1, 4, 32) >> 4], 2).reshape(-1, 8, 32)
-        if fmt == QuantFormat.Q5_K:
-            wq = wq | ((b[:, None, 16:48] >> torch.arange(8)[:, None]) & 1) << 4
-        wq = wq.reshape(-1, 256)  # [B, 256]
-        scale = (_f16_field(blocks, 0) * sc).double().repeat_interleave(2, 1)  # [B, 16]
-        minimum = -(_f16_field(blocks, 2) * mn).double()  # [B, 8]
-    else:  # Q6_K
-        ql, qh = b[:, 0:128], b[:, 128:192]
-        groups = []
-        for g in range(8):
-            h, t = divmod(g, 4)
-            lo = (ql[:, 64 * h + 32 * (t % 2):][:, :32] >> 4 * (t // 2)) & 15
-            hi = (qh[:, 32 * h:32 * h + 32] >> 2 * t) & 3
-            groups.append((lo | hi << 4) - 32)
-        wq = torch.cat(groups, 1)  # [B, 256]
-        scale = (_f16_field(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()).double()
+    minimum = torch.zeros(blocks.shape[0], 1, dtype=torch.float64)  # [B, 1]
+    d = _f16_field(blocks, 0).double()  # [B, 1]
+    if fmt == QuantFormat.Q4_0:
+        wq = nibbles(b[:, 2:18]) - 8
+    elif fmt == QuantFormat.Q4_1:
+        wq = nibbles(b[:, 4:20])
+        minimum = _f16_field(blocks, 2).double()
+    elif fmt == QuantFormat.Q5_0:
+        bits = (b[:, 2:6, None] >> torch.arange(8)) & 1  # [B, 4, 8]: bit j of the u32 qh
+        wq = (nibbles(b[:, 6:22]) | bits.reshape(-1, 32) << 4) - 16
+    elif fmt == QuantFormat.Q5_1:
+        bits = (b[:, 4:8, None] >> torch.arange(8)) & 1
+        wq = nibbles(b[:, 8:24]) | bits.reshape(-1, 32) << 4
+        minimum = _f16_field(blocks, 2).double()
+    else:
+        wq = blocks[:, 2:34].view(torch.int8).long()
+    scale = d.expand(-1, 2)  # [B, 2]
     return wq.reshape(n, -1), scale.reshape(n, -1), minimum.reshape(n, -1)
 
 
-def quantize_activation_int8_ref(x: Tensor) -> Tuple[Tensor, Tensor]:
-    """Rows of x [M, K] (K a multiple of 32) in 32-value blocks: d = max|x| / 127 and
-    q = round-half-to-even(x / d) clamped to [-127, 127], both divisions in fp32; an all-zero
-    block has d = 0, q = 0. Returns q [M, K] int64 and d [M, K / 32] float32."""
-    xb = x.float().reshape(x.shape[0], -1, 32)  # [M, K / 32, 32]
-    d = xb.abs().amax(-1) / 127  # [M, K / 32] fp32
+def quantize_activation_int8_ref(x: Tensor, block: int = 32) -> Tuple[Tensor, Tensor]:
+    """Rows of x [M, K] (K a multiple of `block`: 32, or 256 for the K formats) in `block`-value
+    blocks: d = max|x| / 127 and q = round-half-to-even(x / d) clamped to [-127, 127], both
+    divisions in fp32; an all-zero block has d = 0, q = 0. Returns q [M, K] int64 and
+    d [M, K / block] float32."""
+    xb = x.float().reshape(x.shape[0], -1, block)  # [M, K / block, block]
+    d = xb.abs().amax(-1) / 127  # [M, K / block] fp32
     safe = torch.where(d == 0, torch.ones_like(d), d)
     q = torch.round(xb / safe[..., None]).clamp(-127, 127)  # torch.round: half to even
     q = torch.where(d[..., None] == 0, torch.zeros_like(q), q)
     return q.long().reshape(x.shape[0], -1), d
+
+
+def _int8k_terms_ref(x: Tensor, weight: Tensor, fmt):
+    """The K formats' INT8 definition (ops/quant.py) in fp64: per 256-weight block the exact
+    integer I = sum of isc * (16-weight dots of wq and q), y = sum_b d * d_x * I + the mins'
+    sum_s minimum * d_x * (sum of the sub-block's q); and the sum of |terms| at the product level.
+    Returns (y [M, N], magnitude [M, N]) float64."""
+    from specdec_inductor.ops.quant import quant_block
+
+    nbytes = quant_block(fmt)[1]
+    n = weight.shape[0]
+    wq, isc, dw, minimum = _k_int_parts(weight.reshape(-1, nbytes), fmt)
+    wq, isc = wq.reshape(n, -1).double(), isc.reshape(n, -1).double()  # [N, K], [N, K / 16]
+    dw, minimum = dw.reshape(n, -1), minimum.reshape(n, -1)  # [N, K / 256], [N, K / 32]
+    q, d = quantize_activation_int8_ref(x, 256)  # [M, K], [M, K / 256]
+    m, k = q.shape
+    qd = q.double()
+    dx = d.double()
+    dots = torch.einsum("mgj,ngj->mng", qd.reshape(m, -1, 16), wq.reshape(n, -1, 16))  # [M, N, K/16]
+    absdots = torch.einsum("mgj,ngj->mng", qd.abs().reshape(m, -1, 16), wq.abs().reshape(n, -1, 16))
+    blocks = (dots * isc[None]).reshape(m, n, -1, 16).sum(-1)  # [M, N, K/256] exact integers
+    absblocks = (absdots * isc.abs()[None]).reshape(m, n, -1, 16).sum(-1)
+    dx32 = dx.repeat_interleave(8, 1)  # [M, K / 32]
+    sums = qd.reshape(m, -1, 32).sum(-1)  # [M, K / 32]
+    abssums = qd.abs().reshape(m, -1, 32).sum(-1)
+    y = (blocks * dw[None] * dx[:, None]).sum(-1) + (dx32 * sums) @ minimum.T  # [M, N]
+    mag = (absblocks * dw.abs()[None] * dx[:, None]).sum(-1) + (dx32 * abssums) @ minimum.abs().T
+    return y, mag
 
 
 def quant_linear_int8_terms_ref(x: Tensor, weight: Tensor, fmt, bias: Optional[Tensor] = None):
@@ -500,18 +544,23 @@ def quant_linear_int8_terms_ref(x: Tensor, weight: Tensor, fmt, bias: Optional[T
     ops/quant.py), and the sum of the absolute values of every term at the product level
     (|scale * d * wq * q| per weight, |min * d * q|, |bias|): the scale of fp32 rounding error.
     Returns (y [M, N] float64, magnitude [M, N] float64) for x [M, K]."""
-    wq, scale, minimum = quant_int8_parts_ref(weight, fmt)  # [N, K], [N, K/16], [N, K/32]
-    q, d = quantize_activation_int8_ref(x)  # [M, K], [M, K / 32]
-    m, k = q.shape
-    n = wq.shape[0]
-    qd, wqd = q.double(), wq.double()
-    dots = torch.einsum("mgj,ngj->mng", qd.reshape(m, -1, 16), wqd.reshape(n, -1, 16))  # [M, N, K/16]
-    absdots = torch.einsum("mgj,ngj->mng", qd.abs().reshape(m, -1, 16), wqd.abs().reshape(n, -1, 16))
-    d16 = d.double().repeat_interleave(2, 1)  # [M, K / 16]
-    sums = qd.reshape(m, -1, 32).sum(-1)  # [M, K / 32]
-    abssums = qd.abs().reshape(m, -1, 32).sum(-1)
-    y = (dots * scale[None] * d16[:, None]).sum(-1) + (d.double() * sums) @ minimum.T  # [M, N]
-    mag = (absdots * scale.abs()[None] * d16[:, None]).sum(-1) + (d.double() * abssums) @ minimum.abs().T
+    from specdec_inductor.ops.quant import quant_block
+
+    if quant_block(fmt)[0] == 256:
+        y, mag = _int8k_terms_ref(x, weight, fmt)
+    else:
+        wq, scale, minimum = quant_int8_parts_ref(weight, fmt)  # [N, K], [N, K/16], [N, K/32]
+        q, d = quantize_activation_int8_ref(x)  # [M, K], [M, K / 32]
+        m, k = q.shape
+        n = wq.shape[0]
+        qd, wqd = q.double(), wq.double()
+        dots = torch.einsum("mgj,ngj->mng", qd.reshape(m, -1, 16), wqd.reshape(n, -1, 16))  # [M, N, K/16]
+        absdots = torch.einsum("mgj,ngj->mng", qd.abs().reshape(m, -1, 16), wqd.abs().reshape(n, -1, 16))
+        d16 = d.double().repeat_interleave(2, 1)  # [M, K / 16]
+        sums = qd.reshape(m, -1, 32).sum(-1)  # [M, K / 32]
+        abssums = qd.abs().reshape(m, -1, 32).sum(-1)
+        y = (dots * scale[None] * d16[:, None]).sum(-1) + (d.double() * sums) @ minimum.T  # [M, N]
+        mag = (absdots * scale.abs()[None] * d16[:, None]).sum(-1) + (d.double() * abssums) @ minimum.abs().T
     if bias is not None:
         y = y + bias.double()
         mag = mag + bias.double().abs()
@@ -521,8 +570,9 @@ def quant_linear_int8_terms_ref(x: Tensor, weight: Tensor, fmt, bias: Optional[T
 def quant_linear_ref(x: Tensor, weight: Tensor, fmt, bias: Optional[Tensor] = None,
                      activation=0) -> Tensor:
     """x @ dequantize(weight).T + bias computed in fp64, rounded once to x's dtype. With
-    activation=INT8, x is first quantized to 8 bits per 32-value block and the products are the
-    exact integer dots of the definition in ops/quant.py (quant_linear_int8_terms_ref)."""
+    activation=INT8, x is first quantized to 8 bits per 32-value block (256 for the K formats)
+    and the products are the exact integer dots of the definition in ops/quant.py
+    (quant_linear_int8_terms_ref)."""
     if int(activation) == 1:
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         y, _ = quant_linear_int8_terms_ref(x2, weight, fmt, bias)
