@@ -201,30 +201,26 @@ void write_rows(const WorkItem& it, const float* acc, const float* sum, int64_t 
   }
 }
 
-// Shared body of extend_attention and decode_attention. q [B, T, H, D]; per request b the keys
-// are positions [0, prefix[b] + extend[b]) of row rows[b]; query row t < extend[b] is new token t.
-at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor& k_pool,
-                             const at::Tensor& v_pool, const at::Tensor& req_to_token,
-                             const std::vector<int64_t>& rows, const std::vector<int64_t>& prefix,
-                             const std::vector<int64_t>& extend,
-                             const std::optional<at::Tensor>& tree_mask, double scale,
-                             int64_t sliding_window, double logit_cap) {
-  const AttnDtype dtype = attn_dtype(q_in, "q");
+// Checks the pools, the scalars and every slot the call reads against q [B, T, H, D].
+void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& req_to_token, const std::vector<int64_t>& rows,
+                            const std::vector<int64_t>& prefix, const std::vector<int64_t>& extend,
+                            double scale, double logit_cap) {
   check_pool(k_pool, "k_pool");
   check_pool(v_pool, "v_pool");
-  TORCH_CHECK_TYPE(k_pool.scalar_type() == q_in.scalar_type(), "argument 'k_pool' must have q's "
-                   "dtype ", q_in.scalar_type(), ", got ", k_pool.scalar_type());
-  TORCH_CHECK_TYPE(v_pool.scalar_type() == q_in.scalar_type(), "argument 'v_pool' must have q's "
-                   "dtype ", q_in.scalar_type(), ", got ", v_pool.scalar_type());
+  TORCH_CHECK_TYPE(k_pool.scalar_type() == q.scalar_type(), "argument 'k_pool' must have q's "
+                   "dtype ", q.scalar_type(), ", got ", k_pool.scalar_type());
+  TORCH_CHECK_TYPE(v_pool.scalar_type() == q.scalar_type(), "argument 'v_pool' must have q's "
+                   "dtype ", q.scalar_type(), ", got ", v_pool.scalar_type());
   TORCH_CHECK_VALUE(v_pool.sizes() == k_pool.sizes(), "argument 'v_pool' must have k_pool's shape ",
                     k_pool.sizes(), ", got ", v_pool.sizes());
-  const int64_t B = q_in.size(0), T = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
+  const int64_t B = q.size(0), H = q.size(2), D = q.size(3);
   const int64_t num_slots = k_pool.size(0), Hkv = k_pool.size(1);
   TORCH_CHECK_VALUE(k_pool.size(2) == D, "argument 'k_pool' must have head_dim ", D,
                     " (q's last dimension), got shape ", k_pool.sizes());
   TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "argument 'q' has ", H, " heads, which is not a "
                     "multiple of k_pool's ", Hkv, " KV heads");
-  TORCH_CHECK_VALUE(D >= 1, "argument 'q' must have head_dim >= 1, got shape ", q_in.sizes());
+  TORCH_CHECK_VALUE(D >= 1, "argument 'q' must have head_dim >= 1, got shape ", q.sizes());
   check_dtype(req_to_token, at::kInt, "req_to_token");
   check_dim(req_to_token, 2, "req_to_token");
   TORCH_CHECK_VALUE(std::isfinite(scale), "argument 'scale' must be finite, got ", scale);
@@ -246,21 +242,14 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
                         " slots");
     }
   }
-  at::Tensor tree_holder;
-  std::vector<uint8_t> tree_storage;
-  const uint8_t* tree = tree_mask.has_value()
-      ? tree_visibility(*tree_mask, B, T, tree_holder, tree_storage) : nullptr;
-  // With a window, a tree draft's token position is prefix + its depth (kernels.md section 6).
-  const std::vector<int32_t> depth =
-      tree != nullptr && sliding_window > 0 ? tree_depths(tree, B, T, extend) : std::vector<int32_t>();
+}
 
-  // q rows must be dense in D for the kernels; any other strides are read in place.
-  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
-  at::Tensor out = at::zeros({B, T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  if (B == 0 || T == 0 || H == 0) return out;  // [B, T, H, D]
+using ChunkKernel = void (*)(const AttnChunk&);
 
+// The chunk kernel of this call (see the file comment); *ran records its ISA.
+ChunkKernel choose_kernel(AttnDtype dtype, int64_t T, int64_t H, int64_t Hkv, int64_t D, Isa* ran) {
   const Isa isa = active_isa();
-  void (*kernel)(const AttnChunk&) = attention_chunk_portable;
+  ChunkKernel kernel = attention_chunk_portable;
   *ran = Isa::PORTABLE;
 #ifdef SPECDEC_BUILT_AVX2
   if (isa >= Isa::AVX2 && D % 8 == 0) {
@@ -283,16 +272,24 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
     *ran = Isa::AMX;
   }
 #endif
+  (void)isa;
+  return kernel;
+}
 
-  // Work items and their key-range splits.
-  const int64_t hpg = H / Hkv;
+// One work item per (request, KV head, block of query rows), each with the key range its rows
+// can see: up to the block's last row (causal) or all new keys (tree), from the block's first
+// in-window position on.
+std::vector<WorkItem> plan_items(int64_t B, int64_t T, int64_t Hkv, int64_t hpg,
+                                 const std::vector<int64_t>& prefix,
+                                 const std::vector<int64_t>& extend, bool is_tree,
+                                 const std::vector<int32_t>& depth, int64_t sliding_window) {
   const int64_t rows_per_item = std::max<int64_t>(1, kMaxQueriesPerChunk / hpg);
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t g = 0; g < Hkv; ++g) {
       for (int64_t r0 = 0; r0 < extend[b]; r0 += rows_per_item) {
         const int64_t nr = std::min(rows_per_item, extend[b] - r0);
-        const int64_t kend = tree ? prefix[b] + extend[b] : prefix[b] + r0 + nr;
+        const int64_t kend = is_tree ? prefix[b] + extend[b] : prefix[b] + r0 + nr;
         // Keys before the block's first in-window position are skipped (a key's position never
         // exceeds its index, so the cut by index is safe). Tree rows: the block's least depth.
         int64_t first_pos = prefix[b] + r0;
@@ -306,10 +303,23 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
       }
     }
   }
+  return items;
+}
+
+// The tasks of the work items: with fewer items than 2x the threads, key ranges are split
+// (flash-decoding, never below kMinSplitKeys keys) so every thread gets work; a split task keeps
+// its partial acc / max / sum at offset[task] of a shared workspace of `split_floats` floats for
+// merge_splits, the others (offset -1) write their rows directly.
+struct TaskPlan {
+  std::vector<Task> tasks;
+  std::vector<int64_t> offset;
+  int64_t split_floats = 0;
+};
+
+TaskPlan split_key_ranges(std::vector<WorkItem>& items, int64_t hpg, int64_t D) {
   const int64_t threads = at::get_num_threads();
   const int64_t n_items = static_cast<int64_t>(items.size());
-  std::vector<Task> tasks;
-  int64_t split_floats = 0;  // workspace for split items: acc [M, D] + max [M] + sum [M] per task
+  TaskPlan plan;
   for (int64_t i = 0; i < n_items; ++i) {
     WorkItem& it = items[i];
     const int64_t keys = it.key_end - it.key_begin;
@@ -317,77 +327,80 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
       const int64_t want = (2 * threads + n_items - 1) / n_items;
       it.splits = std::max<int64_t>(1, std::min(want, keys / kMinSplitKeys));
     }
-    it.first_task = static_cast<int64_t>(tasks.size());
+    it.first_task = static_cast<int64_t>(plan.tasks.size());
     const int64_t step = ((keys + it.splits - 1) / it.splits + 63) / 64 * 64;
     int64_t made = 0;
     for (int64_t k0 = it.key_begin; k0 < it.key_end || made == 0; k0 += step, ++made) {
-      tasks.push_back({i, k0, std::min(it.key_end, k0 + step)});
+      plan.tasks.push_back({i, k0, std::min(it.key_end, k0 + step)});
     }
     it.splits = made;
-    if (made > 1) split_floats += made * it.rows * hpg * (D + 2);
   }
-  std::vector<float> workspace(split_floats);
-  std::vector<int64_t> task_offset(tasks.size(), -1);
-  for (int64_t off = 0, t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
-    const WorkItem& it = items[tasks[t].item];
+  plan.offset.assign(plan.tasks.size(), -1);
+  for (size_t t = 0; t < plan.tasks.size(); ++t) {
+    const WorkItem& it = items[plan.tasks[t].item];
     if (it.splits > 1) {
-      task_offset[t] = off;
-      off += it.rows * hpg * (D + 2);
+      plan.offset[t] = plan.split_floats;
+      plan.split_floats += it.rows * hpg * (D + 2);  // acc [M, D] + max [M] + sum [M]
     }
   }
+  return plan;
+}
 
-  const int64_t elem = q.element_size();
-  const char* qbase = static_cast<const char*>(q.const_data_ptr());
-  const char* kbase = static_cast<const char*>(k_pool.const_data_ptr());
-  const char* vbase = static_cast<const char*>(v_pool.const_data_ptr());
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> local;
-    for (int64_t t = t0; t < t1; ++t) {
-      const WorkItem& it = items[tasks[t].item];
-      const int64_t M = it.rows * hpg;
-      float* ws;
-      if (task_offset[t] >= 0) {
-        ws = workspace.data() + task_offset[t];
-      } else {
-        local.resize(M * (D + 2));
-        ws = local.data();
-      }
-      AttnChunk c;
-      c.dtype = dtype;
-      c.head_dim = D;
-      c.q = qbase + (it.b * q.stride(0) + it.row0 * q.stride(1) + it.g * hpg * q.stride(2)) * elem;
-      c.q_stride_row = q.stride(1);
-      c.q_stride_head = q.stride(2);
-      c.rows = it.rows;
-      c.heads = hpg;
-      c.row0 = it.row0;
-      c.k = kbase + it.g * k_pool.stride(1) * elem;
-      c.v = vbase + it.g * v_pool.stride(1) * elem;
-      c.k_stride_slot = k_pool.stride(0);
-      c.v_stride_slot = v_pool.stride(0);
-      c.slots = table + rows[it.b] * ts0;
-      c.slot_stride = ts1;
-      c.key_begin = tasks[t].key_begin;
-      c.key_end = tasks[t].key_end;
-      c.prefix = prefix[it.b];
-      c.tree = tree ? tree + it.b * T * T : nullptr;
-      c.tree_stride = T;
-      c.depth = depth.empty() ? nullptr : depth.data() + it.b * T;
-      c.window = sliding_window;
-      c.scale = static_cast<float>(scale);
-      c.logit_cap = static_cast<float>(logit_cap);
-      c.acc = ws;
-      c.max = ws + M * D;
-      c.sum = ws + M * D + M;
-      kernel(c);
-      if (it.splits == 1) write_rows(it, c.acc, c.sum, hpg, T, H, D, out);
-    }
-  });
+// What every chunk of one call shares: q and the pools as byte pointers with their strides, the
+// request table and the per-request tree / depth data.
+struct AttnCall {
+  AttnDtype dtype;
+  const at::Tensor& q;
+  const at::Tensor& k_pool;
+  const at::Tensor& v_pool;
+  const int32_t* table;
+  int64_t ts0, ts1, T, hpg;
+  const std::vector<int64_t>& rows;
+  const std::vector<int64_t>& prefix;
+  const uint8_t* tree;
+  const std::vector<int32_t>& depth;
+  int64_t sliding_window;
+  float scale, logit_cap;
+};
 
-  // Merge key-range splits: rescale each split's partial sums to the common row max. (No
-  // split, no second parallel region: decode at short context pays one per layer otherwise.)
-  if (split_floats == 0) return out;  // [B, T, H, D]
-  at::parallel_for(0, n_items, 1, [&](int64_t i0, int64_t i1) {
+AttnChunk make_chunk(const AttnCall& a, const WorkItem& it, const Task& task, float* ws) {
+  const int64_t elem = a.q.element_size(), M = it.rows * a.hpg;
+  AttnChunk c;
+  c.dtype = a.dtype;
+  c.head_dim = a.q.size(3);
+  c.q = static_cast<const char*>(a.q.const_data_ptr()) +
+        (it.b * a.q.stride(0) + it.row0 * a.q.stride(1) + it.g * a.hpg * a.q.stride(2)) * elem;
+  c.q_stride_row = a.q.stride(1);
+  c.q_stride_head = a.q.stride(2);
+  c.rows = it.rows;
+  c.heads = a.hpg;
+  c.row0 = it.row0;
+  c.k = static_cast<const char*>(a.k_pool.const_data_ptr()) + it.g * a.k_pool.stride(1) * elem;
+  c.v = static_cast<const char*>(a.v_pool.const_data_ptr()) + it.g * a.v_pool.stride(1) * elem;
+  c.k_stride_slot = a.k_pool.stride(0);
+  c.v_stride_slot = a.v_pool.stride(0);
+  c.slots = a.table + a.rows[it.b] * a.ts0;
+  c.slot_stride = a.ts1;
+  c.key_begin = task.key_begin;
+  c.key_end = task.key_end;
+  c.prefix = a.prefix[it.b];
+  c.tree = a.tree ? a.tree + it.b * a.T * a.T : nullptr;
+  c.tree_stride = a.T;
+  c.depth = a.depth.empty() ? nullptr : a.depth.data() + it.b * a.T;
+  c.window = a.sliding_window;
+  c.scale = a.scale;
+  c.logit_cap = a.logit_cap;
+  c.acc = ws;
+  c.max = ws + M * a.q.size(3);
+  c.sum = c.max + M;
+  return c;
+}
+
+// Merges each split item's partial sums, rescaled to the common row max, into its output rows.
+void merge_splits(const std::vector<WorkItem>& items, const TaskPlan& plan,
+                  const std::vector<float>& workspace, int64_t hpg, at::Tensor& out) {
+  const int64_t T = out.size(1), H = out.size(2), D = out.size(3);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> acc, sum;
     for (int64_t i = i0; i < i1; ++i) {
       const WorkItem& it = items[i];
@@ -398,11 +411,11 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
       for (int64_t m = 0; m < M; ++m) {
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t s = 0; s < it.splits; ++s) {
-          mx = std::max(mx, workspace[task_offset[it.first_task + s] + M * D + m]);
+          mx = std::max(mx, workspace[plan.offset[it.first_task + s] + M * D + m]);
         }
         if (mx == -std::numeric_limits<float>::infinity()) continue;
         for (int64_t s = 0; s < it.splits; ++s) {
-          const float* ws = workspace.data() + task_offset[it.first_task + s];
+          const float* ws = workspace.data() + plan.offset[it.first_task + s];
           if (ws[M * D + M + m] == 0.0f) continue;
           const float w = std::exp(ws[M * D + m] - mx);
           sum[m] += w * ws[M * D + M + m];
@@ -412,7 +425,64 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
       write_rows(it, acc.data(), sum.data(), hpg, T, H, D, out);
     }
   });
-  return out;
+}
+
+// Shared body of extend_attention and decode_attention. q [B, T, H, D]; per request b the keys
+// are positions [0, prefix[b] + extend[b]) of row rows[b]; query row t < extend[b] is new token t.
+// Phases: check, choose the chunk kernel, plan work items and their key-range tasks, run every
+// task's chunk in one parallel region, merge split key ranges.
+at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor& k_pool,
+                             const at::Tensor& v_pool, const at::Tensor& req_to_token,
+                             const std::vector<int64_t>& rows, const std::vector<int64_t>& prefix,
+                             const std::vector<int64_t>& extend,
+                             const std::optional<at::Tensor>& tree_mask, double scale,
+                             int64_t sliding_window, double logit_cap) {
+  const AttnDtype dtype = attn_dtype(q_in, "q");
+  check_attention_inputs(q_in, k_pool, v_pool, req_to_token, rows, prefix, extend, scale,
+                         logit_cap);
+  const int64_t B = q_in.size(0), T = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
+  const int64_t Hkv = k_pool.size(1), hpg = H / Hkv;
+  at::Tensor tree_holder;
+  std::vector<uint8_t> tree_storage;
+  const uint8_t* tree = tree_mask.has_value()
+      ? tree_visibility(*tree_mask, B, T, tree_holder, tree_storage) : nullptr;
+  // With a window, a tree draft's token position is prefix + its depth (kernels.md section 6).
+  const std::vector<int32_t> depth =
+      tree != nullptr && sliding_window > 0 ? tree_depths(tree, B, T, extend) : std::vector<int32_t>();
+
+  // q rows must be dense in D for the kernels; any other strides are read in place.
+  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  at::Tensor out = at::zeros({B, T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (B == 0 || T == 0 || H == 0) return out;  // [B, T, H, D]
+
+  const ChunkKernel kernel = choose_kernel(dtype, T, H, Hkv, D, ran);
+  std::vector<WorkItem> items =
+      plan_items(B, T, Hkv, hpg, prefix, extend, tree != nullptr, depth, sliding_window);
+  const TaskPlan plan = split_key_ranges(items, hpg, D);
+  std::vector<float> workspace(plan.split_floats);
+  const AttnCall call{dtype, q, k_pool, v_pool, req_to_token.const_data_ptr<int32_t>(),
+                      req_to_token.stride(0), req_to_token.stride(1), T, hpg, rows, prefix, tree,
+                      depth, sliding_window, static_cast<float>(scale),
+                      static_cast<float>(logit_cap)};
+  at::parallel_for(0, static_cast<int64_t>(plan.tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> local;
+    for (int64_t t = t0; t < t1; ++t) {
+      const WorkItem& it = items[plan.tasks[t].item];
+      float* ws;
+      if (plan.offset[t] >= 0) {
+        ws = workspace.data() + plan.offset[t];
+      } else {
+        local.resize(it.rows * hpg * (D + 2));
+        ws = local.data();
+      }
+      const AttnChunk c = make_chunk(call, it, plan.tasks[t], ws);
+      kernel(c);
+      if (it.splits == 1) write_rows(it, c.acc, c.sum, hpg, T, H, D, out);
+    }
+  });
+  // No split, no second parallel region: decode at short context pays one per layer otherwise.
+  if (plan.split_floats > 0) merge_splits(items, plan, workspace, hpg, out);
+  return out;  // [B, T, H, D]
 }
 
 std::vector<int64_t> read_lengths(const at::Tensor& t, int64_t bs, const char* name) {
