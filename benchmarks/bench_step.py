@@ -5,9 +5,18 @@ public API, so the same script measures an older checkout (PYTHONPATH=that check
 
     python benchmarks/bench_step.py                       # batch 1 and 8, 64 new tokens
     python benchmarks/bench_step.py --batches 8 --rounds 5
+    python benchmarks/bench_step.py --profile   # counts per step instead of times
+
+--profile counts, per step of one generate run (deterministic, so comparable across checkouts on
+a loaded machine where times are not): eager aten ops called from the host outside the compiled
+graphs (torch.profiler, top-level operator events), Python function calls (cProfile), host
+reads of tensors (.tolist / .item / int / float / bool of a tensor), and the functions with the
+most calls.
 """
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import time
 
@@ -57,12 +66,51 @@ def measure(spec, timer, prompts, new_tokens, rounds):
     return [statistics.median(r[i] for r in rows) for i in range(3)]
 
 
+def _top_level_aten_ops(prof) -> int:
+    """Operator events the host called directly (no operator parent): the eager ops of the
+    loop; the compiled graphs' own kernels are children of their compiled-region event."""
+    count = 0
+    for e in prof.events():
+        if e.name.startswith("aten::") and e.cpu_parent is None:
+            count += 1
+    return count
+
+
+HOST_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+
+
+def profile_counts(spec, prompts, new_tokens, top=8):
+    """(steps, eager aten ops / step, Python calls / step, host reads / step, top functions)
+    over one generate run."""
+    stats = SpeculativeStats()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        spec.generate(prompts, new_tokens, stats=stats)
+    ops = _top_level_aten_ops(prof)
+    profiler = cProfile.Profile()
+    stats = SpeculativeStats()
+    profiler.enable()
+    spec.generate(prompts, new_tokens, stats=stats)
+    profiler.disable()
+    table = pstats.Stats(profiler).stats  # (file, line, name) -> (prim calls, calls, tt, ct, ..)
+    calls = sum(v[1] for v in table.values())
+    reads = sum(v[1] for k, v in table.items()
+                if k[2].split(" ")[-1].strip("'>") in HOST_READS or
+                any(f"'{r}' of 'torch._C.TensorBase'" in k[2] for r in HOST_READS))
+    steps = stats.verify_steps
+    busiest = sorted(table.items(), key=lambda kv: -kv[1][1])[:top]
+    names = ", ".join(f"{k[2] if k[0] == '~' else os.path.basename(k[0]) + ':' + k[2]} "
+                      f"{v[1] / steps:.1f}" for k, v in busiest)
+    return steps, ops / steps, calls / steps, reads / steps, names
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true",
+                        help="count ops, Python calls and host reads per step instead of timing")
     parser.add_argument("--max-batch", type=int, default=8,
                         help="the engine's max_batch (its KV pool's shape: keep it across runs "
                              "that should share compiled graphs)")
@@ -76,15 +124,27 @@ def main():
     ids = tokenizer(PROMPT)["input_ids"]
     methods = {"ngram": SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=8)),
                "ar": SpeculativeGenerator(engine, AutoregressiveProposer())}
-    print(f"# {os.cpu_count()} CPUs, torch {torch.__version__}, {args.max_new_tokens} new tokens, "
-          f"median of {args.rounds} rounds; host share = 1 - in-graph time / loop time")
-    print("| method | batch | ms/step | in-graph ms/step | host ms/step | host share |")
-    print("|---|---|---|---|---|---|")
+    if args.profile:
+        print(f"# counts per step of one generate run, {args.max_new_tokens} new tokens")
+        print("| method | batch | steps | eager aten ops/step | Python calls/step | host reads/step |")
+        print("|---|---|---|---|---|---|")
+    else:
+        print(f"# {os.cpu_count()} CPUs, torch {torch.__version__}, {args.max_new_tokens} new tokens, "
+              f"median of {args.rounds} rounds; host share = 1 - in-graph time / loop time")
+        print("| method | batch | ms/step | in-graph ms/step | host ms/step | host share |")
+        print("|---|---|---|---|---|---|")
     for bs in batches:
         prompts = [ids[:len(ids) - b] for b in range(bs)]  # ragged lengths
         for name, spec in methods.items():
             spec.compile_verify(batch_size=bs)
             spec.generate(prompts, 16)  # the bucket's prefill and decode graphs
+            if args.profile:
+                steps, ops, calls, reads, names = profile_counts(spec, prompts,
+                                                                 args.max_new_tokens)
+                print(f"| {name} | {bs} | {steps} | {ops:.1f} | {calls:.0f} | {reads:.1f} |",
+                      flush=True)
+                print(f"#   most called per step: {names}", flush=True)
+                continue
             step, graph, share = measure(spec, timer, prompts, args.max_new_tokens, args.rounds)
             print(f"| {name} | {bs} | {step:.2f} | {graph:.2f} | {step - graph:.2f} | "
                   f"{100 * share:.1f}% |", flush=True)

@@ -402,6 +402,11 @@ class Engine:
         run one step use decode."""
         return self._decode_step(tokens, req_rows, seq_lens, aux)
 
+    def verify_step(self, tokens: Tensor, positions: Tensor, req_rows: Tensor,
+                    seq_lens: Tensor, tree_mask: Tensor, aux: Optional[Tensor] = None):
+        """verify's step function itself, for a compile_program program (as decode_step)."""
+        return self._verify_step(tokens, positions, req_rows, seq_lens, tree_mask, aux)
+
     def extend_step(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor,
                     prefix_lens: Tensor, extend_lens: Tensor, tree_mask: Optional[Tensor] = None,
                     aux: Optional[Tensor] = None, last_only: bool = False):
@@ -421,6 +426,14 @@ class Engine:
             raise ValueError("compile_program needs a compiled Engine (compile=True)")
         return torch.compile(_own_code(method), fullgraph=True, dynamic=False,
                              backend=self._backend, options=dict(self._guard_options))
+
+    @torch.inference_mode()
+    def run_program(self, program, *args):
+        """Call a step program (compile_program's result, or its method uncompiled in eager)
+        as the public steps call their graphs: the thread governor ticked, the tensor
+        arguments as inference tensors (_inference)."""
+        threads.tick()
+        return program(*map(_inference, args))
 
     # -- public steps --------------------------------------------------------------------------
     def bucket_for(self, batch_size: int) -> int:

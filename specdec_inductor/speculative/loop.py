@@ -29,12 +29,12 @@ from torch import Tensor
 from specdec_inductor import ops
 from specdec_inductor.engine.kv_pool import Request
 from specdec_inductor.sampler import Sampler, SamplingParams, request_generator, request_params
-from specdec_inductor.speculative.commit import commit_step
+from specdec_inductor.speculative.commit import GreedyStep, StepResult, commit_step, step_result
 from specdec_inductor.speculative.policies import (NO_DRAFT, AcceptanceGate, AdaptiveVerifySize,
                                                    DraftPolicy, StepCosts)
 from specdec_inductor.speculative.proposer import Proposer
 from specdec_inductor.speculative.stats import SpeculativeStats, dynamo_counts, step_times
-from specdec_inductor.speculative.tree import pad_draft, truncate_draft
+from specdec_inductor.speculative.tree import DraftTree, VerifyInputs, truncate_draft
 
 
 @dataclass(eq=False)
@@ -81,6 +81,17 @@ class Batch:
         self.seq_lens = torch.ones(self.bucket, dtype=torch.int64)  # [B] cached tokens
         self.roots = torch.zeros(self.bucket, dtype=torch.int64)  # [B] last emitted tokens
         self.sampler: Optional[Sampler] = None
+        self.rows: List[int] = []  # requests[b].row: the proposer's request ids
+        self._verify_inputs: Dict[int, VerifyInputs] = {}  # tree size -> its padded inputs
+
+    def verify_inputs(self, draft: DraftTree) -> VerifyInputs:
+        """The bucket's verify inputs filled with `draft` (one set of buffers per tree size)."""
+        size = draft.tokens.shape[1]
+        inputs = self._verify_inputs.get(size)
+        if inputs is None:
+            inputs = self._verify_inputs[size] = VerifyInputs(self.bucket, size, self.seq_lens)
+        inputs.fill(draft, self.seq_lens)
+        return inputs
 
     @property
     def live(self) -> List[ActiveRequest]:
@@ -104,6 +115,7 @@ class Batch:
         self._membership_changed()
 
     def _membership_changed(self) -> None:
+        self.rows = [r.row for r in self.requests]
         params = [r.sampling for r in self.requests]
         self.sampler = (None if all(p.greedy for p in params)
                         else Sampler(params, [r.generator for r in self.requests]))
@@ -111,16 +123,6 @@ class Batch:
     def finished(self, b: int) -> None:
         """Request b is done: its row becomes padding, so no later step writes its KV."""
         self.req_rows[b] = self.padding_row
-
-
-class _Step:
-    """One step's acceptance result, before the commit (flat rows as the acceptance ops
-    give them)."""
-
-    def __init__(self, predicts: Tensor, accept_index: Tensor, accept_num: Tensor,
-                 hidden: Optional[Tensor]):
-        self.predicts, self.accept_index, self.accept_num = predicts, accept_index, accept_num
-        self.hidden = hidden  # [B, N, k*H] or None
 
 
 def _cost(name: str, doc: str) -> property:
@@ -174,6 +176,10 @@ class SpeculativeGenerator:
         if sizes[0] < 1 or sizes[-1] > n:
             raise ValueError(f"tree_sizes must lie in [1, num_draft_tokens={n}], got {sizes}")
         self.tree_sizes = sizes
+        # Only a proposer that can offer more than the root drafts (an AutoregressiveProposer's
+        # trees are the root alone: its steps are plain decodes without asking it).
+        self._drafts = proposer is not None and sizes[-1] > 1
+        self._greedy = GreedyStep(engine, proposer.num_spec_steps if proposer is not None else 1)
         # The tree rejection-sampling rule (an op; tests swap in a deliberately wrong one to
         # show the losslessness test catches it).
         self.tree_sampling = ops.tree_speculative_sampling
@@ -211,26 +217,28 @@ class SpeculativeGenerator:
 
     @torch.inference_mode()
     def compile_verify(self, batch_size: int = 1) -> None:
-        """Compile the target's verify graph of every tree size > 1 for batch_size's bucket now.
+        """Compile the step programs of batch_size's bucket now: the greedy decode and every
+        verify size > 1 (GreedyStep), and the engine's own verify graphs for sampled batches.
         A warm-up `generate` may never verify (NGRAM before any context suffix recurs), and the
-        graph would then compile inside the first timed step. Runs one verify per size on a
+        graph would then compile inside the first timed step. Runs one step per size on a
         scratch request (step_times); with the adaptive size it also measures probe_cost, with
-        the cost-based acceptance gate verify_cost (verify(N) against a decode step)."""
+        the cost-based acceptance gate verify_cost (the greedy programs of verify(N) against a
+        decode step)."""
         engine = self.engine
         sizes = [s for s in self.tree_sizes if s > 1]
         if not sizes or not engine.compiled:
             return
         step_times(engine, sizes, rounds=0, batch_size=batch_size)
+        step_times(engine, [1] + sizes, rounds=0, batch_size=batch_size, greedy=self._greedy)
         if self._gate_from_costs:
             n = self.num_draft_tokens
             times = step_times(engine, [1, n], rounds=self.calibration_rounds,
-                               batch_size=batch_size)
+                               batch_size=batch_size, greedy=self._greedy)
             self.costs.verify_cost, self.costs.decode_s = times[n] / times[1], times[1]
         if self.adaptive and self._calibrate and self.tree_sizes[0] == 1:
-            # The adaptive size's probe cost (a decode graph compiles here if none has yet).
             probe = self._probe_size()
             times = step_times(engine, [1, probe], rounds=self.calibration_rounds,
-                               batch_size=batch_size)
+                               batch_size=batch_size, greedy=self._greedy)
             self.costs.probe_cost = times[probe] / times[1]
 
     # -- the step API --------------------------------------------------------------------------
@@ -354,35 +362,32 @@ class SpeculativeGenerator:
         if not any(live):
             return {}
         bs = len(reqs)
-        ids = [r.row for r in reqs]
-        states = [r.policy_state for r in reqs]
         t0 = time.perf_counter()
         plan, draft = NO_DRAFT, None
-        if self.proposer is not None and policy.wants_draft():
-            draft = self.proposer.propose(ids, batch.seq_lens[:bs])
+        if self._drafts and policy.wants_draft():
+            draft = self.proposer.propose(batch.rows, batch.seq_lens[:bs])
             policy.drafted(time.perf_counter() - t0)
             offered = (draft.num_drafts.tolist() if draft.num_drafts is not None
                        else [self.num_draft_tokens - 1] * bs)  # before the cut to the plan's size
-            plan = policy.plan(offered, live, states, draft)
+            plan = policy.plan(offered, live, [r.policy_state for r in reqs], draft)
         if plan.size > 1:
             draft = truncate_draft(draft, plan.size, batch.seq_lens[:bs])
         t1 = time.perf_counter()
-        accepted = self._decode(batch, bs) if plan.size == 1 else self._verify(batch, bs, draft)
-        t2 = time.perf_counter()
-        done = commit_step(self.engine.pool.req_to_token, batch.req_rows, batch.seq_lens,
-                           batch.roots, batch.padding_row, accepted.predicts,
-                           accepted.accept_index, accepted.accept_num, plan.size)
+        result = self._run(batch, bs, plan.size, draft)
         # The step's one host read: per request [accepted drafts, tokens...].
-        host = torch.cat([done.accept_num.view(bs, 1), done.tokens], dim=1).tolist()
-        policy.observe(plan, live, states, [h[0] for h in host], [h[1] for h in host])
+        host = result.host.tolist()[:bs]
+        t2 = time.perf_counter()
+        if plan is not NO_DRAFT:
+            policy.observe(plan, live, [r.policy_state for r in reqs], [h[0] for h in host],
+                           [h[1] for h in host])
         emitted = self._emit(batch, live, host)
         if self.proposer is not None:
             lists = [emitted.get(r, []) for r in reqs]
             if self.proposer.needs_target_hidden:
-                self.proposer.commit(ids, lists,
-                                     self._path_hidden(accepted.hidden, done.path, host, live))
+                self.proposer.commit(batch.rows, lists,
+                                     self._path_hidden(result.path_hidden, host, live))
             else:
-                self.proposer.commit(ids, lists)
+                self.proposer.commit(batch.rows, lists)
         t3 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
@@ -392,28 +397,34 @@ class SpeculativeGenerator:
         stats.steps_by_size[plan.size] = stats.steps_by_size.get(plan.size, 0) + 1
         return emitted
 
-    def _decode(self, batch: Batch, bs: int) -> _Step:
-        """A plain decode step of the roots (nothing to verify): a root-only tree each."""
-        predicts, logits, hidden = self.engine.decode(batch.roots, batch.req_rows, batch.seq_lens)
-        if batch.sampler is not None:
-            predicts = batch.sampler.sample(logits[:bs])
-        accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [B, 1]
-        return _Step(predicts[:bs], accept_index, torch.zeros(bs, dtype=torch.int32),
-                     None if hidden is None else hidden.unsqueeze(1))
-
-    def _verify(self, batch: Batch, bs: int, draft) -> _Step:
-        """Verify the drafts (padded to the bucket) and accept greedily or by tree rejection
-        sampling."""
-        tokens, mask, positions, linkage = pad_draft(draft, batch.bucket, batch.seq_lens)
-        # [B, N] argmax (in the graph), [B, N, V], [B, N, k*H] or None
-        target, logits, hidden = self.engine.verify(tokens, positions, batch.req_rows,
-                                                    batch.seq_lens, mask)
-        steps = min(self.proposer.num_spec_steps, tokens.shape[1])
+    def _run(self, batch: Batch, bs: int, size: int, draft: Optional[DraftTree]) -> StepResult:
+        """The target's step of the whole bucket, accepted and committed: a plain decode of the
+        roots (size 1) or a verify of the drafts. Greedy batches run it as one program
+        (GreedyStep); a batch with sampled requests samples and accepts between the target's
+        step and the commit, in eager."""
+        inputs = batch.verify_inputs(draft) if size > 1 else None
         if batch.sampler is None:
-            out = ops.verify_tree_greedy(tokens[:bs], *linkage, target[:bs], steps)
+            if inputs is None:
+                return self._greedy.decode(batch.roots, batch.req_rows, batch.seq_lens)
+            return self._greedy.verify(inputs.tokens, inputs.positions, batch.req_rows,
+                                       batch.seq_lens, inputs.mask, inputs.retrieve_index,
+                                       inputs.retrieve_next_token, inputs.retrieve_next_sibling,
+                                       batch.roots)
+        if inputs is None:
+            _, logits, hidden = self.engine.decode(batch.roots, batch.req_rows, batch.seq_lens)
+            predicts = batch.sampler.sample(logits[:bs])
+            accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [B, 1]
+            accepted = (predicts, accept_index, torch.zeros(bs, dtype=torch.int32))
+            hidden = None if hidden is None else hidden.unsqueeze(1)
         else:
-            out = batch.sampler.verify(tokens[:bs], linkage, logits[:bs], steps, self.tree_sampling)
-        return _Step(*out, hidden)
+            _, logits, hidden = self.engine.verify(inputs.tokens, inputs.positions,
+                                                   batch.req_rows, batch.seq_lens, inputs.mask)
+            steps = min(self.proposer.num_spec_steps, size)
+            accepted = batch.sampler.verify(inputs.tokens[:bs], inputs.linkage(bs), logits[:bs],
+                                            steps, self.tree_sampling)
+        done = commit_step(self.engine.pool.req_to_token, batch.req_rows, batch.seq_lens,
+                           batch.roots, batch.padding_row, *accepted, size)
+        return step_result(done, None if hidden is None else hidden[:bs])
 
     @staticmethod
     def _emit(batch: Batch, live: List[bool],
@@ -431,12 +442,9 @@ class SpeculativeGenerator:
         return emitted
 
     @staticmethod
-    def _path_hidden(hidden: Tensor, path: Tensor, host, live) -> List[Tensor]:
+    def _path_hidden(rows: Tensor, host, live) -> List[Tensor]:
         """The target hidden rows of each request's accepted path, root first ([accepted + 1,
-        k*H]; none for a request that had finished)."""
-        bs, steps = path.shape
-        index = path.clamp(min=0).unsqueeze(-1).expand(bs, steps, hidden.shape[-1])  # [B, S, k*H]
-        rows = hidden[:bs].gather(1, index)
+        k*H]; none for a request that had finished); rows [B, S, k*H] (path_rows)."""
         return [rows[b, :h[0] + 1] if x else rows[b, :0]
                 for b, (h, x) in enumerate(zip(host, live))]
 

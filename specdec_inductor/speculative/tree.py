@@ -52,17 +52,53 @@ def truncate_draft(draft: DraftTree, size: int, seq_lens: Tensor) -> DraftTree:
     return DraftTree(draft.tokens[:, :size].contiguous(), mask, positions, ridx, nxt, sib, drafts)
 
 
-def pad_draft(draft: DraftTree, bucket: int, seq_lens: Tensor
-              ) -> Tuple[Tensor, Tensor, Tensor, List[Tensor]]:
-    """Bucket-sized verify inputs (tokens [B, N], mask [B*N*N], positions [B, N], the real
-    requests' linkage as int64): padding rows get a star tree at their seq_len."""
-    real, n = draft.tokens.shape
-    pad = bucket - real
-    tokens = torch.cat([draft.tokens, torch.zeros(pad, n, dtype=torch.int64)])  # [B, N]
-    star, depth = star_tree(n)  # every padding node is a child of the root
-    mask = torch.cat([draft.tree_mask, star.repeat(pad)])  # [B*N*N]
-    positions = torch.cat([draft.positions.view(real, n),
-                           seq_lens[real:].view(pad, 1) + depth.view(1, n)])  # [B, N]
-    linkage = [t.to(torch.int64) for t in (draft.retrieve_index, draft.retrieve_next_token,
-                                           draft.retrieve_next_sibling)]
-    return tokens, mask, positions, linkage
+class VerifyInputs:
+    """Bucket-sized verify inputs of one tree size N, kept by a batch and refilled in place each
+    step (no per-step allocation of fixed-size tensors): rows [0, B) take the real requests'
+    drafts, the other rows are padding requests with a star tree at their seq_len and
+    root-only linkage (greedy acceptance takes their root alone). Linkage is int64 with
+    retrieve_index flat (row b's nodes are b * N + i), as the acceptance ops take it."""
+
+    def __init__(self, bucket: int, n: int, seq_lens: Tensor):
+        self.bucket, self.n = bucket, n
+        star, self._depth = star_tree(n)
+        self._star = star
+        self.tokens = torch.zeros(bucket, n, dtype=torch.int64)  # [B, N]
+        self.mask = star.repeat(bucket)  # [B*N*N]
+        self.positions = seq_lens.view(bucket, 1) + self._depth.view(1, n)  # [B, N]
+        self._flat = torch.arange(bucket * n, dtype=torch.int64).view(bucket, n)  # [B, N]
+        self.retrieve_index = self._flat.clone()
+        self.retrieve_next_token = torch.full((bucket, n), -1, dtype=torch.int64)
+        self.retrieve_next_sibling = torch.full((bucket, n), -1, dtype=torch.int64)
+        self._filled = 0  # rows [0, _filled) hold a real draft
+
+    def fill(self, draft: DraftTree, seq_lens: Tensor) -> None:
+        """The real requests' drafts into rows [0, B); rows that held drafts before and are
+        padding now get their padding trees back (seq_lens [bucket])."""
+        real, n = draft.tokens.shape
+        if n != self.n:
+            raise ValueError(f"a draft of {n} nodes for verify inputs of size {self.n}")
+        self._pad(real, self._filled, seq_lens)
+        self._filled = real
+        self.tokens[:real] = draft.tokens
+        self.mask[:real * n * n] = draft.tree_mask
+        self.positions[:real] = draft.positions.view(real, n)
+        self.retrieve_index[:real] = draft.retrieve_index
+        self.retrieve_next_token[:real] = draft.retrieve_next_token
+        self.retrieve_next_sibling[:real] = draft.retrieve_next_sibling
+
+    def _pad(self, lo: int, hi: int, seq_lens: Tensor) -> None:
+        if hi <= lo:
+            return
+        n = self.n
+        self.tokens[lo:hi] = 0
+        self.mask[lo * n * n:hi * n * n] = self._star.repeat(hi - lo)
+        self.positions[lo:hi] = seq_lens[lo:hi].view(hi - lo, 1) + self._depth.view(1, n)
+        self.retrieve_index[lo:hi] = self._flat[lo:hi]
+        self.retrieve_next_token[lo:hi] = -1
+        self.retrieve_next_sibling[lo:hi] = -1
+
+    def linkage(self, real: int) -> List[Tensor]:
+        """The real requests' linkage rows [real, N] (retrieve_index, next_token, next_sibling)."""
+        return [self.retrieve_index[:real], self.retrieve_next_token[:real],
+                self.retrieve_next_sibling[:real]]
