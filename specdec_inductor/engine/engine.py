@@ -503,8 +503,26 @@ class Engine:
                                f"Engine compiled its steps ({', '.join(changed[:3])}): make a new "
                                "Engine")
 
-    def _prefill(self, prompts, req_rows, aux):
+    @torch.inference_mode()
+    def prefill_chunk_step(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor,
+                           prefix_lens: Tensor, extend_lens: Tensor,
+                           aux: Optional[Tensor] = None) -> StepOutput:
+        """One prefill chunk (an EXTEND without a tree; the graph prefill runs for T =
+        prefill_chunk): T tokens per request [B, T] after its cached prefix_lens, extend_lens
+        [B] of them real (0: the row takes no part). Returns StepOutput(None, the logits of
+        each request's last real row [B, V], hidden [B, T, k*H] or None)."""
         threads.tick()
+        out = self._extend_fn(*map(_inference, (input_ids, positions, req_rows, prefix_lens,
+                                                 extend_lens, None, aux)),
+                              last_only=self.keeps_last_rows)
+        logits = out.logits
+        if logits.shape[1] > 1:  # every row's logits [B, T, V] -> row extend_len - 1
+            bs = logits.shape[0]
+            idx = (extend_lens - 1).clamp(min=0).view(bs, 1, 1)
+            logits = logits.gather(1, idx.expand(bs, 1, logits.shape[-1]))
+        return StepOutput(None, logits[:, 0], out.hidden)
+
+    def _prefill(self, prompts, req_rows, aux):
         self._check_layout()
         bs = req_rows.shape[0]
         lens = [len(p) for p in prompts] + [1] * (bs - len(prompts))
@@ -528,15 +546,10 @@ class Engine:
             positions = prefix.view(bs, 1) + t.view(1, chunk)  # [B, C]
             chunk_ids = ids[:, start:start + chunk].contiguous()  # [B, C]; strides are guarded
             chunk_aux = None if aux is None else aux[:, start:start + chunk].contiguous()
-            out = self._extend_fn(*map(_inference, (chunk_ids, positions, req_rows, prefix, ext,
-                                                     None, chunk_aux)),
-                                  last_only=self.keeps_last_rows)
-            logits, hidden = out.logits, out.hidden
+            _, logits, hidden = self.prefill_chunk_step(chunk_ids, positions, req_rows, prefix,
+                                                        ext, chunk_aux)
             ends_here = (ext > 0) & (prefix + ext == prompt_lens)  # [B]
-            if logits.shape[1] > 1:  # every row's logits [B, C, V] -> row ext - 1
-                idx = (ext - 1).clamp(min=0).view(bs, 1, 1)
-                logits = logits.gather(1, idx.expand(bs, 1, logits.shape[-1]))
-            last = torch.where(ends_here.view(bs, 1), logits[:, 0].to(last.dtype), last)
+            last = torch.where(ends_here.view(bs, 1), logits.to(last.dtype), last)
             if hidden is not None:
                 hiddens.append(hidden)
         return StepOutput(last.argmax(-1), last, torch.cat(hiddens, dim=1) if hiddens else None)

@@ -104,22 +104,26 @@ class GreedyStep:
 
     def __init__(self, engine, num_spec_steps: int):
         self.engine, self.num_spec_steps = engine, num_spec_steps
+        self.compiled_runs = 0  # steps run as a compiled program (tests assert the path)
         self.padding_row = engine.pool.padding_row
         compiled = engine.compile_program if engine.compiled else (lambda method: method)
         self._decode, self._verify = compiled(self.decode_program), compiled(self.verify_program)
 
     def decode(self, roots: Tensor, req_rows: Tensor, seq_lens: Tensor) -> StepResult:
         """A plain decode step of the roots, committed (roots [B] take the next tokens)."""
-        return self.engine.run_program(self._decode, roots, req_rows, seq_lens)
+        return self._run(self._decode, roots, req_rows, seq_lens)
 
     def verify(self, tokens: Tensor, positions: Tensor, req_rows: Tensor, seq_lens: Tensor,
                tree_mask: Tensor, retrieve_index: Tensor, retrieve_next_token: Tensor,
                retrieve_next_sibling: Tensor, roots: Tensor) -> StepResult:
         """Verify the trees (tokens / positions [B, N], tree_mask [B*N*N], linkage [B, N]
         int64, flat retrieve_index), accept greedily and commit."""
-        return self.engine.run_program(self._verify, tokens, positions, req_rows, seq_lens,
-                                       tree_mask, retrieve_index, retrieve_next_token,
-                                       retrieve_next_sibling, roots)
+        return self._run(self._verify, tokens, positions, req_rows, seq_lens, tree_mask,
+                         retrieve_index, retrieve_next_token, retrieve_next_sibling, roots)
+
+    def _run(self, program, *args) -> StepResult:
+        self.compiled_runs += int(self.engine.compiled)
+        return self.engine.run_program(program, *args)
 
     def decode_program(self, roots, req_rows, seq_lens) -> StepResult:
         out = self.engine.decode_step(roots, req_rows, seq_lens)

@@ -49,6 +49,16 @@ class ActiveRequest:
     policy_state: object  # its draft policy's state (DraftPolicy.new_request)
     tokens: List[int] = field(default_factory=list)  # emitted so far
     done: bool = False
+    # Chunked prefill (admit's prefill_chunk): at most this many prompt tokens per step,
+    # `prefilled` of them cached so far, and their captured target hidden rows.
+    prefill_chunk: Optional[int] = None
+    prefilled: int = 0
+    prompt_hidden: List[Tensor] = field(default_factory=list)
+
+    @property
+    def prefilling(self) -> bool:
+        """Still prefilling its prompt in chunks (it has no decode row yet)."""
+        return self.prefilled < len(self.prompt)
 
     @property
     def row(self) -> int:
@@ -70,13 +80,15 @@ class ActiveRequest:
 class Batch:
     """Requests decoding together and their bucket-sized step state (inference tensors).
     Row b < len(requests) holds requests[b] (the padding row once it is done); the others
-    are padding."""
+    are padding. Requests admitted with a prefill_chunk wait in `prefilling` (no decode row)
+    until their prompt is cached, then join `requests`."""
 
     def __init__(self, engine, capacity: int, policy: DraftPolicy, stats: SpeculativeStats):
         self.capacity, self.bucket = capacity, engine.bucket_for(capacity)
         self.padding_row = engine.pool.padding_row
         self.policy, self.stats = policy, stats
         self.requests: List[ActiveRequest] = []
+        self.prefilling: List[ActiveRequest] = []  # chunked prefill in progress, oldest first
         self.req_rows = torch.full((self.bucket,), self.padding_row, dtype=torch.int64)  # [B]
         self.seq_lens = torch.ones(self.bucket, dtype=torch.int64)  # [B] cached tokens
         self.roots = torch.zeros(self.bucket, dtype=torch.int64)  # [B] last emitted tokens
@@ -95,7 +107,13 @@ class Batch:
 
     @property
     def live(self) -> List[ActiveRequest]:
-        return [r for r in self.requests if not r.done]
+        """Requests not done: those decoding, then those still prefilling."""
+        return [r for r in self.requests if not r.done] + self.prefilling
+
+    @property
+    def size(self) -> int:
+        """Requests holding a place in the batch (decoding or prefilling)."""
+        return len(self.requests) + len(self.prefilling)
 
     def _add(self, requests: List[ActiveRequest]) -> None:
         at = len(self.requests)
@@ -107,6 +125,9 @@ class Batch:
         self._membership_changed()
 
     def _remove(self, request: ActiveRequest) -> None:
+        if request.prefilling:
+            self.prefilling.remove(request)
+            return
         b = self.requests.index(request)
         del self.requests[b]
         for t, fill in ((self.req_rows, self.padding_row), (self.seq_lens, 1), (self.roots, 0)):
@@ -267,8 +288,8 @@ class SpeculativeGenerator:
                 yield batch
             finally:
                 try:
-                    if batch.requests:
-                        self.retire(batch, *batch.requests)
+                    if batch.size:
+                        self.retire(batch, *batch.requests, *batch.prefilling)
                 finally:
                     graphs1, recompiles1 = dynamo_counts()
                     stats.graphs += graphs1 - graphs0
@@ -277,54 +298,119 @@ class SpeculativeGenerator:
     @torch.inference_mode()
     def admit(self, batch: Batch, prompts: Sequence[Sequence[int]], max_new_tokens: int,
               sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-              eos_token_id: Optional[int] = None) -> List[ActiveRequest]:
+              eos_token_id: Optional[int] = None,
+              prefill_chunk: Optional[int] = None) -> List[ActiveRequest]:
         """New requests join the batch (between steps): their prompts are prefilled together in
         the batch's bucket, their first tokens emitted and the proposer started on them.
-        All or nothing: on an error nothing joins and their slots are freed."""
+        All or nothing: on an error nothing joins and their slots are freed.
+
+        prefill_chunk: prefill each prompt in chunks of at most this many tokens instead, one
+        chunk per `step` while the other requests keep decoding (a long prompt then never
+        stalls them for its whole prefill); the request emits its first token in the step of
+        its last chunk, and that step's decode tokens after it. A chunk of T tokens runs the engine's
+        prefill graph when T equals the engine's prefill_chunk, else a graph of its own."""
         self.engine.check_request(prompts, max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"argument 'max_new_tokens' must be >= 1 to admit, got "
                              f"{max_new_tokens}")
-        if len(batch.requests) + len(prompts) > batch.capacity:
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or
+                                          not isinstance(prefill_chunk, int) or
+                                          prefill_chunk < 1):
+            raise ValueError(f"argument 'prefill_chunk' must be None or an int >= 1, got "
+                             f"{prefill_chunk!r}")
+        if batch.size + len(prompts) > batch.capacity:
             raise ValueError(f"argument 'prompts': {len(prompts)} more requests do not fit a batch "
-                             f"of {len(batch.requests)} with capacity {batch.capacity}")
+                             f"of {batch.size} with capacity {batch.capacity}")
         params = request_params(sampling, len(prompts))
-        generators = [request_generator(p) for p in params]
-        engine, proposer = self.engine, self.proposer
+        engine = self.engine
         # The tree needs N positions past the last committed token: reserve them up front.
         admitted = engine.pool.admit([len(p) for p in prompts],
                                      max_new_tokens + self.num_draft_tokens)
-        ids = [r.row for r in admitted]
-        started = False  # set before start is called: a start that fails midway is finished
+        new = [ActiveRequest(r, [int(t) for t in p], max_new_tokens, eos_token_id, s,
+                             request_generator(s), batch.policy.new_request(), prefill_chunk=c)
+               for r, p, s, c in zip(admitted, prompts, params,
+                                     [prefill_chunk] * len(prompts))]
+        if prefill_chunk is not None:
+            batch.prefilling += new
+            return new
         try:
-            rows = torch.tensor(ids + [engine.pool.padding_row] * (batch.bucket - len(ids)))
+            rows = torch.tensor([r.row for r in new] +
+                                [engine.pool.padding_row] * (batch.bucket - len(new)))
             t0 = time.perf_counter()
             first = engine.prefill(prompts, rows)
-            hidden = first.hidden
-            sampler = None if all(p.greedy for p in params) else Sampler(params, generators)
-            first_tokens = (sampler.sample(first.logits[:len(ids)]) if sampler is not None
-                            else first.argmax[:len(ids)]).tolist()
             batch.stats.prefill_s += time.perf_counter() - t0
-            new = [ActiveRequest(r, [int(t) for t in p], max_new_tokens, eos_token_id, s, g,
-                                 batch.policy.new_request())
-                   for r, p, s, g in zip(admitted, prompts, params, generators)]
-            for r, tok in zip(new, first_tokens):
+        except BaseException:
+            self._release(admitted, False)
+            raise
+        for b, r in enumerate(new):
+            r.prefilled = len(r.prompt)
+            if first.hidden is not None:
+                r.prompt_hidden = [first.hidden[b, :len(r.prompt)]]
+        self._join(batch, new, first.logits[:len(new)])
+        return new
+
+    def _join(self, batch: Batch, new: List[ActiveRequest], logits: Tensor) -> None:
+        """Requests whose prompts are cached take decode rows: each emits its first token
+        (from logits [n, V], its prompt's last row) and the proposer starts on it (with the
+        prompt's target hidden rows, concatenated over its prefill chunks, where it drafts
+        from them). On an error their slots are freed (the proposer finishes them)."""
+        started = False  # set before start is called: a start that fails midway is finished
+        try:
+            params = [r.sampling for r in new]
+            sampler = (None if all(p.greedy for p in params)
+                       else Sampler(params, [r.generator for r in new]))
+            first = (sampler.sample(logits) if sampler is not None else logits.argmax(-1))
+            for r, tok in zip(new, first.tolist()):
                 r.emit([tok])
             batch.stats.new_tokens += len(new)
+            proposer = self.proposer
             if proposer is not None:
-                contexts = [r.prompt + r.tokens for r in new]
+                ids, contexts = [r.row for r in new], [r.prompt + r.tokens for r in new]
                 started = True
                 if proposer.needs_target_hidden:
-                    proposer.start(ids, contexts,
-                                   [hidden[b, :len(p)] for b, p in enumerate(prompts)])
+                    proposer.start(ids, contexts, [torch.cat(r.prompt_hidden) for r in new])
                 else:
                     proposer.start(ids, contexts)
         except BaseException:
-            self._release(admitted, started)
+            self._release([r.pool_request for r in new], started)
             raise
+        for r in new:
+            r.prompt_hidden = []
         batch._add(new)
         batch.policy.admitted()
-        return new
+
+    def _prefill_chunks(self, batch: Batch) -> Dict[ActiveRequest, List[int]]:
+        """One prefill chunk of every prefilling request (the batch's bucket, T = the largest
+        of their prefill_chunk); those whose prompt is then cached join (_join). Returns their
+        first tokens."""
+        reqs, bucket = batch.prefilling, batch.bucket
+        t_max = max(r.prefill_chunk for r in reqs)
+        ids = torch.zeros(bucket, t_max, dtype=torch.int64)  # [B, T]
+        rows = torch.full((bucket,), self.engine.pool.padding_row, dtype=torch.int64)  # [B]
+        prefix = torch.zeros(bucket, dtype=torch.int64)  # [B]
+        lens = torch.zeros(bucket, dtype=torch.int64)  # [B]
+        chunks = [r.prompt[r.prefilled:r.prefilled + r.prefill_chunk] for r in reqs]
+        for b, (r, chunk) in enumerate(zip(reqs, chunks)):
+            ids[b, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+            rows[b], prefix[b], lens[b] = r.row, r.prefilled, len(chunk)
+        positions = prefix.view(bucket, 1) + torch.arange(t_max).view(1, t_max)  # [B, T]
+        t0 = time.perf_counter()
+        _, logits, hidden = self.engine.prefill_chunk_step(ids, positions, rows, prefix, lens)
+        batch.stats.prefill_s += time.perf_counter() - t0
+        cached = []
+        for b, (r, chunk) in enumerate(zip(reqs, chunks)):
+            r.prefilled += len(chunk)
+            if hidden is not None and self.proposer is not None \
+                    and self.proposer.needs_target_hidden:
+                r.prompt_hidden.append(hidden[b, :len(chunk)])
+            if not r.prefilling:
+                cached.append(b)
+        if not cached:
+            return {}
+        new = [reqs[b] for b in cached]
+        batch.prefilling = [r for r in reqs if r.prefilling]
+        self._join(batch, new, logits[cached])
+        return {r: list(r.tokens) for r in new}
 
     def _check_capture(self) -> None:
         if (self.proposer is not None and self.proposer.needs_target_hidden
@@ -337,11 +423,16 @@ class SpeculativeGenerator:
         """Requests leave the batch (between steps; done or not): the proposer finishes them
         and their slots and rows are freed (even when the proposer's cleanup raises)."""
         for r in requests:
-            if r not in batch.requests:
+            if r not in batch.requests and r not in batch.prefilling:
                 raise ValueError(f"argument 'requests': row {r.row} is not in this batch")
+        started = [r.pool_request for r in requests if not r.prefilling]
+        prefilling = [r.pool_request for r in requests if r.prefilling]
         for r in requests:
             batch._remove(r)
-        self._release([r.pool_request for r in requests], self.proposer is not None)
+        try:
+            self._release(started, self.proposer is not None)
+        finally:
+            self._release(prefilling, False)  # the proposer never saw them
 
     def _release(self, pool_requests: List[Request], started: bool) -> None:
         try:
@@ -357,6 +448,14 @@ class SpeculativeGenerator:
         accept, commit. Returns the tokens each live request emitted (accepted drafts + the
         bonus, cut at its stop); a request that stops is marked done and stays in the batch
         until retired."""
+        joined = self._prefill_chunks(batch) if batch.prefilling else {}
+        emitted = self._step(batch)
+        for r, first in joined.items():  # their first token, then this step's
+            emitted[r] = first + emitted.get(r, [])
+        return emitted
+
+    def _step(self, batch: Batch) -> Dict[ActiveRequest, List[int]]:
+        """step's draft -> verify -> accept -> commit of the requests with decode rows."""
         reqs, stats, policy = batch.requests, batch.stats, batch.policy
         live = [not r.done for r in reqs]
         if not any(live):
