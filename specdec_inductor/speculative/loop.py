@@ -96,14 +96,13 @@ class Batch:
         self.rows: List[int] = []  # requests[b].row: the proposer's request ids
         self._verify_inputs: Dict[int, VerifyInputs] = {}  # tree size -> its padded inputs
 
-    def verify_inputs(self, draft: DraftTree) -> VerifyInputs:
-        """The bucket's verify inputs filled with `draft` (one set of buffers per tree size)."""
+    def verify_inputs(self, draft: DraftTree) -> List[Tensor]:
+        """The bucket's verify inputs for `draft` (VerifyInputs.fill; buffers per tree size)."""
         size = draft.tokens.shape[1]
         inputs = self._verify_inputs.get(size)
         if inputs is None:
             inputs = self._verify_inputs[size] = VerifyInputs(self.bucket, size, self.seq_lens)
-        inputs.fill(draft, self.seq_lens)
-        return inputs
+        return inputs.fill(draft, self.seq_lens)
 
     @property
     def live(self) -> List[ActiveRequest]:
@@ -505,10 +504,9 @@ class SpeculativeGenerator:
         if batch.sampler is None:
             if inputs is None:
                 return self._greedy.decode(batch.roots, batch.req_rows, batch.seq_lens)
-            return self._greedy.verify(inputs.tokens, inputs.positions, batch.req_rows,
-                                       batch.seq_lens, inputs.mask, inputs.retrieve_index,
-                                       inputs.retrieve_next_token, inputs.retrieve_next_sibling,
-                                       batch.roots)
+            tokens, positions, mask, *linkage = inputs
+            return self._greedy.verify(tokens, positions, batch.req_rows, batch.seq_lens, mask,
+                                       *linkage, batch.roots)
         if inputs is None:
             _, logits, hidden = self.engine.decode(batch.roots, batch.req_rows, batch.seq_lens)
             predicts = batch.sampler.sample(logits[:bs])
@@ -516,10 +514,11 @@ class SpeculativeGenerator:
             accepted = (predicts, accept_index, torch.zeros(bs, dtype=torch.int32))
             hidden = None if hidden is None else hidden.unsqueeze(1)
         else:
-            _, logits, hidden = self.engine.verify(inputs.tokens, inputs.positions,
-                                                   batch.req_rows, batch.seq_lens, inputs.mask)
+            tokens, positions, mask, *linkage = inputs
+            _, logits, hidden = self.engine.verify(tokens, positions, batch.req_rows,
+                                                   batch.seq_lens, mask)
             steps = min(self.proposer.num_spec_steps, size)
-            accepted = batch.sampler.verify(inputs.tokens[:bs], inputs.linkage(bs), logits[:bs],
+            accepted = batch.sampler.verify(tokens[:bs], [t[:bs] for t in linkage], logits[:bs],
                                             steps, self.tree_sampling)
         done = commit_step(self.engine.pool.req_to_token, batch.req_rows, batch.seq_lens,
                            batch.roots, batch.padding_row, *accepted, size)

@@ -101,7 +101,8 @@ def _scratch_step(engine, greedy, rows: Tensor, seq_lens: Tensor, sizes: Sequenc
     """step(z): one step of size z over the scratch rows, leaving seq_lens as they are (a
     greedy program commits into copies of them)."""
     bucket = rows.shape[0]
-    trees = {z: VerifyInputs(bucket, z, seq_lens) for z in sizes if z > 1}
+    # tokens, positions, mask, *linkage of star trees (VerifyInputs' padding rows)
+    trees = {z: VerifyInputs(bucket, z, seq_lens).buffers for z in sizes if z > 1}
     roots = torch.zeros(bucket, dtype=torch.int64)  # [B]
 
     def step(z):
@@ -109,12 +110,12 @@ def _scratch_step(engine, greedy, rows: Tensor, seq_lens: Tensor, sizes: Sequenc
             if z == 1:
                 greedy.decode(roots.clone(), rows, seq_lens.clone())
             else:
-                t = trees[z]
-                greedy.verify(t.tokens, t.positions, rows, seq_lens.clone(), t.mask,
-                              t.retrieve_index, t.retrieve_next_token, t.retrieve_next_sibling,
+                tokens, positions, mask, *linkage = trees[z]
+                greedy.verify(tokens, positions, rows, seq_lens.clone(), mask, *linkage,
                               roots.clone())
         elif z == 1:
             engine.decode(roots, rows, seq_lens)
         else:
-            engine.verify(trees[z].tokens, trees[z].positions, rows, seq_lens, trees[z].mask)
+            tokens, positions, mask, *_ = trees[z]
+            engine.verify(tokens, positions, rows, seq_lens, mask)
     return step

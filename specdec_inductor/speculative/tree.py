@@ -63,42 +63,42 @@ class VerifyInputs:
         self.bucket, self.n = bucket, n
         star, self._depth = star_tree(n)
         self._star = star
-        self.tokens = torch.zeros(bucket, n, dtype=torch.int64)  # [B, N]
-        self.mask = star.repeat(bucket)  # [B*N*N]
-        self.positions = seq_lens.view(bucket, 1) + self._depth.view(1, n)  # [B, N]
+        tokens = torch.zeros(bucket, n, dtype=torch.int64)  # [B, N]
+        positions = seq_lens.view(bucket, 1) + self._depth.view(1, n)  # [B, N]
         self._flat = torch.arange(bucket * n, dtype=torch.int64).view(bucket, n)  # [B, N]
-        self.retrieve_index = self._flat.clone()
-        self.retrieve_next_token = torch.full((bucket, n), -1, dtype=torch.int64)
-        self.retrieve_next_sibling = torch.full((bucket, n), -1, dtype=torch.int64)
-        self._filled = 0  # rows [0, _filled) hold a real draft
+        none = torch.full((bucket, n), -1, dtype=torch.int64)  # [B, N]
+        # tokens, positions, mask [B*N*N], retrieve_index, next_token, next_sibling
+        self.buffers = [tokens, positions, star.repeat(bucket), self._flat.clone(), none,
+                        none.clone()]
+        self._filled = 0  # rows [0, _filled) of the buffers hold a real draft
 
-    def fill(self, draft: DraftTree, seq_lens: Tensor) -> None:
-        """The real requests' drafts into rows [0, B); rows that held drafts before and are
-        padding now get their padding trees back (seq_lens [bucket])."""
+    def fill(self, draft: DraftTree, seq_lens: Tensor) -> List[Tensor]:
+        """The bucket's verify inputs for `draft` (seq_lens [bucket]): tokens, positions
+        [B, N], tree_mask [B*N*N], retrieve_index, retrieve_next_token, retrieve_next_sibling
+        [B, N]. A draft of the whole bucket is used as it is; a smaller one is copied into the
+        buffers' first rows (rows that held drafts before and are padding now get their
+        padding trees back)."""
         real, n = draft.tokens.shape
         if n != self.n:
             raise ValueError(f"a draft of {n} nodes for verify inputs of size {self.n}")
+        parts = [draft.tokens, draft.positions.view(real, n), draft.tree_mask,
+                 draft.retrieve_index, draft.retrieve_next_token, draft.retrieve_next_sibling]
+        if real == self.bucket and all(p.dtype == b.dtype for p, b in zip(parts, self.buffers)):
+            return parts
         self._pad(real, self._filled, seq_lens)
         self._filled = real
-        self.tokens[:real] = draft.tokens
-        self.mask[:real * n * n] = draft.tree_mask
-        self.positions[:real] = draft.positions.view(real, n)
-        self.retrieve_index[:real] = draft.retrieve_index
-        self.retrieve_next_token[:real] = draft.retrieve_next_token
-        self.retrieve_next_sibling[:real] = draft.retrieve_next_sibling
+        for buffer, part in zip(self.buffers, parts):
+            buffer[:part.shape[0]] = part
+        return self.buffers
 
     def _pad(self, lo: int, hi: int, seq_lens: Tensor) -> None:
         if hi <= lo:
             return
         n = self.n
-        self.tokens[lo:hi] = 0
-        self.mask[lo * n * n:hi * n * n] = self._star.repeat(hi - lo)
-        self.positions[lo:hi] = seq_lens[lo:hi].view(hi - lo, 1) + self._depth.view(1, n)
-        self.retrieve_index[lo:hi] = self._flat[lo:hi]
-        self.retrieve_next_token[lo:hi] = -1
-        self.retrieve_next_sibling[lo:hi] = -1
-
-    def linkage(self, real: int) -> List[Tensor]:
-        """The real requests' linkage rows [real, N] (retrieve_index, next_token, next_sibling)."""
-        return [self.retrieve_index[:real], self.retrieve_next_token[:real],
-                self.retrieve_next_sibling[:real]]
+        tokens, positions, mask, index, next_token, next_sibling = self.buffers
+        tokens[lo:hi] = 0
+        positions[lo:hi] = seq_lens[lo:hi].view(hi - lo, 1) + self._depth.view(1, n)
+        mask[lo * n * n:hi * n * n] = self._star.repeat(hi - lo)
+        index[lo:hi] = self._flat[lo:hi]
+        next_token[lo:hi] = -1
+        next_sibling[lo:hi] = -1
