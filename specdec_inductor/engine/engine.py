@@ -248,6 +248,9 @@ class Engine:
         self.pool = KVPool(shape.num_layers, shape.num_kv_heads, shape.head_dim,
                            max_batch * max_len if num_slots is None else num_slots, max_batch, max_len, self.dtype)
         self.compile_backend = compile_backend
+        # Step programs callers build over this engine (compile_program), by the caller's key:
+        # every user of the same program shares its compiled graphs.
+        self.programs: dict = {}
         if self.compiled:
             # Each engine adds graphs to the same step code objects; a hit of the recompile
             # limit must fail loudly, never fall back to eager.

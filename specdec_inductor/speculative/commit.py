@@ -109,6 +109,15 @@ class GreedyStep:
         compiled = engine.compile_program if engine.compiled else (lambda method: method)
         self._decode, self._verify = compiled(self.decode_program), compiled(self.verify_program)
 
+    @classmethod
+    def of(cls, engine, num_spec_steps: int) -> "GreedyStep":
+        """The engine's GreedyStep for num_spec_steps, made once (Engine.programs): every
+        generator of the engine shares its compiled programs."""
+        key = (cls.__name__, num_spec_steps)
+        if key not in engine.programs:
+            engine.programs[key] = cls(engine, num_spec_steps)
+        return engine.programs[key]
+
     def decode(self, roots: Tensor, req_rows: Tensor, seq_lens: Tensor) -> StepResult:
         """A plain decode step of the roots, committed (roots [B] take the next tokens)."""
         return self._run(self._decode, roots, req_rows, seq_lens)

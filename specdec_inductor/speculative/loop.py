@@ -199,7 +199,8 @@ class SpeculativeGenerator:
         # Only a proposer that can offer more than the root drafts (an AutoregressiveProposer's
         # trees are the root alone: its steps are plain decodes without asking it).
         self._drafts = proposer is not None and sizes[-1] > 1
-        self._greedy = GreedyStep(engine, proposer.num_spec_steps if proposer is not None else 1)
+        self._greedy = GreedyStep.of(engine,
+                                     proposer.num_spec_steps if proposer is not None else 1)
         # The tree rejection-sampling rule (an op; tests swap in a deliberately wrong one to
         # show the losslessness test catches it).
         self.tree_sampling = ops.tree_speculative_sampling
@@ -236,19 +237,20 @@ class SpeculativeGenerator:
                               self._gate_from_costs, self.backoff_steps, self.gate_min_steps)
 
     @torch.inference_mode()
-    def compile_verify(self, batch_size: int = 1) -> None:
+    def compile_verify(self, batch_size: int = 1, sampled: bool = True) -> None:
         """Compile the step programs of batch_size's bucket now: the greedy decode and every
-        verify size > 1 (GreedyStep), and the engine's own verify graphs for sampled batches.
-        A warm-up `generate` may never verify (NGRAM before any context suffix recurs), and the
-        graph would then compile inside the first timed step. Runs one step per size on a
-        scratch request (step_times); with the adaptive size it also measures probe_cost, with
-        the cost-based acceptance gate verify_cost (the greedy programs of verify(N) against a
-        decode step)."""
+        verify size > 1 (GreedyStep), and with `sampled` the engine's own verify graphs, which
+        batches with sampled requests run. A warm-up `generate` may never verify (NGRAM before
+        any context suffix recurs), and the graph would then compile inside the first timed
+        step. Runs one step per size on a scratch request (step_times); with the adaptive size
+        it also measures probe_cost, with the cost-based acceptance gate verify_cost (the
+        greedy programs of verify(N) against a decode step)."""
         engine = self.engine
         sizes = [s for s in self.tree_sizes if s > 1]
         if not sizes or not engine.compiled:
             return
-        step_times(engine, sizes, rounds=0, batch_size=batch_size)
+        if sampled:
+            step_times(engine, sizes, rounds=0, batch_size=batch_size)
         step_times(engine, [1] + sizes, rounds=0, batch_size=batch_size, greedy=self._greedy)
         if self._gate_from_costs:
             n = self.num_draft_tokens

@@ -75,15 +75,18 @@ class VerifyInputs:
     def fill(self, draft: DraftTree, seq_lens: Tensor) -> List[Tensor]:
         """The bucket's verify inputs for `draft` (seq_lens [bucket]): tokens, positions
         [B, N], tree_mask [B*N*N], retrieve_index, retrieve_next_token, retrieve_next_sibling
-        [B, N]. A draft of the whole bucket is used as it is; a smaller one is copied into the
-        buffers' first rows (rows that held drafts before and are padding now get their
-        padding trees back)."""
+        [B, N]. A draft of the whole bucket is used as it is (laid out as the buffers are);
+        otherwise it is copied into the buffers' first rows (rows that held drafts before and
+        are padding now get their padding trees back)."""
         real, n = draft.tokens.shape
         if n != self.n:
             raise ValueError(f"a draft of {n} nodes for verify inputs of size {self.n}")
         parts = [draft.tokens, draft.positions.view(real, n), draft.tree_mask,
                  draft.retrieve_index, draft.retrieve_next_token, draft.retrieve_next_sibling]
-        if real == self.bucket and all(p.dtype == b.dtype for p, b in zip(parts, self.buffers)):
+        # Strides too: the compiled programs guard them (a [1, n] slice of a [1, N] tensor is
+        # contiguous with another row stride).
+        if real == self.bucket and all(p.dtype == b.dtype and p.stride() == b.stride()
+                                       for p, b in zip(parts, self.buffers)):
             return parts
         self._pad(real, self._filled, seq_lens)
         self._filled = real
