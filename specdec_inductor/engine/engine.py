@@ -6,7 +6,9 @@ Every length, position and slot a step needs is a tensor input (or derived in th
 prompt lengths and any number of steps (tested under `set_stance("fail_on_recompile")`).
 Step kinds: EXTEND with T = `prefill_chunk` (prefill; prompts longer than one chunk take
 several chunks over their growing prefix), EXTEND with T = N and a tree mask (verify(N)),
-DECODE (one token per request).
+DECODE (one token per request). Callers compose a step function with their own tensor work
+into one graph with compile_program (the speculative loop's greedy step: verify, acceptance and
+commit), and run a prompt chunk by chunk between other steps with prefill_chunk_step.
 
 Eager mode (`compile=False` or SPECDEC_EAGER=1) runs the same step functions uncompiled.
 """

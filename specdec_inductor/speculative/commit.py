@@ -1,11 +1,14 @@
 """Commit of a verified step as tensor ops: the accepted tokens, the accepted path's KV moved
-to the front of the tree's positions, and each request's next root and seq_len.
+to the front of the tree's positions, and each request's next root and seq_len; and the greedy
+step of a batch (target step, acceptance, commit) as one program (GreedyStep).
 
 Verify writes node i's KV at row position seq_len + i. After acceptance the row's slots for
 positions [seq_len, seq_len + N) are permuted so that the accepted path's slots come first, in
 path order; the rejected nodes' slots follow and are overwritten by the next verify. Only
 req_to_token entries move, never K/V rows. Everything here stays on tensors (no per-request
-Python lists), so it traces into one graph; the host reads the result once per step.
+Python lists), so it traces into one graph: its in-place updates of req_to_token, seq_lens and
+roots become the graph's input mutations (functionalized, written back when the graph
+returns). The host reads the result once per step.
 """
 from typing import NamedTuple, Optional
 

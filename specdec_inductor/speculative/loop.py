@@ -1,18 +1,26 @@
 """The one speculative loop every method shares, as a step API over a batch that requests
-join and leave: `admit` (prefill) and `retire` between steps, `step` = propose -> verify ->
-accept -> commit for every request of the batch. `generate` is a short loop over them.
+join and leave: `admit` (prefill, whole or in chunks interleaved with the others' steps) and
+`retire` between steps, `step` = propose -> verify -> accept -> commit for every request of the
+batch. `generate` is a short loop over them.
 
 Only the proposer differs between methods (proposers/, one file per method, behind the
 `Proposer` interface); this file never branches on the method. Greedy acceptance emits exactly
 the tokens plain greedy decoding of the same engine emits: at each tree level the draft child
 whose token equals the target's argmax is accepted, and the target's argmax after the last
 accepted node is the bonus token, so every emitted token is the target's own greedy choice.
-Without a proposer every step is a plain decode step (plain autoregressive decoding).
+Without a proposer (or with one whose trees are the root alone) every step is a plain decode
+step, and the proposer is not asked for drafts.
 
 A batch has a fixed bucket (Engine.bucket_for of its capacity): requests take its first rows
 in admission order and padding rows fill the rest, so admitting and retiring change values,
-never shapes, and no step recompiles. Draft budgets are policies (policies.py), the commit is
-tensor ops (commit.py); the host reads each step's accepted tokens once and handles stops.
+never shapes, and no step recompiles. A step of a greedy batch is one program per (bucket,
+tree size) (commit.GreedyStep: the target's decode or verify pass, greedy acceptance and the
+commit -- accepted-path KV compaction, next roots and lengths -- one compiled graph on a
+compiled engine); the host drafts, plans the step's size (policies.py), reads the step's
+accepted tokens once and handles stops. A batch with sampled requests runs the target's step
+as a graph and the rejection sampling and commit in eager between steps. Requests admitted
+with a prefill_chunk run one chunk of their prompt per step (Engine.prefill_chunk_step, the
+prefill graph) before that step's decode, and join the decoding rows after their last chunk.
 
 Numeric policy: verify runs N tokens through GEMMs while plain decode runs one through a GEMV,
 so near-tied logits can flip the argmax. The baseline in tests is this engine's own greedy

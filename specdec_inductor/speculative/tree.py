@@ -1,5 +1,6 @@
-"""Draft trees as the loop hands them to verify: the proposer's `DraftTree`, the trees of
-padding requests and plain decode steps, and the cut to a smaller verify size."""
+"""Draft trees as the loop hands them to verify: the proposer's `DraftTree`, the cut to a
+smaller verify size, and the bucket-sized verify inputs with padding requests' trees
+(VerifyInputs, reused buffers)."""
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
