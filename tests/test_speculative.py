@@ -337,8 +337,9 @@ def test_adaptive_size_shrinks_verifies_after_misses_and_grows_back():
     spec = SpeculativeGenerator(engine, proposer)
     assert spec.adaptive and spec.tree_sizes == [1, 2, 6]
     sizes = []
-    verify = engine.verify
-    engine.verify = lambda tokens, *a, **k: (sizes.append(tokens.shape[1]), verify(tokens, *a, **k))[1]
+    greedy = spec._greedy  # greedy steps verify in one program (target, acceptance, commit)
+    verify = greedy.verify
+    greedy.verify = lambda tokens, *a, **k: (sizes.append(tokens.shape[1]), verify(tokens, *a, **k))[1]
     stats = SpeculativeStats()
     assert spec.generate(prompt, 48, stats=stats) == plain
     assert stats.decode_steps == 0, stats.summary()  # every step had a draft: no gate
