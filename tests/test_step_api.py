@@ -196,7 +196,7 @@ def test_compiled_steps_never_recompile_while_requests_join_and_leave(tmp_path):
     same tokens."""
     torch._dynamo.reset()
     engine, spec, _ = _setup("ngram", tmp_path, capacity=4, compiled=True)
-    prompts = repetitive_prompts(64, seed=7, shapes=4)
+    prompts = repetitive_prompts(96, seed=7, shapes=4)
     prompts = [p * (1 + i % 3) for i, p in enumerate(prompts)]  # some span several chunks
     rng = random.Random(0)
     budgets = [rng.randrange(4, 40) for _ in prompts]
