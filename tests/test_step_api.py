@@ -340,3 +340,21 @@ def test_commit_ops_match_the_per_request_commit_eager_and_compiled():
     finished[1] = padding_row
     commit_step(t, finished, lens, r, padding_row, predicts, accept_index, accept_num, size)
     assert torch.equal(t[0], table[0]) and lens[1] == seq_lens[1] and r[1] == roots[1]
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_one_program_and_pieces_emit_the_same_tokens(method, tmp_path):
+    """A greedy step as one program (GreedyStep) and as the engine's step graph followed by
+    acceptance and commit in eager (one_program = False) emit the same tokens; only the
+    first runs the program."""
+    engine, spec, draft = _setup(method, tmp_path)
+    prompts = repetitive_prompts(3, shapes=3)
+    calls = []
+    verify = engine.verify
+    engine.verify = lambda *a, **k: (calls.append(1), verify(*a, **k))[1]
+    whole = spec.generate(prompts, 24)
+    assert not calls  # the program calls the step function itself
+    spec.one_program = False
+    assert spec.generate(prompts, 24) == whole == engine.generate(prompts, 24)
+    assert calls and spec._greedy.compiled_runs == 0  # eager: nothing compiled either way
+    _all_free(engine, draft)

@@ -176,6 +176,10 @@ class SpeculativeGenerator:
     """
 
     calibration_rounds = 16  # compile_verify: decode and probe-verify timings each
+    # Greedy steps as one program (GreedyStep). False: the engine's decode / verify graph,
+    # then acceptance and commit in eager, as sampled batches run (benchmarks A/B the two;
+    # a recorder of the engine's public steps sees every verify).
+    one_program = True
 
     def __init__(self, engine, proposer: Optional[Proposer],
                  tree_sizes: Optional[Sequence[int]] = None,
@@ -508,28 +512,32 @@ class SpeculativeGenerator:
     def _run(self, batch: Batch, bs: int, size: int, draft: Optional[DraftTree]) -> StepResult:
         """The target's step of the whole bucket, accepted and committed: a plain decode of the
         roots (size 1) or a verify of the drafts. Greedy batches run it as one program
-        (GreedyStep); a batch with sampled requests samples and accepts between the target's
-        step and the commit, in eager."""
+        (GreedyStep); a batch with sampled requests (or one_program False) runs the target's
+        graph, then acceptance and the commit in eager."""
         inputs = batch.verify_inputs(draft) if size > 1 else None
-        if batch.sampler is None:
+        sampler = batch.sampler
+        if sampler is None and self.one_program:
             if inputs is None:
                 return self._greedy.decode(batch.roots, batch.req_rows, batch.seq_lens)
             tokens, positions, mask, *linkage = inputs
             return self._greedy.verify(tokens, positions, batch.req_rows, batch.seq_lens, mask,
                                        *linkage, batch.roots)
         if inputs is None:
-            _, logits, hidden = self.engine.decode(batch.roots, batch.req_rows, batch.seq_lens)
-            predicts = batch.sampler.sample(logits[:bs])
+            predicts, logits, hidden = self.engine.decode(batch.roots, batch.req_rows,
+                                                          batch.seq_lens)
+            predicts = sampler.sample(logits[:bs]) if sampler is not None else predicts[:bs]
             accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [B, 1]
             accepted = (predicts, accept_index, torch.zeros(bs, dtype=torch.int32))
             hidden = None if hidden is None else hidden.unsqueeze(1)
         else:
             tokens, positions, mask, *linkage = inputs
-            _, logits, hidden = self.engine.verify(tokens, positions, batch.req_rows,
-                                                   batch.seq_lens, mask)
+            target, logits, hidden = self.engine.verify(tokens, positions, batch.req_rows,
+                                                        batch.seq_lens, mask)
             steps = min(self.proposer.num_spec_steps, size)
-            accepted = batch.sampler.verify(tokens[:bs], [t[:bs] for t in linkage], logits[:bs],
-                                            steps, self.tree_sampling)
+            linkage = [t[:bs] for t in linkage]
+            accepted = (sampler.verify(tokens[:bs], linkage, logits[:bs], steps,
+                                       self.tree_sampling) if sampler is not None
+                        else ops.verify_tree_greedy(tokens[:bs], *linkage, target[:bs], steps))
         done = commit_step(self.engine.pool.req_to_token, batch.req_rows, batch.seq_lens,
                            batch.roots, batch.padding_row, *accepted, size)
         return step_result(done, None if hidden is None else hidden[:bs])
