@@ -1,11 +1,13 @@
 """Host share of a speculative step: the part of the loop's time spent outside the target's
-compiled step calls (Engine.decode / Engine.verify), on SmolLM2-135M (or --model), compiled,
+compiled step calls (Engine.decode / Engine.verify, and the greedy step programs that also
+hold acceptance and commit, Engine.run_program), on SmolLM2-135M (or --model), compiled,
 greedy, at batch 1 and 8, for NGRAM and plain decoding through the same loop. Uses only the
 public API, so the same script measures an older checkout (PYTHONPATH=that checkout).
 
     python benchmarks/bench_step.py                       # batch 1 and 8, 64 new tokens
     python benchmarks/bench_step.py --batches 8 --rounds 5
     python benchmarks/bench_step.py --profile   # counts per step instead of times
+    python benchmarks/bench_step.py --pieces    # one program against the step in pieces
 
 --profile counts, per step of one generate run (deterministic, so comparable across checkouts on
 a loaded machine where times are not): eager aten ops called from the host outside the compiled
@@ -36,12 +38,13 @@ PROMPT = ("def bubble_sort(items):\n    n = len(items)\n    for i in range(n):\n
 
 class InGraphTimer:
     """Seconds spent inside the engine's public step calls (the compiled graphs, their guards
-    and input checks), installed over the engine's decode and verify."""
+    and input checks), installed over the engine's decode, verify and run_program."""
 
     def __init__(self, engine):
         self.seconds = 0.0
-        for name in ("decode", "verify"):
-            setattr(engine, name, self._timed(getattr(engine, name)))
+        for name in ("decode", "verify", "run_program"):
+            if hasattr(engine, name):  # run_program: the loop's greedy step programs
+                setattr(engine, name, self._timed(getattr(engine, name)))
 
     def _timed(self, fn):
         def call(*args, **kwargs):
@@ -53,17 +56,22 @@ class InGraphTimer:
         return call
 
 
-def measure(spec, timer, prompts, new_tokens, rounds):
-    """Median over rounds of (ms per step, in-graph ms per step, host share)."""
-    rows = []
+def measure(variants, timer, prompts, new_tokens, rounds):
+    """{label: median over rounds of (ms per step, in-graph ms per step, host share)};
+    variants: {label: (generator, one_program)}, taking turns within every round so that a
+    drift of the machine's speed hits them alike."""
+    rows = {label: [] for label in variants}
     for _ in range(rounds):
-        stats = SpeculativeStats()
-        timer.seconds = 0.0
-        spec.generate(prompts, new_tokens, stats=stats)
-        steps = stats.verify_steps
-        rows.append((1e3 * stats.decode_s / steps, 1e3 * timer.seconds / steps,
-                     1.0 - timer.seconds / stats.decode_s))
-    return [statistics.median(r[i] for r in rows) for i in range(3)]
+        for label, (spec, one_program) in variants.items():
+            spec.one_program = one_program
+            stats = SpeculativeStats()
+            timer.seconds = 0.0
+            spec.generate(prompts, new_tokens, stats=stats)
+            steps = stats.verify_steps
+            rows[label].append((1e3 * stats.decode_s / steps, 1e3 * timer.seconds / steps,
+                                1.0 - timer.seconds / stats.decode_s))
+    return {label: [statistics.median(r[i] for r in rs) for i in range(3)]
+            for label, rs in rows.items()}
 
 
 def _top_level_aten_ops(prof) -> int:
@@ -109,6 +117,9 @@ def main():
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pieces", action="store_true",
+                        help="also time each method with one_program = False (the engine's step "
+                             "graph, then acceptance and commit in eager), in turns with it")
     parser.add_argument("--profile", action="store_true",
                         help="count ops, Python calls and host reads per step instead of timing")
     parser.add_argument("--max-batch", type=int, default=8,
@@ -145,9 +156,16 @@ def main():
                       flush=True)
                 print(f"#   most called per step: {names}", flush=True)
                 continue
-            step, graph, share = measure(spec, timer, prompts, args.max_new_tokens, args.rounds)
-            print(f"| {name} | {bs} | {step:.2f} | {graph:.2f} | {step - graph:.2f} | "
-                  f"{100 * share:.1f}% |", flush=True)
+            variants = {name: (spec, True)}
+            if args.pieces:
+                variants[f"{name} pieces"] = (spec, False)
+                spec.one_program = False
+                spec.generate(prompts, 16)  # the engine's own decode graph
+                spec.one_program = True
+            for label, (step, graph, share) in measure(variants, timer, prompts,
+                                                       args.max_new_tokens, args.rounds).items():
+                print(f"| {label} | {bs} | {step:.2f} | {graph:.2f} | {step - graph:.2f} | "
+                      f"{100 * share:.1f}% |", flush=True)
 
 
 if __name__ == "__main__":
