@@ -457,10 +457,11 @@ class SpeculativeGenerator:
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> Dict[ActiveRequest, List[int]]:
-        """One step of every live request of the batch: draft (as its policy plans), verify,
-        accept, commit. Returns the tokens each live request emitted (accepted drafts + the
-        bonus, cut at its stop); a request that stops is marked done and stays in the batch
-        until retired."""
+        """One step of the batch: a prefill chunk of every request still prefilling (those it
+        completes emit their first token and join the decoding rows), then for every live
+        decoding request draft (as its policy plans), verify, accept, commit. Returns the
+        tokens each live request emitted (accepted drafts + the bonus, cut at its stop); a
+        request that stops is marked done and stays in the batch until retired."""
         joined = self._prefill_chunks(batch) if batch.prefilling else {}
         emitted = self._step(batch)
         for r, first in joined.items():  # their first token, then this step's

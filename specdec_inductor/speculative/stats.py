@@ -23,9 +23,9 @@ class SpeculativeStats:
     accepted_drafts: int = 0
     accepted_at_depth: List[int] = field(default_factory=list)  # [S-1] requests accepting >= k
     prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    commit_s: float = 0.0
+    draft_s: float = 0.0  # proposing and planning (host, the draft model's graphs)
+    verify_s: float = 0.0  # the target step, acceptance and commit (greedy: one program)
+    commit_s: float = 0.0  # handing out the accepted tokens, the proposer's commit
     decode_s: float = 0.0
     graphs: int = 0
     recompiles: int = 0
