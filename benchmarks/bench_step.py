@@ -8,6 +8,7 @@ public API, so the same script measures an older checkout (PYTHONPATH=that check
     python benchmarks/bench_step.py --batches 8 --rounds 5
     python benchmarks/bench_step.py --profile   # counts per step instead of times
     python benchmarks/bench_step.py --pieces    # one program against the step in pieces
+    python benchmarks/bench_step.py --program-ab --batches 8   # in-graph cost of the program
 
 --profile counts, per step of one generate run (deterministic, so comparable across checkouts on
 a loaded machine where times are not): eager aten ops called from the host outside the compiled
@@ -111,6 +112,22 @@ def profile_counts(spec, prompts, new_tokens, top=8):
     return steps, ops / steps, calls / steps, reads / steps, names
 
 
+def program_ab(engine, bs, sizes=(1, 2, 8), rounds=5, context=100):
+    """Per tree size, the median seconds of a greedy step program (GreedyStep: target step,
+    acceptance and commit in one graph) and of the engine's bare step graph, on a scratch
+    request in bs's bucket, the two taking turns (step_times)."""
+    from specdec_inductor.speculative.commit import GreedyStep
+    from specdec_inductor.speculative.stats import step_times
+    greedy = GreedyStep.of(engine, max(sizes))
+    runs = {"bare": [], "program": []}
+    for _ in range(rounds):
+        for name, program in (("bare", None), ("program", greedy)):
+            runs[name].append(step_times(engine, sizes, context=context, rounds=5,
+                                         batch_size=bs, greedy=program))
+    return {z: [statistics.median(r[z] for r in runs[name]) for name in ("bare", "program")]
+            for z in sizes}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -120,6 +137,9 @@ def main():
     parser.add_argument("--pieces", action="store_true",
                         help="also time each method with one_program = False (the engine's step "
                              "graph, then acceptance and commit in eager), in turns with it")
+    parser.add_argument("--program-ab", action="store_true",
+                        help="time the greedy step programs against the engine's bare step "
+                             "graphs per tree size (1, 2, 8), in turns, instead")
     parser.add_argument("--profile", action="store_true",
                         help="count ops, Python calls and host reads per step instead of timing")
     parser.add_argument("--max-batch", type=int, default=8,
@@ -135,6 +155,12 @@ def main():
     ids = tokenizer(PROMPT)["input_ids"]
     methods = {"ngram": SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=8)),
                "ar": SpeculativeGenerator(engine, AutoregressiveProposer())}
+    if args.program_ab:
+        for bs in batches:
+            for z, (bare, program) in program_ab(engine, bs).items():
+                print(f"batch {bs} size {z}: bare {1e3 * bare:.2f} ms, program "
+                      f"{1e3 * program:.2f} ms, program / bare {program / bare:.3f}", flush=True)
+        return
     if args.profile:
         print(f"# counts per step of one generate run, {args.max_new_tokens} new tokens")
         print("| method | batch | steps | eager aten ops/step | Python calls/step | host reads/step |")
