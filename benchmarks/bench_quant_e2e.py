@@ -213,7 +213,11 @@ def compare_rows(recorder, engine, methods, kind, ids, max_new_tokens):
     ar_rows = recorder.rows
     for label, spec in methods.items():
         recorder.rows = []
-        out = spec.generate([ids], max_new_tokens)[0]
+        spec.one_program = False  # verify through engine.verify, where the recorder sees it
+        try:
+            out = spec.generate([ids], max_new_tokens)[0]
+        finally:
+            spec.one_program = True
         same, different, worst = recorder.compare(ar_rows, recorder.rows, ids + ar)
         print(f"# {kind} {label}: verify rows == decode rows bitwise: {same}, different: "
               f"{different} (largest |logit difference| {worst:.3g}); tokens == AR: {out == ar}")

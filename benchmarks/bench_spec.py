@@ -257,7 +257,7 @@ def main():
         ids = encode(tokenizer, text, chat=True)
         engine.generate([ids], 2)  # warm-up / compile
         for label, spec in methods.items():
-            spec.compile_verify()
+            spec.compile_verify(sampled=any(t > 0 for t in temperatures))
             spec.generate([ids], spec.proposer.num_draft_tokens + 2)
             if spec.adaptive:
                 print(f"# {kind}: {label}: adaptive verify size, probe verify({spec._probe_size()}) "

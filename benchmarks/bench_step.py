@@ -1,13 +1,25 @@
 """Host share of a speculative step: the part of the loop's time spent outside the target's
-compiled step calls (Engine.decode / Engine.verify), on SmolLM2-135M (or --model), compiled,
+compiled step calls (Engine.decode / Engine.verify, and the greedy step programs that also
+hold acceptance and commit, Engine.run_program), on SmolLM2-135M (or --model), compiled,
 greedy, at batch 1 and 8, for NGRAM and plain decoding through the same loop. Uses only the
 public API, so the same script measures an older checkout (PYTHONPATH=that checkout).
 
     python benchmarks/bench_step.py                       # batch 1 and 8, 64 new tokens
     python benchmarks/bench_step.py --batches 8 --rounds 5
+    python benchmarks/bench_step.py --profile   # counts per step instead of times
+    python benchmarks/bench_step.py --pieces    # one program against the step in pieces
+    python benchmarks/bench_step.py --program-ab --batches 8   # in-graph cost of the program
+
+--profile counts, per step of one generate run (deterministic, so comparable across checkouts on
+a loaded machine where times are not): eager aten ops called from the host outside the compiled
+graphs (torch.profiler, top-level operator events), Python function calls (cProfile), host
+reads of tensors (.tolist / .item / int / float / bool of a tensor), and the functions with the
+most calls.
 """
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import time
 
@@ -27,12 +39,13 @@ PROMPT = ("def bubble_sort(items):\n    n = len(items)\n    for i in range(n):\n
 
 class InGraphTimer:
     """Seconds spent inside the engine's public step calls (the compiled graphs, their guards
-    and input checks), installed over the engine's decode and verify."""
+    and input checks), installed over the engine's decode, verify and run_program."""
 
     def __init__(self, engine):
         self.seconds = 0.0
-        for name in ("decode", "verify"):
-            setattr(engine, name, self._timed(getattr(engine, name)))
+        for name in ("decode", "verify", "run_program"):
+            if hasattr(engine, name):  # run_program: the loop's greedy step programs
+                setattr(engine, name, self._timed(getattr(engine, name)))
 
     def _timed(self, fn):
         def call(*args, **kwargs):
@@ -44,17 +57,75 @@ class InGraphTimer:
         return call
 
 
-def measure(spec, timer, prompts, new_tokens, rounds):
-    """Median over rounds of (ms per step, in-graph ms per step, host share)."""
-    rows = []
+def measure(variants, timer, prompts, new_tokens, rounds):
+    """{label: median over rounds of (ms per step, in-graph ms per step, host share)};
+    variants: {label: (generator, one_program)}, taking turns within every round so that a
+    drift of the machine's speed hits them alike."""
+    rows = {label: [] for label in variants}
     for _ in range(rounds):
-        stats = SpeculativeStats()
-        timer.seconds = 0.0
+        for label, (spec, one_program) in variants.items():
+            spec.one_program = one_program
+            stats = SpeculativeStats()
+            timer.seconds = 0.0
+            spec.generate(prompts, new_tokens, stats=stats)
+            steps = stats.verify_steps
+            rows[label].append((1e3 * stats.decode_s / steps, 1e3 * timer.seconds / steps,
+                                1.0 - timer.seconds / stats.decode_s))
+    return {label: [statistics.median(r[i] for r in rs) for i in range(3)]
+            for label, rs in rows.items()}
+
+
+def _top_level_aten_ops(prof) -> int:
+    """Operator events the host called directly (no operator parent): the eager ops of the
+    loop; the compiled graphs' own kernels are children of their compiled-region event."""
+    count = 0
+    for e in prof.events():
+        if e.name.startswith("aten::") and e.cpu_parent is None:
+            count += 1
+    return count
+
+
+HOST_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+
+
+def profile_counts(spec, prompts, new_tokens, top=8):
+    """(steps, eager aten ops / step, Python calls / step, host reads / step, top functions)
+    over one generate run."""
+    stats = SpeculativeStats()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         spec.generate(prompts, new_tokens, stats=stats)
-        steps = stats.verify_steps
-        rows.append((1e3 * stats.decode_s / steps, 1e3 * timer.seconds / steps,
-                     1.0 - timer.seconds / stats.decode_s))
-    return [statistics.median(r[i] for r in rows) for i in range(3)]
+    ops = _top_level_aten_ops(prof)
+    profiler = cProfile.Profile()
+    stats = SpeculativeStats()
+    profiler.enable()
+    spec.generate(prompts, new_tokens, stats=stats)
+    profiler.disable()
+    table = pstats.Stats(profiler).stats  # (file, line, name) -> (prim calls, calls, tt, ct, ..)
+    calls = sum(v[1] for v in table.values())
+    reads = sum(v[1] for k, v in table.items()
+                if k[2].split(" ")[-1].strip("'>") in HOST_READS or
+                any(f"'{r}' of 'torch._C.TensorBase'" in k[2] for r in HOST_READS))
+    steps = stats.verify_steps
+    busiest = sorted(table.items(), key=lambda kv: -kv[1][1])[:top]
+    names = ", ".join(f"{k[2] if k[0] == '~' else os.path.basename(k[0]) + ':' + k[2]} "
+                      f"{v[1] / steps:.1f}" for k, v in busiest)
+    return steps, ops / steps, calls / steps, reads / steps, names
+
+
+def program_ab(engine, bs, sizes=(1, 2, 8), rounds=5, context=100):
+    """Per tree size, the median seconds of a greedy step program (GreedyStep: target step,
+    acceptance and commit in one graph) and of the engine's bare step graph, on a scratch
+    request in bs's bucket, the two taking turns (step_times)."""
+    from specdec_inductor.speculative.commit import GreedyStep
+    from specdec_inductor.speculative.stats import step_times
+    greedy = GreedyStep.of(engine, max(sizes))
+    runs = {"bare": [], "program": []}
+    for _ in range(rounds):
+        for name, program in (("bare", None), ("program", greedy)):
+            runs[name].append(step_times(engine, sizes, context=context, rounds=5,
+                                         batch_size=bs, greedy=program))
+    return {z: [statistics.median(r[z] for r in runs[name]) for name in ("bare", "program")]
+            for z in sizes}
 
 
 def main():
@@ -63,6 +134,14 @@ def main():
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pieces", action="store_true",
+                        help="also time each method with one_program = False (the engine's step "
+                             "graph, then acceptance and commit in eager), in turns with it")
+    parser.add_argument("--program-ab", action="store_true",
+                        help="time the greedy step programs against the engine's bare step "
+                             "graphs per tree size (1, 2, 8), in turns, instead")
+    parser.add_argument("--profile", action="store_true",
+                        help="count ops, Python calls and host reads per step instead of timing")
     parser.add_argument("--max-batch", type=int, default=8,
                         help="the engine's max_batch (its KV pool's shape: keep it across runs "
                              "that should share compiled graphs)")
@@ -76,18 +155,43 @@ def main():
     ids = tokenizer(PROMPT)["input_ids"]
     methods = {"ngram": SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=8)),
                "ar": SpeculativeGenerator(engine, AutoregressiveProposer())}
-    print(f"# {os.cpu_count()} CPUs, torch {torch.__version__}, {args.max_new_tokens} new tokens, "
-          f"median of {args.rounds} rounds; host share = 1 - in-graph time / loop time")
-    print("| method | batch | ms/step | in-graph ms/step | host ms/step | host share |")
-    print("|---|---|---|---|---|---|")
+    if args.program_ab:
+        for bs in batches:
+            for z, (bare, program) in program_ab(engine, bs).items():
+                print(f"batch {bs} size {z}: bare {1e3 * bare:.2f} ms, program "
+                      f"{1e3 * program:.2f} ms, program / bare {program / bare:.3f}", flush=True)
+        return
+    if args.profile:
+        print(f"# counts per step of one generate run, {args.max_new_tokens} new tokens")
+        print("| method | batch | steps | eager aten ops/step | Python calls/step | host reads/step |")
+        print("|---|---|---|---|---|---|")
+    else:
+        print(f"# {os.cpu_count()} CPUs, torch {torch.__version__}, {args.max_new_tokens} new tokens, "
+              f"median of {args.rounds} rounds; host share = 1 - in-graph time / loop time")
+        print("| method | batch | ms/step | in-graph ms/step | host ms/step | host share |")
+        print("|---|---|---|---|---|---|")
     for bs in batches:
         prompts = [ids[:len(ids) - b] for b in range(bs)]  # ragged lengths
         for name, spec in methods.items():
             spec.compile_verify(batch_size=bs)
             spec.generate(prompts, 16)  # the bucket's prefill and decode graphs
-            step, graph, share = measure(spec, timer, prompts, args.max_new_tokens, args.rounds)
-            print(f"| {name} | {bs} | {step:.2f} | {graph:.2f} | {step - graph:.2f} | "
-                  f"{100 * share:.1f}% |", flush=True)
+            if args.profile:
+                steps, ops, calls, reads, names = profile_counts(spec, prompts,
+                                                                 args.max_new_tokens)
+                print(f"| {name} | {bs} | {steps} | {ops:.1f} | {calls:.0f} | {reads:.1f} |",
+                      flush=True)
+                print(f"#   most called per step: {names}", flush=True)
+                continue
+            variants = {name: (spec, True)}
+            if args.pieces:
+                variants[f"{name} pieces"] = (spec, False)
+                spec.one_program = False
+                spec.generate(prompts, 16)  # the engine's own decode graph
+                spec.one_program = True
+            for label, (step, graph, share) in measure(variants, timer, prompts,
+                                                       args.max_new_tokens, args.rounds).items():
+                print(f"| {label} | {bs} | {step:.2f} | {graph:.2f} | {step - graph:.2f} | "
+                      f"{100 * share:.1f}% |", flush=True)
 
 
 if __name__ == "__main__":

@@ -176,16 +176,17 @@ def test_compile_verify_compiles_every_verify_size_before_the_first_draft():
                                 tree_sizes=(1, 3, 6))
     engine.generate([[5, 6, 7]], 3)  # prefill + decode graphs
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    spec.compile_verify()
-    # N = 3 and 6 only: the loop's prefill and decode steps reuse Engine.generate's graphs (the
-    # public steps hand every graph inference tensors, whatever the caller passed).
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
+    spec.compile_verify(sampled=False)
+    # The greedy step programs (GreedyStep: decode, verify(3), verify(6), each with its
+    # acceptance and commit) and nothing else: the loop's prefill reuses Engine.generate's
+    # graph (the public steps hand every graph inference tensors, whatever the caller passed).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
     assert spec.probe_cost > 0 and spec.probe_cost != 1.0  # measured: verify(3) vs decode
     assert spec.verify_cost is None  # NGRAM's cheap drafts: the adaptive size, no gate costs
     gated = SpeculativeGenerator(engine, _CostlyScriptedChainProposer([5] * 40, 0.0))
-    gated.compile_verify()  # verify(6) is compiled already: this only measures it
+    gated.compile_verify(sampled=False)  # verify(6) is compiled already: this only measures it
     assert gated.verify_cost is not None and gated.verify_cost > 0 and gated._decode_s > 0
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
     assert engine.pool.num_free_slots == engine.pool.num_slots  # the scratch request is freed
     # A warm-up that never drafts (no suffix recurs) leaves nothing to compile later.
     assert spec.generate([[1, 2, 3, 4]], 2) is not None
@@ -336,8 +337,9 @@ def test_adaptive_size_shrinks_verifies_after_misses_and_grows_back():
     spec = SpeculativeGenerator(engine, proposer)
     assert spec.adaptive and spec.tree_sizes == [1, 2, 6]
     sizes = []
-    verify = engine.verify
-    engine.verify = lambda tokens, *a, **k: (sizes.append(tokens.shape[1]), verify(tokens, *a, **k))[1]
+    greedy = spec._greedy  # greedy steps verify in one program (target, acceptance, commit)
+    verify = greedy.verify
+    greedy.verify = lambda tokens, *a, **k: (sizes.append(tokens.shape[1]), verify(tokens, *a, **k))[1]
     stats = SpeculativeStats()
     assert spec.generate(prompt, 48, stats=stats) == plain
     assert stats.decode_steps == 0, stats.summary()  # every step had a draft: no gate

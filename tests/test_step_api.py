@@ -22,8 +22,25 @@ from test_speculative import repetitive_prompts, tiny_model  # noqa: E402  (test
 METHODS = ["plain", "ngram", "standalone", "eagle", "eagle-tree"]
 
 
+def _setup_eagle3(tmp_path, capacity, compiled):
+    """An EAGLE-3 generator (the tiny random head of test_eagle3: drafts from 3 target layers)."""
+    from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
+    from test_eagle3 import tiny_target, write_head
+    target = tiny_target(4)
+    write_head(tmp_path, target, seed=11)
+    head = load_eagle3_head(str(tmp_path), target)
+    draft = Engine(head, max_batch=capacity, max_len=128, compile=compiled, prefill_chunk=8,
+                   capture_hidden=[-1])
+    proposer = Eagle3Proposer(draft, 4)
+    engine = Engine(target, max_batch=capacity, max_len=128, compile=compiled, prefill_chunk=16,
+                    capture_hidden=proposer.target_hidden_layers)
+    return engine, SpeculativeGenerator(engine, proposer, min_accepted=0.0), draft
+
+
 def _setup(method, tmp_path, capacity=3, compiled=False):
     """(target engine, generator, draft engine or None) for `method`."""
+    if method == "eagle3":
+        return _setup_eagle3(tmp_path, capacity, compiled)
     target = tiny_model()
     hidden = method.startswith("eagle")
     engine = Engine(target, max_batch=capacity, max_len=128, compile=compiled, prefill_chunk=16,
@@ -149,39 +166,124 @@ def test_admit_errors_and_failed_steps_leak_nothing(tmp_path):
     _all_free(engine)
 
 
+def _join_and_leave(spec, prompts, budgets, capacity, steps=256, chunk_every=3):
+    """Up to `steps` steps of one batch while the requests of `prompts` join (every
+    chunk_every-th with a chunked prefill of the engine's prefill_chunk, so it runs the
+    prefill graph) as places free up and leave when done. Returns (the finished requests,
+    the steps run)."""
+    done, waiting, count = [], list(enumerate(zip(prompts, budgets))), 0
+    chunk = spec.engine.prefill_chunk
+    with spec.batch(capacity) as batch:
+        while count < steps and (waiting or batch.live):
+            for r in [r for r in batch.requests if r.done]:
+                spec.retire(batch, r)
+                done.append(r)
+            while waiting and batch.size < capacity:
+                i, (p, n) = waiting.pop(0)
+                spec.admit(batch, [p], n, prefill_chunk=chunk if i % chunk_every == 0 else None)
+            spec.step(batch)
+            count += 1
+        done += [r for r in batch.requests if r.done]
+    return done, count
+
+
 def test_compiled_steps_never_recompile_while_requests_join_and_leave(tmp_path):
     """256 steps of a compiled engine while requests of assorted prompt lengths and budgets
-    join and leave: after a warm-up (one batch, compile_verify) no graph compiles or
-    recompiles, and every request's tokens equal plain greedy's of the same engine."""
+    join (some with a chunked prefill interleaved with the others' steps) and leave: after a
+    warm-up (one batch, compile_verify) no graph compiles or recompiles, every greedy step ran
+    as one compiled program (target step, acceptance and commit: GreedyStep), every request's
+    tokens equal plain greedy's of the same engine, and the eager engine's run gives the
+    same tokens."""
     torch._dynamo.reset()
     engine, spec, _ = _setup("ngram", tmp_path, capacity=4, compiled=True)
-    prompts = repetitive_prompts(24, seed=7, shapes=4)
+    prompts = repetitive_prompts(96, seed=7, shapes=4)
+    prompts = [p * (1 + i % 3) for i, p in enumerate(prompts)]  # some span several chunks
     rng = random.Random(0)
     budgets = [rng.randrange(4, 40) for _ in prompts]
     spec.compile_verify(batch_size=4)
     spec.generate(prompts[:4], 4)  # the bucket's prefill and decode graphs
     counters = torch._dynamo.utils.counters
     graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
-    done, steps, waiting = [], 0, list(zip(prompts, budgets))
+    programs = spec._greedy.compiled_runs
     with torch.compiler.set_stance("fail_on_recompile"):
-        with spec.batch(4) as batch:
-            while steps < 256 and (waiting or batch.live):
-                for r in [r for r in batch.requests if r.done]:
-                    spec.retire(batch, r)
-                    done.append(r)
-                while waiting and len(batch.requests) < 4:
-                    p, n = waiting.pop(0)
-                    spec.admit(batch, [p], n)
-                spec.step(batch)
-                steps += 1
-            done += [r for r in batch.requests if r.done]
+        done, steps = _join_and_leave(spec, prompts, budgets, 4)
     assert counters["stats"]["unique_graphs"] == graphs
     assert sum(counters["recompiles"].values()) == recompiles
-    assert len(done) >= 8, len(done)  # requests really came and went
+    assert steps == 256 and len(done) >= 16, (steps, len(done))  # requests came and went
+    assert any(r.prefill_chunk for r in done)
+    assert spec._greedy.compiled_runs - programs >= 200  # the steps ran as one program each
     for group in range(0, len(done) // 4 * 4, 4):  # plain greedy in the bucket: its graphs
         rs = done[group:group + 4]
         want = engine.generate([r.prompt for r in rs], max(r.max_new_tokens for r in rs))
         assert [r.tokens for r in rs] == [w[:r.max_new_tokens] for w, r in zip(want, rs)]
+    _all_free(engine)
+    _, eager, _ = _setup("ngram", tmp_path, capacity=4, compiled=False)
+    eager_done, _ = _join_and_leave(eager, prompts, budgets, 4)
+    assert eager._greedy.compiled_runs == 0
+    assert ({tuple(r.prompt): r.tokens for r in eager_done} ==
+            {tuple(r.prompt): r.tokens for r in done})
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "standalone", "eagle3"])
+def test_chunked_prefill_interleaves_with_decode_and_keeps_greedy_tokens(method, tmp_path):
+    """A long prompt admitted with prefill_chunk is prefilled one chunk per step while the
+    request already in the batch keeps decoding; it emits nothing before its last chunk, its
+    first token with it, and then exactly its solo greedy tokens. A proposer drafting from
+    target hidden states (EAGLE-3) gets the prompt's hidden rows concatenated over the chunks:
+    equal to those of an unchunked prefill."""
+    engine, spec, draft = _setup(method, tmp_path, capacity=2)
+    vocab = engine.vocab_size
+    prompts = [[t % vocab for t in p] for p in repetitive_prompts(2, shapes=4)]
+    long = prompts[1] * 4
+    chunk = 5
+    chunks = -(-len(long) // chunk)
+    solo = [engine.generate([prompts[0]], 40)[0], engine.generate([long], 12)[0]]
+    starts = []
+    if spec.proposer is not None and spec.proposer.needs_target_hidden:
+        start = spec.proposer.start
+        spec.proposer.start = lambda ids, ctx, hidden: (starts.append(hidden), start(ids, ctx,
+                                                                                     hidden))
+    with spec.batch(2) as batch:
+        (a,) = spec.admit(batch, [prompts[0]], 40)
+        spec.step(batch)
+        (b,) = spec.admit(batch, [long], 12, prefill_chunk=chunk)
+        assert b in batch.live and b in batch.prefilling and batch.size == 2
+        for k in range(chunks):
+            before = len(a.tokens)
+            out = spec.step(batch)
+            assert len(a.tokens) > before  # a keeps decoding during b's prefill
+            if k < chunks - 1:
+                assert b not in out and not b.tokens and b.prefilled == chunk * (k + 1)
+            else:
+                assert out[b][0] == solo[1][0] and b in batch.requests and not batch.prefilling
+        while batch.live:
+            spec.step(batch)
+    assert [a.tokens, b.tokens] == solo
+    if starts:  # a's prefill, then b's chunks concatenated: b's equal an unchunked prefill's
+        reqs = engine.pool.admit([len(long)], 1)
+        rows = torch.tensor([reqs[0].row] + [engine.pool.padding_row])
+        whole = engine.prefill([long], rows).hidden[0, :len(long)]
+        engine.pool.release(reqs[0])
+        assert starts[1][0].shape == whole.shape
+        torch.testing.assert_close(starts[1][0], whole)
+    _all_free(engine, draft)
+
+
+def test_a_request_retired_while_prefilling_frees_its_slots(tmp_path):
+    engine, spec, _ = _setup("ngram", tmp_path, capacity=2)
+    prompts = repetitive_prompts(2, shapes=4)
+    with spec.batch(2) as batch:
+        (a,) = spec.admit(batch, [prompts[0]], 20)
+        (b,) = spec.admit(batch, [prompts[1] * 3], 20, prefill_chunk=4)
+        spec.step(batch)
+        assert b.prefilled == 4 and not b.tokens
+        spec.retire(batch, b)
+        assert batch.live == [a] and len(engine.pool.live_requests) == 1
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            spec.admit(batch, [prompts[1]], 4, prefill_chunk=0)
+        (c,) = spec.admit(batch, [prompts[1] * 3], 20, prefill_chunk=4)  # left open at the end
+        spec.step(batch)
+    assert a.tokens and c.prefilled == 4
     _all_free(engine)
 
 
@@ -238,3 +340,21 @@ def test_commit_ops_match_the_per_request_commit_eager_and_compiled():
     finished[1] = padding_row
     commit_step(t, finished, lens, r, padding_row, predicts, accept_index, accept_num, size)
     assert torch.equal(t[0], table[0]) and lens[1] == seq_lens[1] and r[1] == roots[1]
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_one_program_and_pieces_emit_the_same_tokens(method, tmp_path):
+    """A greedy step as one program (GreedyStep) and as the engine's step graph followed by
+    acceptance and commit in eager (one_program = False) emit the same tokens; only the
+    first runs the program."""
+    engine, spec, draft = _setup(method, tmp_path)
+    prompts = repetitive_prompts(3, shapes=3)
+    calls = []
+    verify = engine.verify
+    engine.verify = lambda *a, **k: (calls.append(1), verify(*a, **k))[1]
+    whole = spec.generate(prompts, 24)
+    assert not calls  # the program calls the step function itself
+    spec.one_program = False
+    assert spec.generate(prompts, 24) == whole == engine.generate(prompts, 24)
+    assert calls and spec._greedy.compiled_runs == 0  # eager: nothing compiled either way
+    _all_free(engine, draft)

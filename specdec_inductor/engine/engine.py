@@ -6,7 +6,9 @@ Every length, position and slot a step needs is a tensor input (or derived in th
 prompt lengths and any number of steps (tested under `set_stance("fail_on_recompile")`).
 Step kinds: EXTEND with T = `prefill_chunk` (prefill; prompts longer than one chunk take
 several chunks over their growing prefix), EXTEND with T = N and a tree mask (verify(N)),
-DECODE (one token per request).
+DECODE (one token per request). Callers compose a step function with their own tensor work
+into one graph with compile_program (the speculative loop's greedy step: verify, acceptance and
+commit), and run a prompt chunk by chunk between other steps with prefill_chunk_step.
 
 Eager mode (`compile=False` or SPECDEC_EAGER=1) runs the same step functions uncompiled.
 """
@@ -248,6 +250,9 @@ class Engine:
         self.pool = KVPool(shape.num_layers, shape.num_kv_heads, shape.head_dim,
                            max_batch * max_len if num_slots is None else num_slots, max_batch, max_len, self.dtype)
         self.compile_backend = compile_backend
+        # Step programs callers build over this engine (compile_program), by the caller's key:
+        # every user of the same program shares its compiled graphs.
+        self.programs: dict = {}
         if self.compiled:
             # Each engine adds graphs to the same step code objects; a hit of the recompile
             # limit must fail loudly, never fall back to eager.
@@ -402,6 +407,11 @@ class Engine:
         run one step use decode."""
         return self._decode_step(tokens, req_rows, seq_lens, aux)
 
+    def verify_step(self, tokens: Tensor, positions: Tensor, req_rows: Tensor,
+                    seq_lens: Tensor, tree_mask: Tensor, aux: Optional[Tensor] = None):
+        """verify's step function itself, for a compile_program program (as decode_step)."""
+        return self._verify_step(tokens, positions, req_rows, seq_lens, tree_mask, aux)
+
     def extend_step(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor,
                     prefix_lens: Tensor, extend_lens: Tensor, tree_mask: Optional[Tensor] = None,
                     aux: Optional[Tensor] = None, last_only: bool = False):
@@ -421,6 +431,14 @@ class Engine:
             raise ValueError("compile_program needs a compiled Engine (compile=True)")
         return torch.compile(_own_code(method), fullgraph=True, dynamic=False,
                              backend=self._backend, options=dict(self._guard_options))
+
+    @torch.inference_mode()
+    def run_program(self, program, *args):
+        """Call a step program (compile_program's result, or its method uncompiled in eager)
+        as the public steps call their graphs: the thread governor ticked, the tensor
+        arguments as inference tensors (_inference)."""
+        threads.tick()
+        return program(*map(_inference, args))
 
     # -- public steps --------------------------------------------------------------------------
     def bucket_for(self, batch_size: int) -> int:
@@ -490,8 +508,26 @@ class Engine:
                                f"Engine compiled its steps ({', '.join(changed[:3])}): make a new "
                                "Engine")
 
-    def _prefill(self, prompts, req_rows, aux):
+    @torch.inference_mode()
+    def prefill_chunk_step(self, input_ids: Tensor, positions: Tensor, req_rows: Tensor,
+                           prefix_lens: Tensor, extend_lens: Tensor,
+                           aux: Optional[Tensor] = None) -> StepOutput:
+        """One prefill chunk (an EXTEND without a tree; the graph prefill runs for T =
+        prefill_chunk): T tokens per request [B, T] after its cached prefix_lens, extend_lens
+        [B] of them real (0: the row takes no part). Returns StepOutput(None, the logits of
+        each request's last real row [B, V], hidden [B, T, k*H] or None)."""
         threads.tick()
+        out = self._extend_fn(*map(_inference, (input_ids, positions, req_rows, prefix_lens,
+                                                 extend_lens, None, aux)),
+                              last_only=self.keeps_last_rows)
+        logits = out.logits
+        if logits.shape[1] > 1:  # every row's logits [B, T, V] -> row extend_len - 1
+            bs = logits.shape[0]
+            idx = (extend_lens - 1).clamp(min=0).view(bs, 1, 1)
+            logits = logits.gather(1, idx.expand(bs, 1, logits.shape[-1]))
+        return StepOutput(None, logits[:, 0], out.hidden)
+
+    def _prefill(self, prompts, req_rows, aux):
         self._check_layout()
         bs = req_rows.shape[0]
         lens = [len(p) for p in prompts] + [1] * (bs - len(prompts))
@@ -515,15 +551,10 @@ class Engine:
             positions = prefix.view(bs, 1) + t.view(1, chunk)  # [B, C]
             chunk_ids = ids[:, start:start + chunk].contiguous()  # [B, C]; strides are guarded
             chunk_aux = None if aux is None else aux[:, start:start + chunk].contiguous()
-            out = self._extend_fn(*map(_inference, (chunk_ids, positions, req_rows, prefix, ext,
-                                                     None, chunk_aux)),
-                                  last_only=self.keeps_last_rows)
-            logits, hidden = out.logits, out.hidden
+            _, logits, hidden = self.prefill_chunk_step(chunk_ids, positions, req_rows, prefix,
+                                                        ext, chunk_aux)
             ends_here = (ext > 0) & (prefix + ext == prompt_lens)  # [B]
-            if logits.shape[1] > 1:  # every row's logits [B, C, V] -> row ext - 1
-                idx = (ext - 1).clamp(min=0).view(bs, 1, 1)
-                logits = logits.gather(1, idx.expand(bs, 1, logits.shape[-1]))
-            last = torch.where(ends_here.view(bs, 1), logits[:, 0].to(last.dtype), last)
+            last = torch.where(ends_here.view(bs, 1), logits.to(last.dtype), last)
             if hidden is not None:
                 hiddens.append(hidden)
         return StepOutput(last.argmax(-1), last, torch.cat(hiddens, dim=1) if hiddens else None)

@@ -1,13 +1,14 @@
 """Speculative decoding: the step loop shared by every method (loop.py), its draft-budget
-policies (policies.py), the tensor commit of a verified step (commit.py), draft trees
-(tree.py), the proposer interface (proposer.py) and metrics (stats.py)."""
+policies (policies.py), the tensor commit of a verified step and the greedy step as one
+program (commit.py), draft trees (tree.py), the proposer interface (proposer.py) and metrics
+(stats.py)."""
 from specdec_inductor.speculative.loop import ActiveRequest, Batch, SpeculativeGenerator
 from specdec_inductor.speculative.policies import (AcceptanceGate, AdaptiveVerifySize,
                                                    DraftPolicy, StepCosts, StepPlan)
 from specdec_inductor.speculative.proposer import Proposer
 from specdec_inductor.speculative.stats import SpeculativeStats, step_times
-from specdec_inductor.speculative.tree import DraftTree, root_only_draft, star_tree
+from specdec_inductor.speculative.tree import DraftTree, VerifyInputs, root_only_draft, star_tree
 
 __all__ = ["AcceptanceGate", "ActiveRequest", "AdaptiveVerifySize", "Batch", "DraftPolicy",
            "DraftTree", "Proposer", "SpeculativeGenerator", "SpeculativeStats", "StepCosts",
-           "StepPlan", "root_only_draft", "star_tree", "step_times"]
+           "StepPlan", "VerifyInputs", "root_only_draft", "star_tree", "step_times"]

@@ -1,16 +1,21 @@
 """Commit of a verified step as tensor ops: the accepted tokens, the accepted path's KV moved
-to the front of the tree's positions, and each request's next root and seq_len.
+to the front of the tree's positions, and each request's next root and seq_len; and the greedy
+step of a batch (target step, acceptance, commit) as one program (GreedyStep).
 
 Verify writes node i's KV at row position seq_len + i. After acceptance the row's slots for
 positions [seq_len, seq_len + N) are permuted so that the accepted path's slots come first, in
 path order; the rejected nodes' slots follow and are overwritten by the next verify. Only
 req_to_token entries move, never K/V rows. Everything here stays on tensors (no per-request
-Python lists), so it traces into one graph; the host reads the result once per step.
+Python lists), so it traces into one graph: its in-place updates of req_to_token, seq_lens and
+roots become the graph's input mutations (functionalized, written back when the graph
+returns). The host reads the result once per step.
 """
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+
+from specdec_inductor import ops
 
 
 class Committed(NamedTuple):
@@ -69,3 +74,85 @@ def commit_step(req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor, roots:
     seq_lens[:bs] += torch.where(live, done.accept_num + 1, 0)
     roots[:bs] = torch.where(live, bonus, roots[:bs])
     return done
+
+
+class StepResult(NamedTuple):
+    """What a greedy step program gives back: the one tensor the host reads, and the target
+    hidden rows of each accepted path for proposers that draft from them."""
+    host: Tensor  # [B, 1 + S] int64: accepted drafts, then Committed.tokens
+    path_hidden: Optional[Tensor]  # [B, S, k*H] hidden row of each path node, or None
+
+
+def path_rows(hidden: Tensor, path: Tensor) -> Tensor:
+    """hidden [B, N, k*H] rows at each request's accepted path (path [B, S], -1 after it:
+    row 0 there) -> [B, S, k*H]."""
+    bs, steps = path.shape
+    index = path.clamp(min=0).unsqueeze(-1).expand(bs, steps, hidden.shape[-1])  # [B, S, k*H]
+    return hidden.gather(1, index)
+
+
+def step_result(done: Committed, hidden: Optional[Tensor]) -> StepResult:
+    host = torch.cat([done.accept_num.view(-1, 1), done.tokens], dim=1)  # [B, 1 + S]
+    return StepResult(host, None if hidden is None else path_rows(hidden, done.path))
+
+
+class GreedyStep:
+    """A greedy step of a whole batch bucket as one program per (bucket, N): the target's
+    decode (N = 1) or verify(N) pass, greedy acceptance (verify_tree_greedy) and the commit
+    (commit_step: accepted-path KV compaction in req_to_token, seq_lens and roots advanced in
+    place). On a compiled Engine each is one graph (Engine.compile_program: fullgraph, static
+    shapes, so a bucket's graph serves any requests joining and leaving); in eager the same
+    functions run op by op. Every row of the bucket takes part: a padding row (req_rows = the
+    pool's padding row) verifies a root-only tree and commits nothing."""
+
+    def __init__(self, engine, num_spec_steps: int):
+        self.engine, self.num_spec_steps = engine, num_spec_steps
+        self.compiled_runs = 0  # steps run as a compiled program (tests assert the path)
+        self.padding_row = engine.pool.padding_row
+        compiled = engine.compile_program if engine.compiled else (lambda method: method)
+        self._decode, self._verify = compiled(self.decode_program), compiled(self.verify_program)
+
+    @classmethod
+    def of(cls, engine, num_spec_steps: int) -> "GreedyStep":
+        """The engine's GreedyStep for num_spec_steps, made once (Engine.programs): every
+        generator of the engine shares its compiled programs."""
+        key = (cls.__name__, num_spec_steps)
+        if key not in engine.programs:
+            engine.programs[key] = cls(engine, num_spec_steps)
+        return engine.programs[key]
+
+    def decode(self, roots: Tensor, req_rows: Tensor, seq_lens: Tensor) -> StepResult:
+        """A plain decode step of the roots, committed (roots [B] take the next tokens)."""
+        return self._run(self._decode, roots, req_rows, seq_lens)
+
+    def verify(self, tokens: Tensor, positions: Tensor, req_rows: Tensor, seq_lens: Tensor,
+               tree_mask: Tensor, retrieve_index: Tensor, retrieve_next_token: Tensor,
+               retrieve_next_sibling: Tensor, roots: Tensor) -> StepResult:
+        """Verify the trees (tokens / positions [B, N], tree_mask [B*N*N], linkage [B, N]
+        int64, flat retrieve_index), accept greedily and commit."""
+        return self._run(self._verify, tokens, positions, req_rows, seq_lens, tree_mask,
+                         retrieve_index, retrieve_next_token, retrieve_next_sibling, roots)
+
+    def _run(self, program, *args) -> StepResult:
+        self.compiled_runs += int(self.engine.compiled)
+        return self.engine.run_program(program, *args)
+
+    def decode_program(self, roots, req_rows, seq_lens) -> StepResult:
+        out = self.engine.decode_step(roots, req_rows, seq_lens)
+        bs = roots.shape[0]
+        accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [B, 1] root-only trees
+        done = commit_step(self.engine.pool.req_to_token, req_rows, seq_lens, roots,
+                           self.padding_row, out.argmax, accept_index,
+                           torch.zeros(bs, dtype=torch.int32), 1)
+        return step_result(done, None if out.hidden is None else out.hidden.unsqueeze(1))
+
+    def verify_program(self, tokens, positions, req_rows, seq_lens, tree_mask, retrieve_index,
+                       retrieve_next_token, retrieve_next_sibling, roots) -> StepResult:
+        out = self.engine.verify_step(tokens, positions, req_rows, seq_lens, tree_mask)
+        size = tokens.shape[1]
+        predicts, accept_index, accept_num = ops.verify_tree_greedy(
+            tokens, retrieve_index, retrieve_next_token, retrieve_next_sibling, out.argmax,
+            min(self.num_spec_steps, size))
+        done = commit_step(self.engine.pool.req_to_token, req_rows, seq_lens, roots,
+                           self.padding_row, predicts, accept_index, accept_num, size)
+        return step_result(done, out.hidden)

@@ -1,18 +1,26 @@
 """The one speculative loop every method shares, as a step API over a batch that requests
-join and leave: `admit` (prefill) and `retire` between steps, `step` = propose -> verify ->
-accept -> commit for every request of the batch. `generate` is a short loop over them.
+join and leave: `admit` (prefill, whole or in chunks interleaved with the others' steps) and
+`retire` between steps, `step` = propose -> verify -> accept -> commit for every request of the
+batch. `generate` is a short loop over them.
 
 Only the proposer differs between methods (proposers/, one file per method, behind the
 `Proposer` interface); this file never branches on the method. Greedy acceptance emits exactly
 the tokens plain greedy decoding of the same engine emits: at each tree level the draft child
 whose token equals the target's argmax is accepted, and the target's argmax after the last
 accepted node is the bonus token, so every emitted token is the target's own greedy choice.
-Without a proposer every step is a plain decode step (plain autoregressive decoding).
+Without a proposer (or with one whose trees are the root alone) every step is a plain decode
+step, and the proposer is not asked for drafts.
 
 A batch has a fixed bucket (Engine.bucket_for of its capacity): requests take its first rows
 in admission order and padding rows fill the rest, so admitting and retiring change values,
-never shapes, and no step recompiles. Draft budgets are policies (policies.py), the commit is
-tensor ops (commit.py); the host reads each step's accepted tokens once and handles stops.
+never shapes, and no step recompiles. A step of a greedy batch is one program per (bucket,
+tree size) (commit.GreedyStep: the target's decode or verify pass, greedy acceptance and the
+commit -- accepted-path KV compaction, next roots and lengths -- one compiled graph on a
+compiled engine); the host drafts, plans the step's size (policies.py), reads the step's
+accepted tokens once and handles stops. A batch with sampled requests runs the target's step
+as a graph and the rejection sampling and commit in eager between steps. Requests admitted
+with a prefill_chunk run one chunk of their prompt per step (Engine.prefill_chunk_step, the
+prefill graph) before that step's decode, and join the decoding rows after their last chunk.
 
 Numeric policy: verify runs N tokens through GEMMs while plain decode runs one through a GEMV,
 so near-tied logits can flip the argmax. The baseline in tests is this engine's own greedy
@@ -29,12 +37,12 @@ from torch import Tensor
 from specdec_inductor import ops
 from specdec_inductor.engine.kv_pool import Request
 from specdec_inductor.sampler import Sampler, SamplingParams, request_generator, request_params
-from specdec_inductor.speculative.commit import commit_step
+from specdec_inductor.speculative.commit import GreedyStep, StepResult, commit_step, step_result
 from specdec_inductor.speculative.policies import (NO_DRAFT, AcceptanceGate, AdaptiveVerifySize,
                                                    DraftPolicy, StepCosts)
 from specdec_inductor.speculative.proposer import Proposer
 from specdec_inductor.speculative.stats import SpeculativeStats, dynamo_counts, step_times
-from specdec_inductor.speculative.tree import pad_draft, truncate_draft
+from specdec_inductor.speculative.tree import DraftTree, VerifyInputs, truncate_draft
 
 
 @dataclass(eq=False)
@@ -49,6 +57,16 @@ class ActiveRequest:
     policy_state: object  # its draft policy's state (DraftPolicy.new_request)
     tokens: List[int] = field(default_factory=list)  # emitted so far
     done: bool = False
+    # Chunked prefill (admit's prefill_chunk): at most this many prompt tokens per step,
+    # `prefilled` of them cached so far, and their captured target hidden rows.
+    prefill_chunk: Optional[int] = None
+    prefilled: int = 0
+    prompt_hidden: List[Tensor] = field(default_factory=list)
+
+    @property
+    def prefilling(self) -> bool:
+        """Still prefilling its prompt in chunks (it has no decode row yet)."""
+        return self.prefilled < len(self.prompt)
 
     @property
     def row(self) -> int:
@@ -70,21 +88,39 @@ class ActiveRequest:
 class Batch:
     """Requests decoding together and their bucket-sized step state (inference tensors).
     Row b < len(requests) holds requests[b] (the padding row once it is done); the others
-    are padding."""
+    are padding. Requests admitted with a prefill_chunk wait in `prefilling` (no decode row)
+    until their prompt is cached, then join `requests`."""
 
     def __init__(self, engine, capacity: int, policy: DraftPolicy, stats: SpeculativeStats):
         self.capacity, self.bucket = capacity, engine.bucket_for(capacity)
         self.padding_row = engine.pool.padding_row
         self.policy, self.stats = policy, stats
         self.requests: List[ActiveRequest] = []
+        self.prefilling: List[ActiveRequest] = []  # chunked prefill in progress, oldest first
         self.req_rows = torch.full((self.bucket,), self.padding_row, dtype=torch.int64)  # [B]
         self.seq_lens = torch.ones(self.bucket, dtype=torch.int64)  # [B] cached tokens
         self.roots = torch.zeros(self.bucket, dtype=torch.int64)  # [B] last emitted tokens
         self.sampler: Optional[Sampler] = None
+        self.rows: List[int] = []  # requests[b].row: the proposer's request ids
+        self._verify_inputs: Dict[int, VerifyInputs] = {}  # tree size -> its padded inputs
+
+    def verify_inputs(self, draft: DraftTree) -> List[Tensor]:
+        """The bucket's verify inputs for `draft` (VerifyInputs.fill; buffers per tree size)."""
+        size = draft.tokens.shape[1]
+        inputs = self._verify_inputs.get(size)
+        if inputs is None:
+            inputs = self._verify_inputs[size] = VerifyInputs(self.bucket, size, self.seq_lens)
+        return inputs.fill(draft, self.seq_lens)
 
     @property
     def live(self) -> List[ActiveRequest]:
-        return [r for r in self.requests if not r.done]
+        """Requests not done: those decoding, then those still prefilling."""
+        return [r for r in self.requests if not r.done] + self.prefilling
+
+    @property
+    def size(self) -> int:
+        """Requests holding a place in the batch (decoding or prefilling)."""
+        return len(self.requests) + len(self.prefilling)
 
     def _add(self, requests: List[ActiveRequest]) -> None:
         at = len(self.requests)
@@ -96,6 +132,9 @@ class Batch:
         self._membership_changed()
 
     def _remove(self, request: ActiveRequest) -> None:
+        if request.prefilling:
+            self.prefilling.remove(request)
+            return
         b = self.requests.index(request)
         del self.requests[b]
         for t, fill in ((self.req_rows, self.padding_row), (self.seq_lens, 1), (self.roots, 0)):
@@ -104,6 +143,7 @@ class Batch:
         self._membership_changed()
 
     def _membership_changed(self) -> None:
+        self.rows = [r.row for r in self.requests]
         params = [r.sampling for r in self.requests]
         self.sampler = (None if all(p.greedy for p in params)
                         else Sampler(params, [r.generator for r in self.requests]))
@@ -111,16 +151,6 @@ class Batch:
     def finished(self, b: int) -> None:
         """Request b is done: its row becomes padding, so no later step writes its KV."""
         self.req_rows[b] = self.padding_row
-
-
-class _Step:
-    """One step's acceptance result, before the commit (flat rows as the acceptance ops
-    give them)."""
-
-    def __init__(self, predicts: Tensor, accept_index: Tensor, accept_num: Tensor,
-                 hidden: Optional[Tensor]):
-        self.predicts, self.accept_index, self.accept_num = predicts, accept_index, accept_num
-        self.hidden = hidden  # [B, N, k*H] or None
 
 
 def _cost(name: str, doc: str) -> property:
@@ -146,6 +176,10 @@ class SpeculativeGenerator:
     """
 
     calibration_rounds = 16  # compile_verify: decode and probe-verify timings each
+    # Greedy steps as one program (GreedyStep). False: the engine's decode / verify graph,
+    # then acceptance and commit in eager, as sampled batches run (benchmarks A/B the two;
+    # a recorder of the engine's public steps sees every verify).
+    one_program = True
 
     def __init__(self, engine, proposer: Optional[Proposer],
                  tree_sizes: Optional[Sequence[int]] = None,
@@ -174,6 +208,11 @@ class SpeculativeGenerator:
         if sizes[0] < 1 or sizes[-1] > n:
             raise ValueError(f"tree_sizes must lie in [1, num_draft_tokens={n}], got {sizes}")
         self.tree_sizes = sizes
+        # Only a proposer that can offer more than the root drafts (an AutoregressiveProposer's
+        # trees are the root alone: its steps are plain decodes without asking it).
+        self._drafts = proposer is not None and sizes[-1] > 1
+        self._greedy = GreedyStep.of(engine,
+                                     proposer.num_spec_steps if proposer is not None else 1)
         # The tree rejection-sampling rule (an op; tests swap in a deliberately wrong one to
         # show the losslessness test catches it).
         self.tree_sampling = ops.tree_speculative_sampling
@@ -210,27 +249,30 @@ class SpeculativeGenerator:
                               self._gate_from_costs, self.backoff_steps, self.gate_min_steps)
 
     @torch.inference_mode()
-    def compile_verify(self, batch_size: int = 1) -> None:
-        """Compile the target's verify graph of every tree size > 1 for batch_size's bucket now.
-        A warm-up `generate` may never verify (NGRAM before any context suffix recurs), and the
-        graph would then compile inside the first timed step. Runs one verify per size on a
-        scratch request (step_times); with the adaptive size it also measures probe_cost, with
-        the cost-based acceptance gate verify_cost (verify(N) against a decode step)."""
+    def compile_verify(self, batch_size: int = 1, sampled: bool = True) -> None:
+        """Compile the step programs of batch_size's bucket now: the greedy decode and every
+        verify size > 1 (GreedyStep), and with `sampled` the engine's own verify graphs, which
+        batches with sampled requests run. A warm-up `generate` may never verify (NGRAM before
+        any context suffix recurs), and the graph would then compile inside the first timed
+        step. Runs one step per size on a scratch request (step_times); with the adaptive size
+        it also measures probe_cost, with the cost-based acceptance gate verify_cost (the
+        greedy programs of verify(N) against a decode step)."""
         engine = self.engine
         sizes = [s for s in self.tree_sizes if s > 1]
         if not sizes or not engine.compiled:
             return
-        step_times(engine, sizes, rounds=0, batch_size=batch_size)
+        if sampled:
+            step_times(engine, sizes, rounds=0, batch_size=batch_size)
+        step_times(engine, [1] + sizes, rounds=0, batch_size=batch_size, greedy=self._greedy)
         if self._gate_from_costs:
             n = self.num_draft_tokens
             times = step_times(engine, [1, n], rounds=self.calibration_rounds,
-                               batch_size=batch_size)
+                               batch_size=batch_size, greedy=self._greedy)
             self.costs.verify_cost, self.costs.decode_s = times[n] / times[1], times[1]
         if self.adaptive and self._calibrate and self.tree_sizes[0] == 1:
-            # The adaptive size's probe cost (a decode graph compiles here if none has yet).
             probe = self._probe_size()
             times = step_times(engine, [1, probe], rounds=self.calibration_rounds,
-                               batch_size=batch_size)
+                               batch_size=batch_size, greedy=self._greedy)
             self.costs.probe_cost = times[probe] / times[1]
 
     # -- the step API --------------------------------------------------------------------------
@@ -259,8 +301,8 @@ class SpeculativeGenerator:
                 yield batch
             finally:
                 try:
-                    if batch.requests:
-                        self.retire(batch, *batch.requests)
+                    if batch.size:
+                        self.retire(batch, *batch.requests, *batch.prefilling)
                 finally:
                     graphs1, recompiles1 = dynamo_counts()
                     stats.graphs += graphs1 - graphs0
@@ -269,54 +311,119 @@ class SpeculativeGenerator:
     @torch.inference_mode()
     def admit(self, batch: Batch, prompts: Sequence[Sequence[int]], max_new_tokens: int,
               sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-              eos_token_id: Optional[int] = None) -> List[ActiveRequest]:
+              eos_token_id: Optional[int] = None,
+              prefill_chunk: Optional[int] = None) -> List[ActiveRequest]:
         """New requests join the batch (between steps): their prompts are prefilled together in
         the batch's bucket, their first tokens emitted and the proposer started on them.
-        All or nothing: on an error nothing joins and their slots are freed."""
+        All or nothing: on an error nothing joins and their slots are freed.
+
+        prefill_chunk: prefill each prompt in chunks of at most this many tokens instead, one
+        chunk per `step` while the other requests keep decoding (a long prompt then never
+        stalls them for its whole prefill); the request emits its first token in the step of
+        its last chunk, and that step's decode tokens after it. A chunk of T tokens runs the engine's
+        prefill graph when T equals the engine's prefill_chunk, else a graph of its own."""
         self.engine.check_request(prompts, max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"argument 'max_new_tokens' must be >= 1 to admit, got "
                              f"{max_new_tokens}")
-        if len(batch.requests) + len(prompts) > batch.capacity:
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or
+                                          not isinstance(prefill_chunk, int) or
+                                          prefill_chunk < 1):
+            raise ValueError(f"argument 'prefill_chunk' must be None or an int >= 1, got "
+                             f"{prefill_chunk!r}")
+        if batch.size + len(prompts) > batch.capacity:
             raise ValueError(f"argument 'prompts': {len(prompts)} more requests do not fit a batch "
-                             f"of {len(batch.requests)} with capacity {batch.capacity}")
+                             f"of {batch.size} with capacity {batch.capacity}")
         params = request_params(sampling, len(prompts))
-        generators = [request_generator(p) for p in params]
-        engine, proposer = self.engine, self.proposer
+        engine = self.engine
         # The tree needs N positions past the last committed token: reserve them up front.
         admitted = engine.pool.admit([len(p) for p in prompts],
                                      max_new_tokens + self.num_draft_tokens)
-        ids = [r.row for r in admitted]
-        started = False  # set before start is called: a start that fails midway is finished
+        new = [ActiveRequest(r, [int(t) for t in p], max_new_tokens, eos_token_id, s,
+                             request_generator(s), batch.policy.new_request(), prefill_chunk=c)
+               for r, p, s, c in zip(admitted, prompts, params,
+                                     [prefill_chunk] * len(prompts))]
+        if prefill_chunk is not None:
+            batch.prefilling += new
+            return new
         try:
-            rows = torch.tensor(ids + [engine.pool.padding_row] * (batch.bucket - len(ids)))
+            rows = torch.tensor([r.row for r in new] +
+                                [engine.pool.padding_row] * (batch.bucket - len(new)))
             t0 = time.perf_counter()
             first = engine.prefill(prompts, rows)
-            hidden = first.hidden
-            sampler = None if all(p.greedy for p in params) else Sampler(params, generators)
-            first_tokens = (sampler.sample(first.logits[:len(ids)]) if sampler is not None
-                            else first.argmax[:len(ids)]).tolist()
             batch.stats.prefill_s += time.perf_counter() - t0
-            new = [ActiveRequest(r, [int(t) for t in p], max_new_tokens, eos_token_id, s, g,
-                                 batch.policy.new_request())
-                   for r, p, s, g in zip(admitted, prompts, params, generators)]
-            for r, tok in zip(new, first_tokens):
+        except BaseException:
+            self._release(admitted, False)
+            raise
+        for b, r in enumerate(new):
+            r.prefilled = len(r.prompt)
+            if first.hidden is not None:
+                r.prompt_hidden = [first.hidden[b, :len(r.prompt)]]
+        self._join(batch, new, first.logits[:len(new)])
+        return new
+
+    def _join(self, batch: Batch, new: List[ActiveRequest], logits: Tensor) -> None:
+        """Requests whose prompts are cached take decode rows: each emits its first token
+        (from logits [n, V], its prompt's last row) and the proposer starts on it (with the
+        prompt's target hidden rows, concatenated over its prefill chunks, where it drafts
+        from them). On an error their slots are freed (the proposer finishes them)."""
+        started = False  # set before start is called: a start that fails midway is finished
+        try:
+            params = [r.sampling for r in new]
+            sampler = (None if all(p.greedy for p in params)
+                       else Sampler(params, [r.generator for r in new]))
+            first = (sampler.sample(logits) if sampler is not None else logits.argmax(-1))
+            for r, tok in zip(new, first.tolist()):
                 r.emit([tok])
             batch.stats.new_tokens += len(new)
+            proposer = self.proposer
             if proposer is not None:
-                contexts = [r.prompt + r.tokens for r in new]
+                ids, contexts = [r.row for r in new], [r.prompt + r.tokens for r in new]
                 started = True
                 if proposer.needs_target_hidden:
-                    proposer.start(ids, contexts,
-                                   [hidden[b, :len(p)] for b, p in enumerate(prompts)])
+                    proposer.start(ids, contexts, [torch.cat(r.prompt_hidden) for r in new])
                 else:
                     proposer.start(ids, contexts)
         except BaseException:
-            self._release(admitted, started)
+            self._release([r.pool_request for r in new], started)
             raise
+        for r in new:
+            r.prompt_hidden = []
         batch._add(new)
         batch.policy.admitted()
-        return new
+
+    def _prefill_chunks(self, batch: Batch) -> Dict[ActiveRequest, List[int]]:
+        """One prefill chunk of every prefilling request (the batch's bucket, T = the largest
+        of their prefill_chunk); those whose prompt is then cached join (_join). Returns their
+        first tokens."""
+        reqs, bucket = batch.prefilling, batch.bucket
+        t_max = max(r.prefill_chunk for r in reqs)
+        ids = torch.zeros(bucket, t_max, dtype=torch.int64)  # [B, T]
+        rows = torch.full((bucket,), self.engine.pool.padding_row, dtype=torch.int64)  # [B]
+        prefix = torch.zeros(bucket, dtype=torch.int64)  # [B]
+        lens = torch.zeros(bucket, dtype=torch.int64)  # [B]
+        chunks = [r.prompt[r.prefilled:r.prefilled + r.prefill_chunk] for r in reqs]
+        for b, (r, chunk) in enumerate(zip(reqs, chunks)):
+            ids[b, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+            rows[b], prefix[b], lens[b] = r.row, r.prefilled, len(chunk)
+        positions = prefix.view(bucket, 1) + torch.arange(t_max).view(1, t_max)  # [B, T]
+        t0 = time.perf_counter()
+        _, logits, hidden = self.engine.prefill_chunk_step(ids, positions, rows, prefix, lens)
+        batch.stats.prefill_s += time.perf_counter() - t0
+        cached = []
+        for b, (r, chunk) in enumerate(zip(reqs, chunks)):
+            r.prefilled += len(chunk)
+            if hidden is not None and self.proposer is not None \
+                    and self.proposer.needs_target_hidden:
+                r.prompt_hidden.append(hidden[b, :len(chunk)])
+            if not r.prefilling:
+                cached.append(b)
+        if not cached:
+            return {}
+        new = [reqs[b] for b in cached]
+        batch.prefilling = [r for r in reqs if r.prefilling]
+        self._join(batch, new, logits[cached])
+        return {r: list(r.tokens) for r in new}
 
     def _check_capture(self) -> None:
         if (self.proposer is not None and self.proposer.needs_target_hidden
@@ -329,11 +436,16 @@ class SpeculativeGenerator:
         """Requests leave the batch (between steps; done or not): the proposer finishes them
         and their slots and rows are freed (even when the proposer's cleanup raises)."""
         for r in requests:
-            if r not in batch.requests:
+            if r not in batch.requests and r not in batch.prefilling:
                 raise ValueError(f"argument 'requests': row {r.row} is not in this batch")
+        started = [r.pool_request for r in requests if not r.prefilling]
+        prefilling = [r.pool_request for r in requests if r.prefilling]
         for r in requests:
             batch._remove(r)
-        self._release([r.pool_request for r in requests], self.proposer is not None)
+        try:
+            self._release(started, self.proposer is not None)
+        finally:
+            self._release(prefilling, False)  # the proposer never saw them
 
     def _release(self, pool_requests: List[Request], started: bool) -> None:
         try:
@@ -345,44 +457,50 @@ class SpeculativeGenerator:
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> Dict[ActiveRequest, List[int]]:
-        """One step of every live request of the batch: draft (as its policy plans), verify,
-        accept, commit. Returns the tokens each live request emitted (accepted drafts + the
-        bonus, cut at its stop); a request that stops is marked done and stays in the batch
-        until retired."""
+        """One step of the batch: a prefill chunk of every request still prefilling (those it
+        completes emit their first token and join the decoding rows), then for every live
+        decoding request draft (as its policy plans), verify, accept, commit. Returns the
+        tokens each live request emitted (accepted drafts + the bonus, cut at its stop); a
+        request that stops is marked done and stays in the batch until retired."""
+        joined = self._prefill_chunks(batch) if batch.prefilling else {}
+        emitted = self._step(batch)
+        for r, first in joined.items():  # their first token, then this step's
+            emitted[r] = first + emitted.get(r, [])
+        return emitted
+
+    def _step(self, batch: Batch) -> Dict[ActiveRequest, List[int]]:
+        """step's draft -> verify -> accept -> commit of the requests with decode rows."""
         reqs, stats, policy = batch.requests, batch.stats, batch.policy
         live = [not r.done for r in reqs]
         if not any(live):
             return {}
         bs = len(reqs)
-        ids = [r.row for r in reqs]
-        states = [r.policy_state for r in reqs]
         t0 = time.perf_counter()
         plan, draft = NO_DRAFT, None
-        if self.proposer is not None and policy.wants_draft():
-            draft = self.proposer.propose(ids, batch.seq_lens[:bs])
+        if self._drafts and policy.wants_draft():
+            draft = self.proposer.propose(batch.rows, batch.seq_lens[:bs])
             policy.drafted(time.perf_counter() - t0)
             offered = (draft.num_drafts.tolist() if draft.num_drafts is not None
                        else [self.num_draft_tokens - 1] * bs)  # before the cut to the plan's size
-            plan = policy.plan(offered, live, states, draft)
+            plan = policy.plan(offered, live, [r.policy_state for r in reqs], draft)
         if plan.size > 1:
             draft = truncate_draft(draft, plan.size, batch.seq_lens[:bs])
         t1 = time.perf_counter()
-        accepted = self._decode(batch, bs) if plan.size == 1 else self._verify(batch, bs, draft)
-        t2 = time.perf_counter()
-        done = commit_step(self.engine.pool.req_to_token, batch.req_rows, batch.seq_lens,
-                           batch.roots, batch.padding_row, accepted.predicts,
-                           accepted.accept_index, accepted.accept_num, plan.size)
+        result = self._run(batch, bs, plan.size, draft)
         # The step's one host read: per request [accepted drafts, tokens...].
-        host = torch.cat([done.accept_num.view(bs, 1), done.tokens], dim=1).tolist()
-        policy.observe(plan, live, states, [h[0] for h in host], [h[1] for h in host])
+        host = result.host.tolist()[:bs]
+        t2 = time.perf_counter()
+        if plan is not NO_DRAFT:
+            policy.observe(plan, live, [r.policy_state for r in reqs], [h[0] for h in host],
+                           [h[1] for h in host])
         emitted = self._emit(batch, live, host)
         if self.proposer is not None:
             lists = [emitted.get(r, []) for r in reqs]
             if self.proposer.needs_target_hidden:
-                self.proposer.commit(ids, lists,
-                                     self._path_hidden(accepted.hidden, done.path, host, live))
+                self.proposer.commit(batch.rows, lists,
+                                     self._path_hidden(result.path_hidden, host, live))
             else:
-                self.proposer.commit(ids, lists)
+                self.proposer.commit(batch.rows, lists)
         t3 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
@@ -392,28 +510,38 @@ class SpeculativeGenerator:
         stats.steps_by_size[plan.size] = stats.steps_by_size.get(plan.size, 0) + 1
         return emitted
 
-    def _decode(self, batch: Batch, bs: int) -> _Step:
-        """A plain decode step of the roots (nothing to verify): a root-only tree each."""
-        predicts, logits, hidden = self.engine.decode(batch.roots, batch.req_rows, batch.seq_lens)
-        if batch.sampler is not None:
-            predicts = batch.sampler.sample(logits[:bs])
-        accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [B, 1]
-        return _Step(predicts[:bs], accept_index, torch.zeros(bs, dtype=torch.int32),
-                     None if hidden is None else hidden.unsqueeze(1))
-
-    def _verify(self, batch: Batch, bs: int, draft) -> _Step:
-        """Verify the drafts (padded to the bucket) and accept greedily or by tree rejection
-        sampling."""
-        tokens, mask, positions, linkage = pad_draft(draft, batch.bucket, batch.seq_lens)
-        # [B, N] argmax (in the graph), [B, N, V], [B, N, k*H] or None
-        target, logits, hidden = self.engine.verify(tokens, positions, batch.req_rows,
-                                                    batch.seq_lens, mask)
-        steps = min(self.proposer.num_spec_steps, tokens.shape[1])
-        if batch.sampler is None:
-            out = ops.verify_tree_greedy(tokens[:bs], *linkage, target[:bs], steps)
+    def _run(self, batch: Batch, bs: int, size: int, draft: Optional[DraftTree]) -> StepResult:
+        """The target's step of the whole bucket, accepted and committed: a plain decode of the
+        roots (size 1) or a verify of the drafts. Greedy batches run it as one program
+        (GreedyStep); a batch with sampled requests (or one_program False) runs the target's
+        graph, then acceptance and the commit in eager."""
+        inputs = batch.verify_inputs(draft) if size > 1 else None
+        sampler = batch.sampler
+        if sampler is None and self.one_program:
+            if inputs is None:
+                return self._greedy.decode(batch.roots, batch.req_rows, batch.seq_lens)
+            tokens, positions, mask, *linkage = inputs
+            return self._greedy.verify(tokens, positions, batch.req_rows, batch.seq_lens, mask,
+                                       *linkage, batch.roots)
+        if inputs is None:
+            predicts, logits, hidden = self.engine.decode(batch.roots, batch.req_rows,
+                                                          batch.seq_lens)
+            predicts = sampler.sample(logits[:bs]) if sampler is not None else predicts[:bs]
+            accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [B, 1]
+            accepted = (predicts, accept_index, torch.zeros(bs, dtype=torch.int32))
+            hidden = None if hidden is None else hidden.unsqueeze(1)
         else:
-            out = batch.sampler.verify(tokens[:bs], linkage, logits[:bs], steps, self.tree_sampling)
-        return _Step(*out, hidden)
+            tokens, positions, mask, *linkage = inputs
+            target, logits, hidden = self.engine.verify(tokens, positions, batch.req_rows,
+                                                        batch.seq_lens, mask)
+            steps = min(self.proposer.num_spec_steps, size)
+            linkage = [t[:bs] for t in linkage]
+            accepted = (sampler.verify(tokens[:bs], linkage, logits[:bs], steps,
+                                       self.tree_sampling) if sampler is not None
+                        else ops.verify_tree_greedy(tokens[:bs], *linkage, target[:bs], steps))
+        done = commit_step(self.engine.pool.req_to_token, batch.req_rows, batch.seq_lens,
+                           batch.roots, batch.padding_row, *accepted, size)
+        return step_result(done, None if hidden is None else hidden[:bs])
 
     @staticmethod
     def _emit(batch: Batch, live: List[bool],
@@ -431,12 +559,9 @@ class SpeculativeGenerator:
         return emitted
 
     @staticmethod
-    def _path_hidden(hidden: Tensor, path: Tensor, host, live) -> List[Tensor]:
+    def _path_hidden(rows: Tensor, host, live) -> List[Tensor]:
         """The target hidden rows of each request's accepted path, root first ([accepted + 1,
-        k*H]; none for a request that had finished)."""
-        bs, steps = path.shape
-        index = path.clamp(min=0).unsqueeze(-1).expand(bs, steps, hidden.shape[-1])  # [B, S, k*H]
-        rows = hidden[:bs].gather(1, index)
+        k*H]; none for a request that had finished); rows [B, S, k*H] (path_rows)."""
         return [rows[b, :h[0] + 1] if x else rows[b, :0]
                 for b, (h, x) in enumerate(zip(host, live))]
 

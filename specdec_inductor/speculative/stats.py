@@ -7,7 +7,9 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from specdec_inductor.speculative.tree import star_tree
+from torch import Tensor
+
+from specdec_inductor.speculative.tree import VerifyInputs
 
 
 @dataclass
@@ -21,9 +23,9 @@ class SpeculativeStats:
     accepted_drafts: int = 0
     accepted_at_depth: List[int] = field(default_factory=list)  # [S-1] requests accepting >= k
     prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    commit_s: float = 0.0
+    draft_s: float = 0.0  # proposing and planning (host, the draft model's graphs)
+    verify_s: float = 0.0  # the target step, acceptance and commit (greedy: one program)
+    commit_s: float = 0.0  # handing out the accepted tokens, the proposer's commit
     decode_s: float = 0.0
     graphs: int = 0
     recompiles: int = 0
@@ -68,28 +70,21 @@ def dynamo_counts() -> Tuple[int, int]:
 
 @torch.inference_mode()
 def step_times(engine, sizes: Sequence[int], context: int = 0, rounds: int = 16,
-               batch_size: int = 1) -> Dict[int, float]:
+               batch_size: int = 1, greedy=None) -> Dict[int, float]:
     """Median seconds of one step of each tree size (1: a plain decode step, else a verify of
     a star tree) over a `context`-token prefix, after one untimed call each (which compiles
     what has not been). The sizes take turns within every round, so a drift of the machine's
     speed hits them alike. Runs on a scratch request, admitted and released here (its slots
-    are written, then freed); the other rows of batch_size's bucket are padding."""
+    are written, then freed); the other rows of batch_size's bucket are padding. With
+    `greedy` (a commit.GreedyStep) the steps are its programs (target step, acceptance and
+    commit, as the loop runs greedy batches) instead of the engine's bare decode / verify."""
     bucket = engine.bucket_for(batch_size)
     (scratch,) = engine.pool.admit([max(context, 1)], max(sizes))
     times: Dict[int, List[float]] = {z: [] for z in sizes}
     try:
         rows = torch.tensor([scratch.row] + [engine.pool.padding_row] * (bucket - 1))  # [B]
         seq_lens = torch.tensor([context] + [0] * (bucket - 1))  # [B]
-
-        def step(z):
-            if z == 1:
-                engine.decode(torch.zeros(bucket, dtype=torch.int64), rows, seq_lens)
-            else:
-                mask, depth = star_tree(z)
-                engine.verify(torch.zeros(bucket, z, dtype=torch.int64),
-                              seq_lens.view(bucket, 1) + depth.view(1, z), rows, seq_lens,
-                              mask.repeat(bucket))
-
+        step = _scratch_step(engine, greedy, rows, seq_lens, sizes)
         for z in sizes:
             step(z)
         for _ in range(rounds):
@@ -100,3 +95,27 @@ def step_times(engine, sizes: Sequence[int], context: int = 0, rounds: int = 16,
     finally:
         engine.pool.release(scratch)
     return {z: statistics.median(t) for z, t in times.items() if t}
+
+
+def _scratch_step(engine, greedy, rows: Tensor, seq_lens: Tensor, sizes: Sequence[int]):
+    """step(z): one step of size z over the scratch rows, leaving seq_lens as they are (a
+    greedy program commits into copies of them)."""
+    bucket = rows.shape[0]
+    # tokens, positions, mask, *linkage of star trees (VerifyInputs' padding rows)
+    trees = {z: VerifyInputs(bucket, z, seq_lens).buffers for z in sizes if z > 1}
+    roots = torch.zeros(bucket, dtype=torch.int64)  # [B]
+
+    def step(z):
+        if greedy is not None:
+            if z == 1:
+                greedy.decode(roots.clone(), rows, seq_lens.clone())
+            else:
+                tokens, positions, mask, *linkage = trees[z]
+                greedy.verify(tokens, positions, rows, seq_lens.clone(), mask, *linkage,
+                              roots.clone())
+        elif z == 1:
+            engine.decode(roots, rows, seq_lens)
+        else:
+            tokens, positions, mask, *_ = trees[z]
+            engine.verify(tokens, positions, rows, seq_lens, mask)
+    return step

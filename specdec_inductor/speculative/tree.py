@@ -1,5 +1,6 @@
-"""Draft trees as the loop hands them to verify: the proposer's `DraftTree`, the trees of
-padding requests and plain decode steps, and the cut to a smaller verify size."""
+"""Draft trees as the loop hands them to verify: the proposer's `DraftTree`, the cut to a
+smaller verify size, and the bucket-sized verify inputs with padding requests' trees
+(VerifyInputs, reused buffers)."""
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -52,17 +53,56 @@ def truncate_draft(draft: DraftTree, size: int, seq_lens: Tensor) -> DraftTree:
     return DraftTree(draft.tokens[:, :size].contiguous(), mask, positions, ridx, nxt, sib, drafts)
 
 
-def pad_draft(draft: DraftTree, bucket: int, seq_lens: Tensor
-              ) -> Tuple[Tensor, Tensor, Tensor, List[Tensor]]:
-    """Bucket-sized verify inputs (tokens [B, N], mask [B*N*N], positions [B, N], the real
-    requests' linkage as int64): padding rows get a star tree at their seq_len."""
-    real, n = draft.tokens.shape
-    pad = bucket - real
-    tokens = torch.cat([draft.tokens, torch.zeros(pad, n, dtype=torch.int64)])  # [B, N]
-    star, depth = star_tree(n)  # every padding node is a child of the root
-    mask = torch.cat([draft.tree_mask, star.repeat(pad)])  # [B*N*N]
-    positions = torch.cat([draft.positions.view(real, n),
-                           seq_lens[real:].view(pad, 1) + depth.view(1, n)])  # [B, N]
-    linkage = [t.to(torch.int64) for t in (draft.retrieve_index, draft.retrieve_next_token,
-                                           draft.retrieve_next_sibling)]
-    return tokens, mask, positions, linkage
+class VerifyInputs:
+    """Bucket-sized verify inputs of one tree size N, kept by a batch and refilled in place each
+    step (no per-step allocation of fixed-size tensors): rows [0, B) take the real requests'
+    drafts, the other rows are padding requests with a star tree at their seq_len and
+    root-only linkage (greedy acceptance takes their root alone). Linkage is int64 with
+    retrieve_index flat (row b's nodes are b * N + i), as the acceptance ops take it."""
+
+    def __init__(self, bucket: int, n: int, seq_lens: Tensor):
+        self.bucket, self.n = bucket, n
+        star, self._depth = star_tree(n)
+        self._star = star
+        tokens = torch.zeros(bucket, n, dtype=torch.int64)  # [B, N]
+        positions = seq_lens.view(bucket, 1) + self._depth.view(1, n)  # [B, N]
+        self._flat = torch.arange(bucket * n, dtype=torch.int64).view(bucket, n)  # [B, N]
+        none = torch.full((bucket, n), -1, dtype=torch.int64)  # [B, N]
+        # tokens, positions, mask [B*N*N], retrieve_index, next_token, next_sibling
+        self.buffers = [tokens, positions, star.repeat(bucket), self._flat.clone(), none,
+                        none.clone()]
+        self._filled = 0  # rows [0, _filled) of the buffers hold a real draft
+
+    def fill(self, draft: DraftTree, seq_lens: Tensor) -> List[Tensor]:
+        """The bucket's verify inputs for `draft` (seq_lens [bucket]): tokens, positions
+        [B, N], tree_mask [B*N*N], retrieve_index, retrieve_next_token, retrieve_next_sibling
+        [B, N]. A draft of the whole bucket is used as it is (laid out as the buffers are);
+        otherwise it is copied into the buffers' first rows (rows that held drafts before and
+        are padding now get their padding trees back)."""
+        real, n = draft.tokens.shape
+        if n != self.n:
+            raise ValueError(f"a draft of {n} nodes for verify inputs of size {self.n}")
+        parts = [draft.tokens, draft.positions.view(real, n), draft.tree_mask,
+                 draft.retrieve_index, draft.retrieve_next_token, draft.retrieve_next_sibling]
+        # Strides too: the compiled programs guard them (a [1, n] slice of a [1, N] tensor is
+        # contiguous with another row stride).
+        if real == self.bucket and all(p.dtype == b.dtype and p.stride() == b.stride()
+                                       for p, b in zip(parts, self.buffers)):
+            return parts
+        self._pad(real, self._filled, seq_lens)
+        self._filled = real
+        for buffer, part in zip(self.buffers, parts):
+            buffer[:part.shape[0]] = part
+        return self.buffers
+
+    def _pad(self, lo: int, hi: int, seq_lens: Tensor) -> None:
+        if hi <= lo:
+            return
+        n = self.n
+        tokens, positions, mask, index, next_token, next_sibling = self.buffers
+        tokens[lo:hi] = 0
+        positions[lo:hi] = seq_lens[lo:hi].view(hi - lo, 1) + self._depth.view(1, n)
+        mask[lo * n * n:hi * n * n] = self._star.repeat(hi - lo)
+        index[lo:hi] = self._flat[lo:hi]
+        next_token[lo:hi] = -1
+        next_sibling[lo:hi] = -1
