@@ -202,3 +202,39 @@ class AdaptiveVerifySize(DraftPolicy):
             s.cap = self.cap_for(s.ema)
         if plan.size == self.probe:
             self._score_probe(states, [float(a > 0) for a in accepted], plan.drafted)
+
+
+class StartPolicy(DraftPolicy):
+    """Another policy (`inner`) behind a start rule: after each admission the batch's first
+    `plain_steps` steps are plain decodes without drafting, so a short answer never pays for
+    the draft's catch-up over its prompt (module docstring)."""
+
+    def __init__(self, inner: DraftPolicy, plain_steps: Optional[int] = None):
+        super().__init__(inner.tree_sizes)
+        self.inner = inner
+        self.plain_steps = 4 if plain_steps is None else plain_steps
+        if self.plain_steps < 0:
+            raise ValueError(f"argument 'plain_steps' must be >= 0, got {plain_steps}")
+        self.plain_left = 0
+
+    def new_request(self):
+        return self.inner.new_request()
+
+    def admitted(self) -> None:
+        self.plain_left = self.plain_steps
+        self.inner.admitted()
+
+    def wants_draft(self) -> bool:
+        if self.plain_left > 0:
+            self.plain_left -= 1
+            return False
+        return self.inner.wants_draft()
+
+    def drafted(self, seconds: float) -> None:
+        self.inner.drafted(seconds)
+
+    def plan(self, offered, live, states, draft) -> StepPlan:
+        return self.inner.plan(offered, live, states, draft)
+
+    def observe(self, plan, live, states, accepted, first_tokens) -> None:
+        self.inner.observe(plan, live, states, accepted, first_tokens)
