@@ -54,3 +54,39 @@ def test_multi_turn_prompts_keep_every_turn():
     text = "".join(chr(i) for i in styles.encode_prompt(Template(), p))
     assert text.count("user:") == 2 and text.count("assistant:") == 1
     assert p.messages()[1]["content"] in text
+
+
+def _whole_training_pool():
+    import random
+    return {p.text() for p in styles._style_pool(random.Random(0))}
+
+
+def test_training_prompts_share_no_four_words_with_the_evaluation_set():
+    pool = styles.style_training_prompts(len(_whole_training_pool()))
+    assert len({p.text() for p in pool}) == len(pool) == len(_whole_training_pool())
+    for e in styles.eval_prompts():
+        for t in pool:
+            assert styles.shared_word_runs(e.text(), t.text()) == [], (e.name, t.text())
+    # the check itself
+    assert styles.shared_word_runs("What is the capital of Peru?",
+                                   "Tell me: what is the capital, of Chile") == [
+        "is the capital of", "what is the capital"]  # case and punctuation aside
+
+
+def test_training_prompts_mix_every_style_and_are_seeded():
+    first = styles.style_training_prompts(60, seed=1)
+    assert {p.style for p in first} == set(styles.STYLES)
+    counts = {s: sum(p.style == s for p in first) for s in styles.STYLES}
+    assert max(counts.values()) - min(counts.values()) <= 1  # the styles take turns
+    assert [p.text() for p in first] == [p.text() for p in styles.style_training_prompts(60, 1)]
+    assert [p.text() for p in first] != [p.text() for p in styles.style_training_prompts(60, 2)]
+    with pytest.raises(ValueError, match="'num_prompts'"):
+        styles.style_training_prompts(0)
+
+
+def test_train_draft_corpus_choices():
+    from specdec_inductor.train.command import corpus_prompts
+    assert corpus_prompts("default", 10, 0) == corpus.training_prompts(10, 0)
+    mixed = corpus_prompts("mixed", 10, 0)
+    assert sum(isinstance(p, styles.StylePrompt) for p in mixed) == 5
+    assert all(isinstance(p, styles.StylePrompt) for p in corpus_prompts("styles", 10, 0))

@@ -9,6 +9,7 @@ YAML, markdown tables, lists, CSV), rewriting (summarise, translate, change tone
 changes), short factual answers, multi-turn chat and math word problems. A prompt is one user
 turn, or a conversation (a list of chat messages) for multi-turn chat.
 """
+import itertools
 import random
 import re
 from dataclasses import dataclass
@@ -175,3 +176,178 @@ def corpus_overlaps(text: str, templates: Sequence[str], topics: Sequence[str],
               if any(re.search(p, low) for p in _topic_patterns(t))]
     found += [f"code task {c!r}" for c in code_tasks if c.lower() in low]
     return found
+
+
+# -- a training corpus covering the styles -----------------------------------------------------
+# Seed task types and fillers, crossed as corpus.py crosses its templates and topics (built
+# offline; the target's own greedy answers become the data). None of them is an evaluation
+# prompt's template, topic, language-and-task or conversation (tests/test_styles.py checks that
+# no four-word sequence of an evaluation prompt occurs in any training prompt).
+TRAIN_LANGUAGES = ["Python", "C++", "C#", "PHP", "Swift", "Scala", "Ruby", "Lua", "R", "Haskell",
+                   "Elixir", "Dart", "Julia", "Perl"]
+TRAIN_CODE_OPS = [
+    "parse a query string into key-value pairs", "compute a moving average over a window",
+    "merge overlapping intervals", "format a byte count as a human-readable size",
+    "validate a hex colour code", "count the islands in a grid of zeros and ones",
+    "check a card number with the Luhn algorithm", "turn a number of seconds into h:mm:ss",
+    "group records by one of their fields", "retry a call with exponential backoff",
+    "build a histogram of word lengths", "drop repeated lines from a text",
+    "rotate a square matrix by 90 degrees", "find the peak element of an array",
+    "encode bytes as base64", "split a full name into first and last name",
+    "sum the values of a nested map", "find the earliest and latest timestamp in a log",
+    "wrap text at a given line width", "compute a running median",
+]
+TRAIN_CONCEPTS = ["closures", "generics", "pattern matching", "iterators", "exceptions",
+                  "immutability", "interfaces", "higher-order functions", "recursion",
+                  "string formatting", "modules and imports", "enums"]
+TRAIN_CODE_TEMPLATES = [
+    "Write a {lang} function to {op}.",
+    "Implement a {lang} program that can {op}, and show how to call it.",
+    "Here is my plan: write {lang} code to {op}. What edge cases should the code handle? "
+    "Show the finished code.",
+    "My {lang} code to {op} gives wrong results for empty input. Show a corrected version "
+    "and point out the fix.",
+    "Port a short Python routine that can {op} to {lang}, keeping the same behaviour.",
+    "Add tests for a {lang} routine meant to {op}: cover normal input and two edge cases.",
+    "Describe {concept} in {lang} and give a small example.",
+    "Review this idea for {lang}: using {concept} everywhere. When does it help and when "
+    "does it hurt?",
+]
+TRAIN_ENTITIES = [
+    ("a hotel reservation", "guest, check_in, nights, room_type"),
+    ("a concert ticket", "artist, venue, date, seat, price"),
+    ("a bug report", "id, title, severity, steps, assignee"),
+    ("a weather forecast", "city, date, high, low, conditions"),
+    ("a book review", "book, reviewer, rating, summary"),
+    ("a flight", "number, origin, destination, departure, duration_minutes"),
+    ("a user profile", "username, email, joined, roles"),
+    ("a car for sale", "make, model, year, mileage, price"),
+    ("a course syllabus", "course, weeks, topics, assessment"),
+    ("a restaurant menu item", "dish, ingredients, price, vegetarian"),
+]
+TRAIN_STRUCTURED_TEMPLATES = [
+    "Give {entity} as JSON with the fields {fields}. Output JSON only.",
+    "Write a YAML document holding three examples of {entity} with the fields {fields}.",
+    "Create a markdown table with the columns {fields}, filled in for four examples of "
+    "{entity}.",
+    "Output CSV rows (with a header line {fields}) for five examples of {entity}.",
+    "As a numbered list, name the fields {fields} of {entity} and say what each one holds.",
+    "Show an XML element for {entity} with child elements {fields}.",
+]
+TRAIN_SENTENCES = [
+    "Our team finished the quarterly budget two days early and under cost.",
+    "The library will close at noon on Friday for staff training.",
+    "Customers can now return online orders at any of our stores.",
+    "The new software update fixes the login problem but slows down the search page.",
+    "Heavy rain delayed the harvest, so prices at the market went up.",
+    "Please remember to lock the back door when you leave the office.",
+    "The museum's new wing opens next spring with a dinosaur exhibit.",
+    "After months of practice, the choir won first place at the regional festival.",
+    "The factory reduced its water use by a third by recycling cooling water.",
+    "Volunteers planted two hundred trees along the river last weekend.",
+    "The train strike means many commuters will work from home this week.",
+    "Our landlord says the heating will be repaired by Wednesday.",
+]
+TRAIN_TONES = ["more formal", "friendlier", "more enthusiastic", "neutral and factual",
+               "suitable for a child", "shorter and more direct"]
+TRAIN_LANGUAGE_NAMES = ["Spanish", "German", "Italian", "Portuguese", "Dutch"]
+TRAIN_REWRITE_TEMPLATES = [
+    "Make this sentence {tone}: {sentence}",
+    "Put this into {language}: {sentence}",
+    "Condense into at most ten words: {sentence}",
+    "Turn this statement into a question and then into a headline: {sentence}",
+    "Write the sentence below three times, each time swapping one word for a synonym:\n"
+    "{sentence}",
+    "Expand this into a short paragraph with one more detail: {sentence}",
+]
+TRAIN_FACTS = [
+    "What is the chemical symbol for {x}?", "Which continent is {y} in?",
+    "What is the official language of {y}?", "What currency is used in {y}?",
+]
+TRAIN_FACT_FILLERS = {"x": ["iron", "sodium", "potassium", "silver", "lead", "tin", "helium",
+                            "neon", "copper", "zinc"],
+                      "y": ["Peru", "Kenya", "Norway", "Vietnam", "Chile", "Egypt", "Poland",
+                            "Mexico", "Thailand", "Ghana", "Finland", "Argentina"]}
+TRAIN_CONVERSATIONS = [
+    ("I want to start running in the mornings.", "That's a great habit! How fit are you now?",
+     ["I can jog for about ten minutes.", "I haven't exercised in years.",
+      "I walk a lot but never run."]),
+    ("I'm learning to bake bread.", "Fun! What kind of bread would you like to make?",
+     ["A simple sandwich loaf.", "Sourdough, but my starter is weak.",
+      "Something quick without yeast."]),
+    ("I need to organise my study time.", "Sure. What are you studying, and when are exams?",
+     ["Chemistry, in three weeks.", "History and French, next month.",
+      "Statistics, exam on Monday."]),
+    ("My laptop has become really slow.", "Let's look into it. What do you mostly use it for?",
+     ["Browsing with many tabs open.", "Editing photos.", "Just email and documents."]),
+    ("I'd like to save more each month.", "Good goal. Do you know where most of your money goes?",
+     ["Mostly eating out.", "Rent takes half of it.", "Subscriptions add up."]),
+]
+TRAIN_MATH = [
+    "{name} buys {a} notebooks at {b} dollars each and pays with a {c}-dollar note. How much "
+    "change does {name} get?",
+    "A recipe needs {a} eggs for {b} people. How many eggs are needed for {c} people?",
+    "A class has {c} students and {a} of every {b} walk to school. How many walk?",
+    "A tank holds {c} litres and drains {a} litres per minute. How long until it is empty?",
+    "{name} reads {a} pages a day. How many days does a book of {c} pages take?",
+    "The sum of two numbers is {c} and their difference is {a}. What are the numbers?",
+]
+TRAIN_NAMES = ["Maria", "Ken", "Aisha", "Lucas", "Mei", "Omar"]
+
+
+def _style_pool(rng: random.Random) -> List[StylePrompt]:
+    pool = [StylePrompt("code", "", t.format(lang=lang, op=op))
+            for t in TRAIN_CODE_TEMPLATES if "{op}" in t
+            for lang in TRAIN_LANGUAGES for op in TRAIN_CODE_OPS]
+    pool += [StylePrompt("code", "", t.format(lang=lang, concept=c))
+             for t in TRAIN_CODE_TEMPLATES if "{concept}" in t
+             for lang in TRAIN_LANGUAGES for c in TRAIN_CONCEPTS]
+    pool += [StylePrompt("structured", "", t.format(entity=e, fields=f))
+             for t in TRAIN_STRUCTURED_TEMPLATES for e, f in TRAIN_ENTITIES]
+    pool += [StylePrompt("rewrite", "", t.format(sentence=s, **fill))
+             for t in TRAIN_REWRITE_TEMPLATES for s in TRAIN_SENTENCES for fill in _fills(t)]
+    pool += [StylePrompt("short", "", t.format(**{k: v}))
+             for t in TRAIN_FACTS for k, vs in TRAIN_FACT_FILLERS.items() if "{" + k + "}" in t
+             for v in vs]
+    pool += [StylePrompt("chat", "", (("user", opening), ("assistant", reply), ("user", r)))
+             for opening, reply, replies in TRAIN_CONVERSATIONS for r in replies]
+    for t in TRAIN_MATH:
+        for name in TRAIN_NAMES * 3:  # numbers drawn per prompt
+            a, b = rng.randint(2, 9), rng.randint(2, 9)
+            c = a * b * rng.randint(2, 6)
+            pool.append(StylePrompt("math", "", t.format(name=name, a=a, b=b, c=c)))
+    return pool
+
+
+def _fills(template: str) -> List[Dict[str, str]]:
+    """The slot values a rewrite template is crossed with (one empty fill: no slot)."""
+    if "{tone}" in template:
+        return [{"tone": t} for t in TRAIN_TONES]
+    if "{language}" in template:
+        return [{"language": lang} for lang in TRAIN_LANGUAGE_NAMES]
+    return [{}]
+
+
+def style_training_prompts(num_prompts: int, seed: int = 0) -> List[StylePrompt]:
+    """`num_prompts` distinct style-covering training prompts, seeded: the styles take turns
+    (each style's prompts shuffled) until a style runs out, so small styles are not drowned
+    by code, whose pool is the largest."""
+    rng = random.Random(seed)
+    by_style: Dict[str, List[StylePrompt]] = {}
+    for p in {p.text(): p for p in _style_pool(rng)}.values():
+        by_style.setdefault(p.style, []).append(p)
+    total = sum(len(v) for v in by_style.values())
+    if not 1 <= num_prompts <= total:
+        raise ValueError(f"argument 'num_prompts' must lie in [1, {total}], got {num_prompts}")
+    for prompts in by_style.values():
+        rng.shuffle(prompts)
+    mixed = [p for turn in itertools.zip_longest(*by_style.values()) for p in turn if p]
+    return mixed[:num_prompts]
+
+
+def shared_word_runs(a: str, b: str, n: int = 4) -> List[str]:
+    """The runs of n words (lowercased, punctuation dropped) that texts a and b share."""
+    def runs(text):
+        words = re.findall(r"[a-z0-9']+", text.lower())
+        return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return sorted(runs(a) & runs(b))
