@@ -9,7 +9,7 @@ medians per style and overall, and each method's worst prompt.
 
     python benchmarks/bench_styles.py                              # EAGLE-3 (shipped head), NGRAM
     python benchmarks/bench_styles.py --styles short,chat --repeats 5
-    python benchmarks/bench_styles.py --eagle3-heads A,B           # several heads, same run
+    python benchmarks/bench_styles.py --eagle3-heads A,B --per-style 3 --old-heldout 4
     python benchmarks/bench_styles.py --start-policy none,0,4      # StartPolicy, 0 / 4 plain steps
     python benchmarks/bench_styles.py --admission-costs            # what admitting a request costs
 """
@@ -51,7 +51,10 @@ def make_methods(args, model):
         key = tuple(engine.capture_hidden)
         engine = engines.setdefault(key, engine)
         name = "EAGLE-3" + ("" if head is None else f" head {i} ({head})")
-        for start in args.start_policy.split(","):
+        starts = args.start_policy.split(",")
+        if i > 0 and len(starts) > 1:  # later heads: against the first head's policies only
+            starts = [x for x in starts if x != "none"]
+        for start in starts:
             proposer = make_proposer(config, engine)
             if start == "none":
                 methods[name] = SpeculativeGenerator(engine, proposer)
@@ -148,6 +151,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--styles", default=",".join(STYLES))
+    parser.add_argument("--per-style", type=int, default=None,
+                        help="only the first K prompts of each style")
     parser.add_argument("--old-heldout", type=int, default=0,
                         help="also bench the first K held-out prompts of train/corpus.py "
                              "(style 'corpus-heldout')")
@@ -157,7 +162,8 @@ def main():
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eagle3-heads", default=None,
-                        help="comma list of EAGLE-3 head directories (default: the shipped head)")
+                        help="comma list of EAGLE-3 head directories (default: the shipped head); "
+                             "heads after the first run only --start-policy's numbers")
     parser.add_argument("--start-policy", default="none,0",
                         help="comma list of none (the loop's own policy) or K: the loop's "
                              "policy behind a StartPolicy with K plain steps and probes of "
@@ -167,6 +173,9 @@ def main():
                         help="only time what admitting a request to EAGLE-3 costs, per prompt")
     args = parser.parse_args()
     prompts = eval_prompts(args.styles.split(","))
+    if args.per_style is not None:
+        prompts = [p for p in prompts
+                   if [q.name for q in prompts if q.style == p.style].index(p.name) < args.per_style]
     prompts += [StylePrompt("corpus-heldout", f"heldout-{i}", t)
                 for i, t in enumerate(heldout_prompts()[:args.old_heldout])]
     model, tokenizer = load_model(None, torch.float32)
