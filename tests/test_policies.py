@@ -189,3 +189,17 @@ def test_start_policy_without_a_probe_size_starts_whole_and_refuses_bad_argument
     for name in ("plain_steps", "probe_hits", "probe_misses", "backoff_steps"):
         with pytest.raises(ValueError, match=f"'{name}'"):
             _start(**{name: -1})
+
+
+def test_start_policy_shows_the_inner_policys_own_probe_sized_steps_to_it():
+    inner = AdaptiveVerifySize([1, 2, 8], StepCosts(probe_cost=1.0))
+    policy = StartPolicy(inner, probe_hits=1)
+    policy.admitted()
+    states = [policy.new_request()]
+    assert _run_step(policy, states, [1]) == 2  # the start probe hits: not shown to the inner
+    assert states[0].inner.ema == 8.0
+    states[0].inner.cap = 2  # the adaptive size cut this request's drafts to its probe size
+    plan = policy.plan([7], [True], states, _draft([1]))
+    assert plan.size == 2 and not policy.probe_step
+    policy.observe(plan, [True], states, [1], [0])
+    assert states[0].inner.hit_rate > 0.5  # the inner policy scored its own probe

@@ -241,6 +241,7 @@ class StartPolicy(DraftPolicy):
         # size below N: then drafts start whole).
         self.probe = next((z for z in self.tree_sizes if 1 < z < self.tree_sizes[-1]), None)
         self.plain_left = 0
+        self.probe_step = False  # whether the step planned last is this policy's probe
 
     def new_request(self) -> _StartState:
         return _StartState(self.inner.new_request())
@@ -265,7 +266,8 @@ class StartPolicy(DraftPolicy):
         # A batch probes while every live request probes; once one has its hits, full drafts
         # (which still score the others' first drafts).
         probing = [self.probing(s) for s, a in zip(states, live) if a]
-        if probing and all(probing):
+        self.probe_step = bool(probing) and all(probing)
+        if self.probe_step:
             drafted = [k > 0 and a for k, a in zip(offered, live)]
             return StepPlan(self.size_for(offered, live, [self.probe] * len(offered)), offered,
                             drafted)
@@ -287,6 +289,6 @@ class StartPolicy(DraftPolicy):
                 self.failures += 1
                 for s in probed:
                     s.misses = 0
-            if plan.size == self.probe:
+            if self.probe_step:
                 return  # a probe says nothing about full drafts: the inner policy judges those
         self.inner.observe(plan, live, [s.inner for s in states], accepted, first_tokens)
