@@ -30,11 +30,13 @@ from specdec_inductor.train.corpus import heldout_prompts
 from specdec_inductor.train.styles import STYLES, StylePrompt, encode_prompt, eval_prompts
 
 
-def with_start_policy(spec: SpeculativeGenerator, plain_steps: int) -> SpeculativeGenerator:
-    """spec whose batches run its own policy behind a StartPolicy (policies.py); spec's
-    tree_sizes must hold a probe size."""
+def with_start_policy(spec: SpeculativeGenerator, plain_steps: int, probe_misses: int = 2,
+                      backoff_steps: int = 4) -> SpeculativeGenerator:
+    """spec whose batches run its own policy behind a StartPolicy (policies.py); its probes
+    need a probe size in spec's tree_sizes."""
     inner = spec.new_policy
-    spec.new_policy = lambda: StartPolicy(inner(), plain_steps=plain_steps)
+    spec.new_policy = lambda: StartPolicy(inner(), plain_steps=plain_steps,
+                                          probe_misses=probe_misses, backoff_steps=backoff_steps)
     return spec
 
 
@@ -43,9 +45,11 @@ def make_methods(args, model):
     per distinct capture, shared by the heads that read the same layers)."""
     methods, engines = {}, {}
     heads = args.eagle3_heads.split(",") if args.eagle3_heads else [None]
+    first_config = None
     for i, head in enumerate(heads):
         config = ProposerConfig(method="eagle3", num_draft_tokens=args.num_draft_tokens,
                                 draft_model=head)
+        first_config = first_config or config
         engine = make_target_engine(config, model, max_batch=1, max_len=args.max_len,
                                     prefill_chunk=64)
         key = tuple(engine.capture_hidden)
@@ -60,7 +64,17 @@ def make_methods(args, model):
                 methods[name] = SpeculativeGenerator(engine, proposer)
                 continue
             spec = SpeculativeGenerator(engine, proposer, tree_sizes=(1, 2, proposer.num_draft_tokens))
-            methods[f"{name} + start {start}"] = with_start_policy(spec, int(start))
+            methods[f"{name} + start {start}"] = with_start_policy(
+                spec, *(int(x) for x in start.split("/")))
+    if args.floor:
+        # What the loop costs without drafts: plain decoding through it, and EAGLE-3 that never
+        # drafts (its target captures the head's layers; its proposer is started and committed).
+        plain = engines.get(None) or Engine(model, max_batch=1, max_len=args.max_len,
+                                            prefill_chunk=64)
+        methods["loop, no proposer"] = SpeculativeGenerator(plain, None)
+        first = next(s for s in methods.values() if s.proposer is not None)
+        methods["EAGLE-3 never drafting"] = with_start_policy(
+            SpeculativeGenerator(first.engine, make_proposer(first_config, first.engine)), 10 ** 9)
     if not args.no_ngram:
         config = ProposerConfig(method="ngram", num_draft_tokens=args.num_draft_tokens)
         engine = engines.get(None) or Engine(model, max_batch=1, max_len=args.max_len,
@@ -165,14 +179,21 @@ def main():
                         help="comma list of EAGLE-3 head directories (default: the shipped head); "
                              "heads after the first run only --start-policy's numbers")
     parser.add_argument("--start-policy", default="none,0",
-                        help="comma list of none (the loop's own policy) or K: the loop's "
-                             "policy behind a StartPolicy with K plain steps and probes of "
-                             "verify size 2 (default: both)")
+                        help="comma list of none (the loop's own policy) or K[/M/B]: the "
+                             "loop's policy behind a StartPolicy with K plain steps, probes of "
+                             "verify size 2, backoff after M missed probes starting at B steps "
+                             "(default M=2, B=4) (default: none,0)")
+    parser.add_argument("--prompts", default=None, help="comma list of prompt names only")
     parser.add_argument("--no-ngram", action="store_true")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the loop without drafts: plain decoding through it and "
+                             "EAGLE-3 that never drafts (what a policy cannot save)")
     parser.add_argument("--admission-costs", action="store_true",
                         help="only time what admitting a request to EAGLE-3 costs, per prompt")
     args = parser.parse_args()
     prompts = eval_prompts(args.styles.split(","))
+    if args.prompts is not None:
+        prompts = [p for p in prompts if p.name in args.prompts.split(",")]
     if args.per_style is not None:
         prompts = [p for p in prompts
                    if [q.name for q in prompts if q.style == p.style].index(p.name) < args.per_style]
