@@ -61,6 +61,11 @@ class TrainConfig:
             raise ValueError(f"argument 'lr' must be a finite number > 0, got {self.lr}")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"argument 'precision' must be 'bf16' or 'fp32', got {self.precision!r}")
+        if self.init is not None and self.method != "eagle3":
+            raise ValueError(f"argument 'init': a warm start needs method 'eagle3', got "
+                             f"{self.method!r}")
+        if self.init is not None and not os.path.isfile(os.path.join(self.init, "config.json")):
+            raise ValueError(f"argument 'init': no config.json in {self.init!r}")
 
 
 def train_precision(choice: str = "auto") -> str:
@@ -211,10 +216,7 @@ def warm_start_head(target, data: DraftData, cfg: TrainConfig) -> Eagle3Head:
     carry."""
     from specdec_inductor.proposers.eagle import _read_state_dict
     from specdec_inductor.proposers.eagle3 import eagle3_target_layers
-    if cfg.method != "eagle3":
-        raise ValueError(f"argument 'init': a warm start needs method 'eagle3', got {cfg.method!r}")
-    if not os.path.isfile(os.path.join(cfg.init, "config.json")):
-        raise ValueError(f"argument 'init': no config.json in {cfg.init!r}")
+    cfg.validate()
     with open(os.path.join(cfg.init, "config.json")) as f:
         raw = json.load(f)
     layers = eagle3_target_layers(raw, target.config.num_hidden_layers, cfg.init)
