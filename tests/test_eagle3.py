@@ -552,3 +552,32 @@ def test_default_head_dtype_follows_the_active_isa():
             assert default_head_dtype(torch.float32) == torch.bfloat16
     finally:
         si.set_active_isa(was)
+
+
+@pytest.mark.parametrize("plain_steps", [0, 3])
+def test_start_policy_keeps_greedy_output_exact(tmp_path, plain_steps):
+    """EAGLE-3 behind a StartPolicy (plain steps, probes of verify size 2, backoff, then the
+    acceptance gate's full trees) emits plain greedy's tokens, over a batch that admits
+    requests twice."""
+    from specdec_inductor.speculative.policies import StartPolicy
+    target = tiny_target(4)
+    write_head(tmp_path, target, seed=11)
+    head = load_eagle3_head(str(tmp_path), target)
+    proposer = Eagle3Proposer(_draft_engine(head, 2), 4)
+    engine = Engine(target, max_batch=2, max_len=128, compile=False, prefill_chunk=16,
+                    capture_hidden=proposer.target_hidden_layers)
+    spec = SpeculativeGenerator(engine, proposer, tree_sizes=(1, 2, 4), min_accepted=0.0)
+    inner = spec.new_policy
+    spec.new_policy = lambda: StartPolicy(inner(), plain_steps=plain_steps, probe_misses=2)
+    stats = SpeculativeStats()
+    ps = prompts(2)
+    want = [engine.generate([p], 24)[0] for p in ps]
+    with spec.batch(2, stats) as batch:
+        first = spec.admit(batch, ps[:1], 24)
+        spec.step(batch)
+        second = spec.admit(batch, ps[1:], 24)
+        while batch.live:
+            spec.step(batch)
+        assert [first[0].tokens, second[0].tokens] == want
+    assert stats.steps_by_size.get(2, 0) > 0 and stats.steps_by_size.get(1, 0) > 0
+    _free(engine, proposer.engine)

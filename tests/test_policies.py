@@ -7,6 +7,7 @@ import torch
 
 from specdec_inductor.speculative import (AcceptanceGate, AdaptiveVerifySize, DraftPolicy,
                                           DraftTree, StepCosts, StepPlan)
+from specdec_inductor.speculative.policies import StartPolicy
 
 
 def _draft(first_tokens):
@@ -122,3 +123,83 @@ def test_adaptive_probe_turns_into_a_decode_while_first_drafts_miss():
     other = policy.new_request()
     policy.observe(StepPlan(2, [5, 0], [True, False]), [True, True], [state, other], [1, 0], [0, 0])
     assert other.hit_rate == 0.5
+
+
+def _start(sizes=(1, 2, 8), **kw):
+    inner = AcceptanceGate(list(sizes), StepCosts(), 1.0, False, backoff_steps=4, min_steps=4)
+    return StartPolicy(inner, **kw), inner
+
+
+def _run_step(policy, states, accepted, offered=7):
+    """One loop step of a batch of len(states) live requests; the plan's size (1: no draft)."""
+    if not policy.wants_draft():
+        plan = StepPlan(1)
+    else:
+        plan = policy.plan([offered] * len(states), [True] * len(states), states,
+                           _draft([1] * len(states)))
+    policy.observe(plan, [True] * len(states), states, accepted if plan.size > 1 else
+                   [0] * len(states), [0] * len(states))
+    return plan.size
+
+
+def test_start_policy_plain_steps_after_each_admission():
+    policy, _ = _start(plain_steps=3, probe_hits=0)
+    policy.admitted()
+    states = [policy.new_request()]
+    assert [_run_step(policy, states, [5]) for _ in range(5)] == [1, 1, 1, 8, 8]
+    policy.admitted()  # a new request joins: plain steps again
+    assert [_run_step(policy, states, [5]) for _ in range(4)] == [1, 1, 1, 8]
+
+
+def test_start_policy_probes_until_a_first_draft_is_accepted():
+    policy, gate = _start(probe_hits=1, probe_misses=3)
+    policy.admitted()
+    states = [policy.new_request()]
+    assert _run_step(policy, states, [0]) == 2  # a probe: the first draft only
+    assert _run_step(policy, states, [1]) == 2  # accepted: probing ends
+    assert gate.draft_steps == 0  # probes are not the gate's to judge
+    assert _run_step(policy, states, [3]) == 8  # full drafts, judged by the gate
+    assert gate.draft_steps == 1 and states[0].hits == 1 and states[0].probes == 2
+
+
+def test_start_policy_backs_off_after_missed_probes_and_doubles():
+    policy, gate = _start(probe_hits=1, probe_misses=2, backoff_steps=4)
+    policy.admitted()
+    states = [policy.new_request()]
+    sizes = [_run_step(policy, states, [0]) for _ in range(2 + 4 + 2 + 8 + 1)]
+    assert sizes == [2, 2] + [1] * 4 + [2, 2] + [1] * 8 + [2]
+    assert gate.draft_steps == 0 and policy.failures == 2
+    # a batch probes while every live request probes; once one has its hit, full drafts,
+    # which score the other's first drafts; backing off needs every live request missing
+    policy, gate = _start(probe_hits=1, probe_misses=2)
+    policy.admitted()
+    states = [policy.new_request(), policy.new_request()]
+    assert _run_step(policy, states, [0, 0]) == 2
+    assert _run_step(policy, states, [1, 0]) == 2 and policy.cooldown == 0  # request 1 missed 2
+    assert [_run_step(policy, states, [0, 0]) for _ in range(3)] == [8] * 3
+    assert policy.cooldown == 0 and gate.draft_steps == 3 and states[1].probes == 5
+    assert _run_step(policy, states, [0, 1]) == 8 and not policy.probing(states[1])
+
+
+def test_start_policy_without_a_probe_size_starts_whole_and_refuses_bad_arguments():
+    policy, gate = _start(sizes=(1, 8))
+    policy.admitted()
+    states = [policy.new_request()]
+    assert _run_step(policy, states, [0]) == 8 and gate.draft_steps == 1
+    for name in ("plain_steps", "probe_hits", "probe_misses", "backoff_steps"):
+        with pytest.raises(ValueError, match=f"'{name}'"):
+            _start(**{name: -1})
+
+
+def test_start_policy_shows_the_inner_policys_own_probe_sized_steps_to_it():
+    inner = AdaptiveVerifySize([1, 2, 8], StepCosts(probe_cost=1.0))
+    policy = StartPolicy(inner, probe_hits=1)
+    policy.admitted()
+    states = [policy.new_request()]
+    assert _run_step(policy, states, [1]) == 2  # the start probe hits: not shown to the inner
+    assert states[0].inner.ema == 8.0
+    states[0].inner.cap = 2  # the adaptive size cut this request's drafts to its probe size
+    plan = policy.plan([7], [True], states, _draft([1]))
+    assert plan.size == 2 and not policy.probe_step
+    policy.observe(plan, [True], states, [1], [0])
+    assert states[0].inner.hit_rate > 0.5  # the inner policy scored its own probe

@@ -300,6 +300,42 @@ def test_eagle3_training_lowers_the_loss_and_the_head_drafts_exactly(data3_and_t
     assert _eagle3_acceptance(tmp_path, target, prompts(16, seed=5)[:3], 4) > 1.1
 
 
+def test_eagle3_warm_start_begins_at_the_checkpoint_and_keeps_its_vocabulary(data3_and_target,
+                                                                              tmp_path):
+    """train_head with cfg.init starts from the checkpoint's weights (its loss, not a fresh
+    head's), keeps its draft vocabulary (not the data's most frequent ids) and refuses heads
+    that do not fit the data."""
+    from specdec_inductor.train.heads import Eagle3Head
+    from specdec_inductor.train.trainer import eagle3_loss, make_head
+    data, target = data3_and_target
+    torch.manual_seed(0)
+    vocab = torch.arange(1, VOCAB, 3)  # not the data's top ids
+    start = Eagle3Head(target, vocab, LAYERS3)
+    with torch.no_grad():
+        for p in start.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    write_checkpoint(start, str(tmp_path / "start"), dtype=torch.float32)
+    cfg = TrainConfig(method="eagle3", epochs=2, batch_size=8, lr=1e-3, ttt_steps=3,
+                      save_every=1000, init=str(tmp_path / "start"))
+    warm = make_head(target, data, cfg, draft_vocab_size=64)
+    idx = list(range(8))
+    with torch.no_grad():
+        want, _ = eagle3_loss(start, data, idx, 3)
+        got, _ = eagle3_loss(warm, data, idx, 3)
+        fresh, _ = eagle3_loss(make_head(target, data, TrainConfig(method="eagle3"), 64),
+                               data, idx, 3)
+    torch.testing.assert_close(got, want)
+    assert abs(float(fresh) - float(want)) > 1e-3
+    head = train_head(target, data, str(tmp_path / "out"), cfg, progress=lambda s: None)
+    assert torch.equal(head.t2d.nonzero().flatten(), vocab)
+    assert not torch.equal(head.fc.weight, start.fc.weight)  # it trained
+    assert _eagle3_acceptance(tmp_path / "out", target, prompts(16, seed=5)[:2], 4) >= 1.0
+    with pytest.raises(ValueError, match="'init'"):
+        make_head(target, data, TrainConfig(method="eagle", init=str(tmp_path / "start")), 64)
+    with pytest.raises(ValueError, match="'init'"):
+        make_head(target, data, TrainConfig(method="eagle3", init=str(tmp_path / "none")), 64)
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 @pytest.mark.parametrize("model", [None, "smollm2-135m"], ids=["dense", "quantized"])
 def test_shipped_heads_draft_for_the_default_model_exactly(method, model):

@@ -21,6 +21,15 @@ request (`new_request`). Neither policy changes which tokens come out, only the 
   verify_cost + draft / decode - 1 accepted drafts per step. Drafts are priced per step: the
   first draft, and the first after a cooldown or a join, catch up on tokens the draft model
   has not seen and are not timed.
+- StartPolicy (wraps either; opt-in): when a request starts paying for full drafts. After an
+  admission the first plain_steps steps are plain decodes. Then, while a request has fewer
+  than probe_hits accepted first drafts, its drafts are cut to the probe size (the smallest
+  compiled verify size > 1, about a decode step): a draft model's full tree verify costs more
+  than a decode step, and a short answer ends before the acceptance gate (min_steps full
+  drafts) can judge it. When every probing request has missed probe_misses first drafts in a
+  row, the next backoff_steps steps are plain decodes (twice as many after each further such
+  round, at most 64). Probe steps are not shown to the inner policy, whose rules judge full
+  drafts.
 """
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
@@ -202,3 +211,84 @@ class AdaptiveVerifySize(DraftPolicy):
             s.cap = self.cap_for(s.ema)
         if plan.size == self.probe:
             self._score_probe(states, [float(a > 0) for a in accepted], plan.drafted)
+
+
+
+@dataclass
+class _StartState:
+    inner: object  # the inner policy's state of the request
+    hits: int = 0  # first drafts the target accepted so far
+    probes: int = 0  # probe steps so far
+    misses: int = 0  # probes in a row whose first draft the target rejected
+
+
+class StartPolicy(DraftPolicy):
+    """When a request starts paying for full drafts (module docstring): `inner` (the policy
+    the loop would use) behind a start rule."""
+
+    def __init__(self, inner: DraftPolicy, plain_steps: int = 0, probe_hits: int = 1,
+                 probe_misses: int = 2, backoff_steps: int = 4):
+        super().__init__(inner.tree_sizes)
+        for name, value, low in (("plain_steps", plain_steps, 0), ("probe_hits", probe_hits, 0),
+                                 ("probe_misses", probe_misses, 1),
+                                 ("backoff_steps", backoff_steps, 1)):
+            if value < low:
+                raise ValueError(f"argument '{name}' must be >= {low}, got {value}")
+        self.inner, self.plain_steps, self.probe_hits = inner, plain_steps, probe_hits
+        self.probe_misses, self.backoff_steps = probe_misses, backoff_steps
+        self.cooldown, self.failures = 0, 0  # plain steps left, failed probe rounds so far
+        # The smallest verify size > 1: the probe (none when the generator compiled no such
+        # size below N: then drafts start whole).
+        self.probe = next((z for z in self.tree_sizes if 1 < z < self.tree_sizes[-1]), None)
+        self.plain_left = 0
+        self.probe_step = False  # whether the step planned last is this policy's probe
+
+    def new_request(self) -> _StartState:
+        return _StartState(self.inner.new_request())
+
+    def admitted(self) -> None:
+        self.plain_left = self.plain_steps
+        self.inner.admitted()
+
+    def wants_draft(self) -> bool:
+        if self.plain_left > 0 or self.cooldown > 0:
+            self.plain_left, self.cooldown = max(0, self.plain_left - 1), max(0, self.cooldown - 1)
+            return False
+        return self.inner.wants_draft()
+
+    def drafted(self, seconds: float) -> None:
+        self.inner.drafted(seconds)
+
+    def probing(self, state: _StartState) -> bool:
+        return self.probe is not None and state.hits < self.probe_hits
+
+    def plan(self, offered, live, states, draft) -> StepPlan:
+        # A batch probes while every live request probes; once one has its hits, full drafts
+        # (which still score the others' first drafts).
+        probing = [self.probing(s) for s, a in zip(states, live) if a]
+        self.probe_step = bool(probing) and all(probing)
+        if self.probe_step:
+            drafted = [k > 0 and a for k, a in zip(offered, live)]
+            return StepPlan(self.size_for(offered, live, [self.probe] * len(offered)), offered,
+                            drafted)
+        return self.inner.plan(offered, live, [s.inner for s in states], draft)
+
+    def observe(self, plan, live, states, accepted, first_tokens) -> None:
+        probed = [s for s, x in zip(states, live) if x and self.probing(s)]
+        if plan.size > 1 and probed:
+            for s, a, x in zip(states, accepted, live):
+                if x and self.probing(s):
+                    s.probes += 1
+                    s.misses = 0 if a > 0 else s.misses + 1
+                    s.hits += int(a > 0)
+            still = [s for s in probed if self.probing(s)]
+            if len(still) == sum(live) and all(s.misses >= self.probe_misses for s in still):
+                # Every live request probes and missed probe_misses first drafts in a row:
+                # plain steps before the next probe, twice as many after each further round.
+                self.cooldown = min(64, self.backoff_steps << self.failures)
+                self.failures += 1
+                for s in probed:
+                    s.misses = 0
+            if self.probe_step:
+                return  # a probe says nothing about full drafts: the inner policy judges those
+        self.inner.observe(plan, live, [s.inner for s in states], accepted, first_tokens)

@@ -31,6 +31,13 @@ def add_parser(sub, common) -> None:
                         f"{RUN_DEFAULTS['fp32']['num_prompts']} with fp32 data, "
                         f"{RUN_DEFAULTS['bf16']['num_prompts']} with bf16 data: the 45-minute "
                         "budget on 2 cores)")
+    p.add_argument("--corpus", choices=["default", "styles", "mixed"], default="default",
+                   help="training prompts: corpus.py's (default), styles.py's style-covering "
+                        "ones (code in many languages, structured output, rewriting, short "
+                        "facts, multi-turn chat, math), or half of each (mixed)")
+    p.add_argument("--init", default=None,
+                   help="eagle3: start from this head checkpoint (a warm start: its weights, "
+                        "draft vocabulary and target layers) instead of a fresh head")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy continuation per prompt")
     p.add_argument("--epochs", type=int, default=None,
                    help=f"default {RUN_DEFAULTS['fp32']['epochs']} with fp32 data, "
@@ -68,12 +75,25 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def corpus_prompts(corpus: str, num_prompts: int, seed: int) -> list:
+    """The training prompts of --corpus: texts (corpus.py) and/or StylePrompts (styles.py)."""
+    from specdec_inductor.train.corpus import training_prompts
+    from specdec_inductor.train.styles import style_training_prompts
+    if corpus == "default":
+        return training_prompts(num_prompts, seed)
+    if corpus == "styles":
+        return style_training_prompts(num_prompts, seed)
+    half = num_prompts // 2
+    return style_training_prompts(num_prompts - half, seed) + (
+        training_prompts(half, seed) if half else [])
+
+
 def run(args) -> int:
     from specdec_inductor.engine.engine import eager_requested
     from specdec_inductor.engine.hf import load_model
     from specdec_inductor.loading import DTYPES, encode
     from specdec_inductor.proposers.eagle3 import eagle3_target_layers
-    from specdec_inductor.train.corpus import training_prompts
+    from specdec_inductor.train.styles import StylePrompt, encode_prompt
     from specdec_inductor.train.data import DraftData, build_draft_data, data_precision
     from specdec_inductor.train.trainer import TrainConfig, train_head, train_precision
     torch.manual_seed(args.seed)
@@ -84,10 +104,10 @@ def run(args) -> int:
     cfg = TrainConfig(method=args.method, epochs=args.epochs, batch_size=args.batch_size,
                       lr=args.lr, seed=args.seed, ttt_steps=args.ttt_steps,
                       save_every=args.save_every, precision=train_precision(args.precision),
-                      compile_loss=not (args.eager or eager_requested()))
+                      compile_loss=not (args.eager or eager_requested()), init=args.init)
     try:
         cfg.validate()
-        texts = training_prompts(args.num_prompts, args.seed)
+        texts = corpus_prompts(args.corpus, args.num_prompts, args.seed)
         if args.new_tokens < 1:
             raise ValueError(f"argument 'new_tokens' must be >= 1, got {args.new_tokens}")
         if args.max_batch < 1:
@@ -110,6 +130,8 @@ def run(args) -> int:
     meta = {"prompts": args.num_prompts, "new_tokens": args.new_tokens, "seed": args.seed,
             "layers": layers, "model": args.model, "dtype": args.dtype, "chat": args.chat,
             "data_precision": precision}
+    if args.corpus != "default":  # data caches of the default corpus stay valid
+        meta["corpus"] = args.corpus
     data_path = args.data or os.path.join(out, "data.pt")
     meta_path = data_path + ".json"
     data = None
@@ -127,7 +149,8 @@ def run(args) -> int:
             raise SystemExit(f"specdec train-draft: --data {data_path} was built with {cached}, "
                              f"this run needs {meta} (--overwrite rebuilds it)")
     if data is None:
-        prompts = [encode(tokenizer, t, args.chat) for t in texts]
+        prompts = [encode_prompt(tokenizer, t) if isinstance(t, StylePrompt)
+                   else encode(tokenizer, t, args.chat) for t in texts]
         data = build_draft_data(target, prompts, layers, new_tokens=args.new_tokens,
                                 eos_token_id=tokenizer.eos_token_id, max_batch=args.max_batch,
                                 compile=False if args.eager else None, precision=precision,

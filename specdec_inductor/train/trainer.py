@@ -9,11 +9,12 @@ unrolled step, weighted 0.8^s, positions whose target top-1 lies outside the dra
 masked out.
 """
 import contextlib
+import json
 import math
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,9 @@ class TrainConfig:
     # forward and one backward instead of a materialised fp32 log_softmax: +16% training
     # tokens/s for an EAGLE-3 head here, ~20 s of compiling). The CLI sets it unless --eager.
     compile_loss: bool = False
+    # A head checkpoint to start from (a warm start; its own draft vocabulary and target
+    # layers are kept) instead of a fresh head.
+    init: Optional[str] = None
 
     def validate(self) -> None:
         if self.method not in ("eagle", "eagle3"):
@@ -57,6 +61,11 @@ class TrainConfig:
             raise ValueError(f"argument 'lr' must be a finite number > 0, got {self.lr}")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"argument 'precision' must be 'bf16' or 'fp32', got {self.precision!r}")
+        if self.init is not None and self.method != "eagle3":
+            raise ValueError(f"argument 'init': a warm start needs method 'eagle3', got "
+                             f"{self.method!r}")
+        if self.init is not None and not os.path.isfile(os.path.join(self.init, "config.json")):
+            raise ValueError(f"argument 'init': no config.json in {self.init!r}")
 
 
 def train_precision(choice: str = "auto") -> str:
@@ -194,9 +203,38 @@ def draft_vocabulary(target, data: DraftData, draft_vocab_size: int) -> Tensor:
 
 def make_head(target, data: DraftData, cfg: TrainConfig, draft_vocab_size: int):
     torch.manual_seed(cfg.seed)
+    if cfg.init is not None:
+        return warm_start_head(target, data, cfg)
     if cfg.method == "eagle":
         return EagleHead(target)
     return Eagle3Head(target, draft_vocabulary(target, data, draft_vocab_size), data.layers)
+
+
+def warm_start_head(target, data: DraftData, cfg: TrainConfig) -> Eagle3Head:
+    """The EAGLE-3 head in checkpoint cfg.init as a training module: its weights, its draft
+    vocabulary (the target ids of its d2t) and the target layers it reads, which the data must
+    carry."""
+    from specdec_inductor.proposers.eagle import _read_state_dict
+    from specdec_inductor.proposers.eagle3 import eagle3_target_layers
+    cfg.validate()
+    with open(os.path.join(cfg.init, "config.json")) as f:
+        raw = json.load(f)
+    layers = eagle3_target_layers(raw, target.config.num_hidden_layers, cfg.init)
+    if list(data.layers) != layers:
+        raise ValueError(f"argument 'init': the head reads target layers {layers}, the data "
+                         f"carries {list(data.layers)}")
+    sd = _read_state_dict(cfg.init)
+    if "d2t" not in sd:
+        raise ValueError(f"argument 'init': {cfg.init!r} is no EAGLE-3 head (no d2t)")
+    d2t = sd["d2t"].long()
+    head = Eagle3Head(target, torch.arange(d2t.numel()) + d2t, layers)
+    own = head.published_state_dict()
+    wrong = [k for k in own if k not in sd or sd[k].shape != own[k].shape]
+    if wrong:
+        raise ValueError(f"argument 'init': {cfg.init!r} does not fit this target's head "
+                         f"({wrong[:3]} missing or shaped otherwise)")
+    head.load_state_dict({k: sd[k].to(own[k].dtype) for k in own}, strict=False)
+    return head
 
 
 def train_head(target, data: DraftData, out_dir: str, cfg: TrainConfig, *,

@@ -1,0 +1,240 @@
+"""Speculative decoding vs our own compiled autoregressive decoding, per prompt style, on the
+style-held-out evaluation set (specdec_inductor/train/styles.py: code, structured output,
+rewriting, short factual answers, multi-turn chat, math word problems; no template, topic or
+code task of the training corpus). SmolLM2-135M fp32, batch 1, greedy, stop at eos, compiled.
+
+Per prompt and method: speedup over our AR (medians of --repeats runs, AR and every method
+taking turns within each repeat), mean accepted length and whether the tokens equal AR's; then
+medians per style and overall, and each method's worst prompt.
+
+    python benchmarks/bench_styles.py                              # EAGLE-3 (shipped head), NGRAM
+    python benchmarks/bench_styles.py --styles short,chat --repeats 5
+    python benchmarks/bench_styles.py --eagle3-heads A,B --per-style 3 --old-heldout 4
+    python benchmarks/bench_styles.py --start-policy none,0,4      # StartPolicy, 0 / 4 plain steps
+    python benchmarks/bench_styles.py --admission-costs            # what admitting a request costs
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+import specdec_inductor
+from specdec_inductor.engine.engine import Engine, GenerationStats
+from specdec_inductor.engine.hf import load_model
+from specdec_inductor.proposers.registry import (ProposerConfig, make_proposer,
+                                                 make_target_engine)
+from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+from specdec_inductor.speculative.policies import StartPolicy
+from specdec_inductor.train.corpus import heldout_prompts
+from specdec_inductor.train.styles import STYLES, StylePrompt, encode_prompt, eval_prompts
+
+
+def with_start_policy(spec: SpeculativeGenerator, plain_steps: int, probe_misses: int = 2,
+                      backoff_steps: int = 4) -> SpeculativeGenerator:
+    """spec whose batches run its own policy behind a StartPolicy (policies.py); its probes
+    need a probe size in spec's tree_sizes."""
+    inner = spec.new_policy
+    spec.new_policy = lambda: StartPolicy(inner(), plain_steps=plain_steps,
+                                          probe_misses=probe_misses, backoff_steps=backoff_steps)
+    return spec
+
+
+def make_methods(args, model):
+    """label -> SpeculativeGenerator. EAGLE-3 targets capture the head's layers (one Engine
+    per distinct capture, shared by the heads that read the same layers)."""
+    methods, engines = {}, {}
+    heads = args.eagle3_heads.split(",") if args.eagle3_heads else [None]
+    first_config = None
+    for i, head in enumerate(heads):
+        config = ProposerConfig(method="eagle3", num_draft_tokens=args.num_draft_tokens,
+                                draft_model=head)
+        first_config = first_config or config
+        engine = make_target_engine(config, model, max_batch=1, max_len=args.max_len,
+                                    prefill_chunk=64)
+        key = tuple(engine.capture_hidden)
+        engine = engines.setdefault(key, engine)
+        name = "EAGLE-3" + ("" if head is None else f" head {i} ({head})")
+        starts = args.start_policy.split(",")
+        if i > 0 and len(starts) > 1:  # later heads: against the first head's policies only
+            starts = [x for x in starts if x != "none"]
+        for start in starts:
+            proposer = make_proposer(config, engine)
+            if start == "none":
+                methods[name] = SpeculativeGenerator(engine, proposer)
+                continue
+            spec = SpeculativeGenerator(engine, proposer, tree_sizes=(1, 2, proposer.num_draft_tokens))
+            methods[f"{name} + start {start}"] = with_start_policy(
+                spec, *(int(x) for x in start.split("/")))
+    if args.floor:
+        # What the loop costs without drafts: plain decoding through it, and EAGLE-3 that never
+        # drafts (its target captures the head's layers; its proposer is started and committed).
+        plain = engines.get(None) or Engine(model, max_batch=1, max_len=args.max_len,
+                                            prefill_chunk=64)
+        methods["loop, no proposer"] = SpeculativeGenerator(plain, None)
+        first = next(s for s in methods.values() if s.proposer is not None)
+        methods["EAGLE-3 never drafting"] = with_start_policy(
+            SpeculativeGenerator(first.engine, make_proposer(first_config, first.engine)), 10 ** 9)
+    if not args.no_ngram:
+        config = ProposerConfig(method="ngram", num_draft_tokens=args.num_draft_tokens)
+        engine = engines.get(None) or Engine(model, max_batch=1, max_len=args.max_len,
+                                             prefill_chunk=64)
+        methods["NGRAM"] = SpeculativeGenerator(engine, make_proposer(config, engine))
+    return methods
+
+
+def admission_costs(args, model, tokenizer, prompts, rounds=8):
+    """Seconds of admitting a request to EAGLE-3 (prefill, the proposer's start, its first
+    propose: the catch-up over the prompt plus one draft) against a plain decode step and a
+    later propose (median of `rounds`), per prompt length."""
+    config = ProposerConfig(method="eagle3", num_draft_tokens=args.num_draft_tokens)
+    engine = make_target_engine(config, model, max_batch=1, max_len=args.max_len, prefill_chunk=64)
+    spec = SpeculativeGenerator(engine, make_proposer(config, engine), min_accepted=0.0)
+    print("| prompt | prompt tokens | prefill / decode | start / decode | first propose / decode "
+          "| later propose / decode |")
+    print("|---|---|---|---|---|---|")
+    for p in prompts:
+        ids = encode_prompt(tokenizer, p)
+        spec.generate([ids], 8)  # compile
+        parts = {k: [] for k in ("prefill", "start", "first", "later", "decode")}
+        for _ in range(rounds):
+            _time_admission(spec, ids, parts)
+        med = {k: statistics.median(v) for k, v in parts.items()}
+        print(f"| {p.name} | {len(ids)} | {med['prefill'] / med['decode']:.2f} | "
+              f"{med['start'] / med['decode']:.2f} | {med['first'] / med['decode']:.2f} | "
+              f"{med['later'] / med['decode']:.2f} |", flush=True)
+
+
+@torch.inference_mode()
+def _time_admission(spec, ids, parts):
+    """One admission's parts timed separately (the loop's admit, unrolled)."""
+    engine, proposer = spec.engine, spec.proposer
+    with spec.batch(1) as batch:
+        (req,) = engine.pool.admit([len(ids)], 64 + spec.num_draft_tokens)
+        try:
+            rows = torch.tensor([req.row] + [engine.pool.padding_row] * (batch.bucket - 1))
+            t0 = time.perf_counter()
+            first = engine.prefill([ids], rows)
+            t1 = time.perf_counter()
+            proposer.start([req.row], [ids + [int(first.argmax[0])]], [first.hidden[0, :len(ids)]])
+            t2 = time.perf_counter()
+            seq = torch.tensor([len(ids)])
+            proposer.propose([req.row], seq)
+            t3 = time.perf_counter()
+            proposer.commit([req.row], [[int(first.argmax[0])]],
+                            [first.hidden[0, len(ids) - 1:len(ids)]])
+            t4 = time.perf_counter()
+            proposer.propose([req.row], seq + 1)
+            t5 = time.perf_counter()
+            roots = torch.tensor([int(first.argmax[0])] + [0] * (batch.bucket - 1))
+            lens = torch.tensor([len(ids)] + [1] * (batch.bucket - 1))
+            engine.decode(roots, rows, lens)
+            t6 = time.perf_counter()
+        finally:
+            proposer.finish([req.row])
+            engine.pool.release(req)
+    for k, v in (("prefill", t1 - t0), ("start", t2 - t1), ("first", t3 - t2),
+                 ("later", t5 - t4), ("decode", t6 - t5)):
+        parts[k].append(v)
+
+
+def run_prompt(args, engine, methods, tokenizer, prompt: StylePrompt):
+    """{label: (speedup, mean accepted length, tokens == AR, new tokens)} of one prompt."""
+    ids = encode_prompt(tokenizer, prompt)
+    eos = tokenizer.eos_token_id
+    engine.generate([ids], 2)
+    for spec in methods.values():
+        spec.generate([ids], spec.num_draft_tokens + 2, eos)
+    ar_r, sp_r, runs = [], {label: [] for label in methods}, {}
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        ar = engine.generate([ids], args.max_new_tokens, eos, GenerationStats())
+        ar_r.append(time.perf_counter() - t0)
+        for label, spec in methods.items():
+            stats = SpeculativeStats()
+            t0 = time.perf_counter()
+            out = spec.generate([ids], args.max_new_tokens, eos, stats)
+            sp_r[label].append(time.perf_counter() - t0)
+            runs[label] = (out, stats)
+    ar_s = statistics.median(ar_r)  # the same tokens: time ratios are rate ratios
+    return {label: (ar_s / statistics.median(sp_r[label]), runs[label][1].mean_accepted_length,
+                    runs[label][0] == ar, len(ar[0])) for label in methods}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--styles", default=",".join(STYLES))
+    parser.add_argument("--per-style", type=int, default=None,
+                        help="only the first K prompts of each style")
+    parser.add_argument("--old-heldout", type=int, default=0,
+                        help="also bench the first K held-out prompts of train/corpus.py "
+                             "(style 'corpus-heldout')")
+    parser.add_argument("--num-draft-tokens", type=int, default=8,
+                        help="N (EAGLE-3 uses the CLI's tree topk 3 depth 4 at N=8)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--eagle3-heads", default=None,
+                        help="comma list of EAGLE-3 head directories (default: the shipped head); "
+                             "heads after the first run only --start-policy's numbers")
+    parser.add_argument("--start-policy", default="none,0",
+                        help="comma list of none (the loop's own policy) or K[/M/B]: the "
+                             "loop's policy behind a StartPolicy with K plain steps, probes of "
+                             "verify size 2, backoff after M missed probes starting at B steps "
+                             "(default M=2, B=4) (default: none,0)")
+    parser.add_argument("--prompts", default=None, help="comma list of prompt names only")
+    parser.add_argument("--no-ngram", action="store_true")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the loop without drafts: plain decoding through it and "
+                             "EAGLE-3 that never drafts (what a policy cannot save)")
+    parser.add_argument("--admission-costs", action="store_true",
+                        help="only time what admitting a request to EAGLE-3 costs, per prompt")
+    args = parser.parse_args()
+    prompts = eval_prompts(args.styles.split(","))
+    if args.prompts is not None:
+        prompts = [p for p in prompts if p.name in args.prompts.split(",")]
+    if args.per_style is not None:
+        prompts = [p for p in prompts
+                   if [q.name for q in prompts if q.style == p.style].index(p.name) < args.per_style]
+    prompts += [StylePrompt("corpus-heldout", f"heldout-{i}", t)
+                for i, t in enumerate(heldout_prompts()[:args.old_heldout])]
+    model, tokenizer = load_model(None, torch.float32)
+    print(f"# SmolLM2-135M fp32, batch 1, greedy, <= {args.max_new_tokens} new tokens stopping "
+          f"at eos, compiled; {torch.get_num_threads()} threads, ISA "
+          f"{specdec_inductor.active_isa()}, torch {torch.__version__}; medians of {args.repeats}")
+    if args.admission_costs:
+        admission_costs(args, model, tokenizer, prompts)
+        return
+    engine = Engine(model, max_batch=1, max_len=args.max_len, prefill_chunk=64)
+    methods = make_methods(args, model)
+    for spec in methods.values():
+        spec.compile_verify()  # also measures the costs the policies weigh drafts against
+    print("| style | prompt | new tokens | method | speedup vs our AR | mean accepted length "
+          "| tokens == AR |")
+    print("|---|---|---|---|---|---|---|")
+    results = {}  # (style, label) -> [speedup]
+    worst = {}  # label -> (speedup, prompt)
+    for p in prompts:
+        for label, (speedup, accepted, same, new) in run_prompt(
+                args, engine, methods, tokenizer, p).items():
+            print(f"| {p.style} | {p.name} | {new} | {label} | {speedup:.2f}x | {accepted:.2f} | "
+                  f"{'yes' if same else 'NO'} |", flush=True)
+            results.setdefault((p.style, label), []).append(speedup)
+            worst[label] = min(worst.get(label, (float("inf"), "")), (speedup, p.name))
+    print("\n| style | " + " | ".join(methods) + " |")
+    print("|---|" + "---|" * len(methods))
+    styles = list(dict.fromkeys(p.style for p in prompts))
+    for style in styles:
+        cells = [f"{statistics.median(results[(style, m)]):.2f}x" for m in methods]
+        print(f"| {style} | " + " | ".join(cells) + " |")
+    held = [s for s in styles if s in STYLES]  # the style-held-out set, without corpus-heldout
+    overall = [f"{statistics.median([v for s in held for v in results[(s, m)]]):.2f}x"
+               for m in methods]
+    print("| all styles | " + " | ".join(overall) + " |")
+    print("| worst prompt | " + " | ".join(f"{worst[m][0]:.2f}x ({worst[m][1]})" for m in methods)
+          + " |")
+
+
+if __name__ == "__main__":
+    main()
