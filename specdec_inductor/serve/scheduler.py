@@ -358,9 +358,11 @@ class Scheduler:
             if not group:
                 return
             try:
-                # The one admission call site (chunked-prefill options go here).
+                # Prompts prefill one engine chunk per step, between the other requests'
+                # steps, so a long prompt does not stall the batch (the prefill graph's T).
                 actives = lane.generator.admit(cohort.batch, [r.prompt for r in group], most,
-                                               [r.sampling for r in group], self.eos_token_id)
+                                               [r.sampling for r in group], self.eos_token_id,
+                                               prefill_chunk=self.engine.prefill_chunk)
             except PoolExhaustedError:
                 if self._busy():
                     return  # a draft model's pool is full: retried after the next retire
