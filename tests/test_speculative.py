@@ -2,8 +2,6 @@
 same engine's plain greedy output token for token (tiny random models of each family, batch 1
 and ragged batches, eager and compiled), edge cases of length and EOS, and a fully free pool
 afterwards."""
-import time
-
 import pytest
 import torch
 
@@ -11,8 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from specdec_inductor.engine.engine import Engine  # noqa: E402
 from specdec_inductor.proposers.ngram import NgramProposer  # noqa: E402
-from specdec_inductor.speculative import (Proposer, SpeculativeGenerator, SpeculativeStats,  # noqa: E402
-                                          step_times)
+from specdec_inductor.speculative import Proposer, SpeculativeGenerator, SpeculativeStats  # noqa: E402
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -238,18 +235,29 @@ class _ScriptedChainProposer(Proposer):
         pass
 
 
+class _ScriptedClock:
+    """A step clock that only moves when a proposer spends scripted time (units: decode steps),
+    so the gate's prices do not depend on the machine's load."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class _CostlyScriptedChainProposer(_ScriptedChainProposer):
     """Right drafts (5 per step) from a proposer that is not cheap: the acceptance gate, not
-    the adaptive size, applies; each draft sleeps `delay` seconds."""
+    the adaptive size, applies; each draft costs `delay` on `clock`."""
 
     cheap_drafts = False
 
-    def __init__(self, truth, delay):
+    def __init__(self, truth, delay, clock):
         super().__init__(truth, wrong=())
-        self.delay = delay
+        self.delay, self.clock = delay, clock
 
     def propose(self, request_ids, seq_lens):
-        time.sleep(self.delay)
+        self.clock.now += self.delay
         return super().propose(request_ids, seq_lens)
 
 
@@ -257,26 +265,28 @@ def test_gate_threshold_follows_measured_costs():
     """With measured costs (compile_verify's verify_cost, the loop's draft timings) the gate
     switches drafting off once drafts cost more than their accepted tokens bring -- even
     drafts that are always right -- and leaves cheap right drafts alone; a threshold given by
-    hand (or set later) is used as it is."""
+    hand (or set later) is used as it is. Costs in decode steps, on a scripted clock."""
     model = tiny_model("llama", seed=4)
     engine = Engine(model, max_batch=1, max_len=128, compile=False, prefill_chunk=16)
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
     plain = engine.generate(prompt, 40)
-    decode_s = step_times(engine, [1], rounds=5)[1]
     runs = {}
-    for name, delay in (("cheap", 0.0), ("costly", 20 * decode_s)):
-        spec = SpeculativeGenerator(engine, _CostlyScriptedChainProposer(plain[0], delay))
+    for name, delay in (("cheap", 0.0), ("costly", 20.0)):
+        clock = _ScriptedClock()
+        spec = SpeculativeGenerator(engine, _CostlyScriptedChainProposer(plain[0], delay, clock))
+        spec.clock = clock
         assert not spec.adaptive and spec.gate_threshold() == spec.min_accepted
-        spec.verify_cost, spec._decode_s = 1.2, decode_s  # as compile_verify measures them
+        spec.verify_cost, spec._decode_s = 1.2, 1.0  # as compile_verify measures them
         stats = SpeculativeStats()
         assert spec.generate(prompt, 40, stats=stats) == plain
         runs[name] = (spec, stats)
     cheap, costly = runs["cheap"], runs["costly"]
     assert cheap[0].gate_threshold() < 5 and cheap[1].decode_steps == 0, cheap[1].summary()
-    assert costly[0].gate_threshold() > 5  # 1.2 + ~20 - 1 accepted drafts per step
+    assert costly[0].gate_threshold() > 5  # 1.2 + 20 - 1 accepted drafts per step
     assert costly[1].decode_steps > 0, costly[1].summary()
-    fixed = SpeculativeGenerator(engine, _CostlyScriptedChainProposer(plain[0], 0.0), min_accepted=0.5)
-    fixed.verify_cost, fixed._decode_s, fixed._draft_s = 1.2, decode_s, 50 * decode_s
+    fixed = SpeculativeGenerator(engine, _CostlyScriptedChainProposer(plain[0], 0.0, _ScriptedClock()),
+                                 min_accepted=0.5)
+    fixed.verify_cost, fixed._decode_s, fixed._draft_s = 1.2, 1.0, 50.0
     assert fixed.gate_threshold() == 0.5
     costly[0].min_accepted = 0.0  # set by hand: the measured costs no longer raise it
     assert costly[0].gate_threshold() == 0.0
@@ -288,14 +298,14 @@ class _CatchUpCostProposer(_CostlyScriptedChainProposer):
     not draft (a cooldown) pays `catch_up` seconds instead of `delay`, as a draft model
     catching up on the decoded tokens does."""
 
-    def __init__(self, truth, wrong, delay, catch_up):
-        super().__init__(truth, delay)
+    def __init__(self, truth, wrong, delay, catch_up, clock):
+        super().__init__(truth, delay, clock)
         self.wrong, self.catch_up, self.commits, self.catch_ups = set(wrong), catch_up, 0, 0
 
     def propose(self, request_ids, seq_lens):
         if self.commits > 1:
             self.catch_ups += 1
-            time.sleep(self.catch_up - self.delay)
+            self.clock.now += self.catch_up - self.delay
         self.commits = 0
         return super().propose(request_ids, seq_lens)
 
@@ -307,21 +317,22 @@ class _CatchUpCostProposer(_CostlyScriptedChainProposer):
 def test_gate_does_not_price_the_catch_up_after_a_cooldown():
     """The first draft after a cooldown catches up on the decoded tokens; the gate's draft cost
     is a step's draft, so that one is not timed (else a cooldown would raise the threshold
-    and lengthen the next one)."""
+    and lengthen the next one). Costs in decode steps, on a scripted clock."""
     model = tiny_model("llama", seed=4)
     engine = Engine(model, max_batch=1, max_len=128, compile=False, prefill_chunk=16)
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
     plain = engine.generate(prompt, 48)
-    decode_s = step_times(engine, [1], rounds=5)[1]
-    proposer = _CatchUpCostProposer(plain[0], wrong=range(0, 6), delay=0.2 * decode_s,
-                                    catch_up=30 * decode_s)
+    clock = _ScriptedClock()
+    proposer = _CatchUpCostProposer(plain[0], wrong=range(0, 6), delay=0.2, catch_up=30.0,
+                                    clock=clock)
     spec = SpeculativeGenerator(engine, proposer)
-    spec.verify_cost, spec._decode_s = 1.2, decode_s  # as compile_verify measures them
+    spec.clock = clock
+    spec.verify_cost, spec._decode_s = 1.2, 1.0  # as compile_verify measures them
     stats = SpeculativeStats()
     assert spec.generate(prompt, 48, stats=stats) == plain
     assert stats.decode_steps > 0 and proposer.catch_ups > 0, stats.summary()
-    # Priced drafts cost ~0.2 decode steps; one priced catch-up would put the average at >= 6.
-    assert spec._draft_s < 3 * decode_s, spec._draft_s / decode_s
+    # Priced drafts cost 0.2 decode steps; one priced catch-up would put the average at >= 6.
+    assert spec._draft_s < 3, spec._draft_s
     engine.pool.check_consistent()
 
 

@@ -175,6 +175,9 @@ class SpeculativeGenerator:
     compile_verify measured them), backoff_steps and gate_min_steps.
     """
 
+    # The step's timer: the draft policies price drafts by it (tests swap in a scripted clock so
+    # that what they assert does not depend on the machine's load).
+    clock = staticmethod(time.perf_counter)
     calibration_rounds = 16  # compile_verify: decode and probe-verify timings each
     # Greedy steps as one program (GreedyStep). False: the engine's decode / verify graph,
     # then acceptance and commit in eager, as sampled batches run (benchmarks A/B the two;
@@ -475,21 +478,21 @@ class SpeculativeGenerator:
         if not any(live):
             return {}
         bs = len(reqs)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         plan, draft = NO_DRAFT, None
         if self._drafts and policy.wants_draft():
             draft = self.proposer.propose(batch.rows, batch.seq_lens[:bs])
-            policy.drafted(time.perf_counter() - t0)
+            policy.drafted(self.clock() - t0)
             offered = (draft.num_drafts.tolist() if draft.num_drafts is not None
                        else [self.num_draft_tokens - 1] * bs)  # before the cut to the plan's size
             plan = policy.plan(offered, live, [r.policy_state for r in reqs], draft)
         if plan.size > 1:
             draft = truncate_draft(draft, plan.size, batch.seq_lens[:bs])
-        t1 = time.perf_counter()
+        t1 = self.clock()
         result = self._run(batch, bs, plan.size, draft)
         # The step's one host read: per request [accepted drafts, tokens...].
         host = result.host.tolist()[:bs]
-        t2 = time.perf_counter()
+        t2 = self.clock()
         if plan is not NO_DRAFT:
             policy.observe(plan, live, [r.policy_state for r in reqs], [h[0] for h in host],
                            [h[1] for h in host])
@@ -501,7 +504,7 @@ class SpeculativeGenerator:
                                      self._path_hidden(result.path_hidden, host, live))
             else:
                 self.proposer.commit(batch.rows, lists)
-        t3 = time.perf_counter()
+        t3 = self.clock()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.commit_s += t3 - t2
