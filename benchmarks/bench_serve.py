@@ -82,7 +82,9 @@ class ServerProcess:
 
 
 def ours(method: str, args, log_dir: str) -> ServerProcess:
-    cmd = [sys.executable, "-m", "specdec_inductor.cli", "serve", "--port", "{port}",
+    # The console script the package installs next to this interpreter.
+    specdec = os.path.join(os.path.dirname(sys.executable), "specdec")
+    cmd = [specdec, "serve", "--port", "{port}",
            "--method", method, "--max-batch", str(args.max_batch), "--max-len",
            str(args.max_len), "--max-queue", str(4 * max(args.concurrency)),
            "--served-model-name", NAME, "--max-new-tokens", str(args.max_tokens)]

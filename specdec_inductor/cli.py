@@ -17,7 +17,8 @@ from typing import List, Optional
 
 import torch
 
-from specdec_inductor.loading import DTYPES, check_model_arg, encode, known_models, load_checked
+from specdec_inductor.loading import (DTYPES, TextStream, check_model_arg, encode, known_models,
+                                      load_checked)
 from specdec_inductor.proposers.registry import ProposerConfig, ProposerConfigError
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -31,38 +32,6 @@ BENCH_PROMPTS = [
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-class TextStream:
-    """Incremental detokenization: decode the whole generated id list each step and hand out
-    the new suffix only once it no longer ends in an incomplete character (byte-level BPE
-    splits one character over several tokens; decoding a prefix of them gives U+FFFD)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.printed = tokenizer, [], ""
-
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
-
-    def push(self, token: int) -> str:
-        """The text that became complete with `token` ("" while a character is unfinished)."""
-        self.ids.append(int(token))
-        text = self._text()
-        if text.endswith("\ufffd") or not text.startswith(self.printed):
-            return ""  # wait: the tail is a partial character (or the decode is not settled)
-        new, self.printed = text[len(self.printed):], text
-        return new
-
-    def flush(self) -> str:
-        """Whatever is left at the end (a truly invalid byte sequence prints as U+FFFD)."""
-        text = self._text()
-        if text.startswith(self.printed):
-            new = text[len(self.printed):]
-        else:  # the final decode rewrote printed text: print the part after the common prefix
-            common = os.path.commonprefix([text, self.printed])
-            new = text[len(common):]
-        self.printed = text
-        return new
 
 
 def proposer_config(args) -> ProposerConfig:
@@ -361,7 +330,12 @@ def cmd_bench(args) -> int:
 
 def cmd_serve(args) -> int:
     from specdec_inductor.serve.launch import main as serve_main
-    return serve_main(args)
+    t0 = time.perf_counter()
+    model, tokenizer = load_checked(args.model, DTYPES[args.dtype], args.dequantize,
+                                    args.quant_activations)
+    engine = build_engine(args, model)
+    proposer = make_proposer(args, engine) if args.method != "none" else None
+    return serve_main(args, engine, proposer, tokenizer, t0)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -114,3 +114,35 @@ def encode(tokenizer, prompt: str, chat: bool) -> List[int]:
                                             add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return tokenizer(prompt)["input_ids"]
+
+
+class TextStream:
+    """Incremental detokenization: decode the whole generated id list each step and hand out
+    the new suffix only once it no longer ends in an incomplete character (byte-level BPE
+    splits one character over several tokens; decoding a prefix of them gives U+FFFD)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], ""
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        """The text that became complete with `token` ("" while a character is unfinished)."""
+        self.ids.append(int(token))
+        text = self._text()
+        if text.endswith("\ufffd") or not text.startswith(self.printed):
+            return ""  # wait: the tail is a partial character (or the decode is not settled)
+        new, self.printed = text[len(self.printed):], text
+        return new
+
+    def flush(self) -> str:
+        """Whatever is left at the end (a truly invalid byte sequence prints as U+FFFD)."""
+        text = self._text()
+        if text.startswith(self.printed):
+            new = text[len(self.printed):]
+        else:  # the final decode rewrote printed text: print the part after the common prefix
+            common = os.path.commonprefix([text, self.printed])
+            new = text[len(common):]
+        self.printed = text
+        return new

@@ -57,7 +57,7 @@ def test_text_stream_never_prints_a_split_character():
     data = text.encode()
     table = {i: bytes([b]) for i, b in enumerate(data)}  # one byte per token
     tok = ByteTokenizer(table=table)
-    stream = cli.TextStream(tok)
+    stream = loading.TextStream(tok)
     pieces = [stream.push(i) for i in range(len(data))] + [stream.flush()]
     assert "".join(pieces) == text
     assert not any("\ufffd" in p for p in pieces)
@@ -65,7 +65,7 @@ def test_text_stream_never_prints_a_split_character():
 
 def test_text_stream_flushes_a_truly_invalid_tail():
     tok = ByteTokenizer(table={0: b"ok", 1: b"\xe6\x97"})  # a character cut off for good
-    stream = cli.TextStream(tok)
+    stream = loading.TextStream(tok)
     assert stream.push(0) == "ok" and stream.push(1) == ""
     assert stream.flush() == "\ufffd"
 
@@ -401,7 +401,7 @@ def test_text_stream_with_the_default_tokenizer():
     text = "Ça coûte 5 €; 日本語で 🙂 — ok"
     ids = tok(text)["input_ids"]
     assert any("\ufffd" in tok.decode(ids[:k]) for k in range(1, len(ids)))  # really split
-    stream = cli.TextStream(tok)
+    stream = loading.TextStream(tok)
     pieces = [stream.push(i) for i in ids] + [stream.flush()]
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
     assert not any("\ufffd" in p for p in pieces)

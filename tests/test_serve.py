@@ -42,7 +42,9 @@ class Server:
     """A started service and its uvicorn thread; `client()` is an openai client for it."""
 
     def __init__(self, args, model, tokenizer):
-        self.service = build_service(args, model, tokenizer)
+        engine = cli.build_engine(args, model)
+        proposer = cli.make_proposer(args, engine) if args.method != "none" else None
+        self.service = build_service(args, engine, proposer, tokenizer)
         self.scheduler = self.service.scheduler
         self.http = start_in_thread(self.service)
         self.base_url = self.http.base_url

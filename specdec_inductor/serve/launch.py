@@ -1,5 +1,5 @@
-"""`specdec serve`: the model, Engine and proposer made as `specdec generate` makes them
-(cli.build_engine / cli.make_proposer), a Scheduler over them, and uvicorn serving the app.
+"""`specdec serve`: a Scheduler over the Engine and proposer the CLI made (as `specdec generate`
+makes them), and uvicorn serving the app.
 `start_in_thread` runs the same app on an ephemeral port inside the caller's process (tests,
 embedding)."""
 import logging
@@ -12,7 +12,7 @@ from typing import Optional
 
 import uvicorn
 
-from specdec_inductor.loading import DTYPES, encode, load_checked
+from specdec_inductor.loading import encode
 from specdec_inductor.serve.app import Service, create_app
 from specdec_inductor.serve.metrics import Metrics
 from specdec_inductor.serve.scheduler import Scheduler
@@ -30,15 +30,9 @@ def served_name(args) -> str:
     return os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
 
 
-def build_service(args, model=None, tokenizer=None) -> Service:
-    """The Service of the serve flags; model and tokenizer: already loaded (default: loaded as
-    --model / --dtype say). The scheduler is made, not started."""
-    from specdec_inductor.cli import build_engine, make_proposer
-    if model is None:
-        model, tokenizer = load_checked(args.model, DTYPES[args.dtype], args.dequantize,
-                                        args.quant_activations)
-    engine = build_engine(args, model)
-    proposer = make_proposer(args, engine) if args.method != "none" else None
+def build_service(args, engine, proposer, tokenizer) -> Service:
+    """The Service of the serve flags over `engine` and `proposer` (None: no drafts). The
+    scheduler is made, not started."""
     metrics = Metrics()
     scheduler = Scheduler(engine, proposer, method=args.method, max_batch=args.max_batch,
                           max_queue=args.max_queue, eos_token_id=tokenizer.eos_token_id,
@@ -47,10 +41,10 @@ def build_service(args, model=None, tokenizer=None) -> Service:
     return Service(scheduler, tokenizer, served_name(args), metrics, args.max_new_tokens)
 
 
-def main(args) -> int:
+def main(args, engine, proposer, tokenizer, t0: float) -> int:
+    """Serve until interrupted; t0: when loading began (perf_counter)."""
     logging.basicConfig(level=logging.INFO, format="[specdec] %(message)s", stream=sys.stderr)
-    t0 = time.perf_counter()
-    service = build_service(args)
+    service = build_service(args, engine, proposer, tokenizer)
     service.scheduler.start()
     log = logging.getLogger("specdec.serve")
     engine = service.scheduler.engine

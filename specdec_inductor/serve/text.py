@@ -1,10 +1,10 @@
-"""A request's text as its tokens arrive: incremental detokenization (cli.TextStream) and
+"""A request's text as its tokens arrive: incremental detokenization (loading.TextStream) and
 `stop` strings. Text that could still become the start of a stop string is held back until
 it is clear it does not, so nothing past a stop is ever sent; the stop string itself is not
 part of the answer (as with OpenAI)."""
 from typing import Sequence, Tuple
 
-from specdec_inductor.cli import TextStream
+from specdec_inductor.loading import TextStream
 
 
 class StopText:
