@@ -180,7 +180,7 @@ def test_compile_verify_compiles_every_verify_size_before_the_first_draft():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
     assert spec.probe_cost > 0 and spec.probe_cost != 1.0  # measured: verify(3) vs decode
     assert spec.verify_cost is None  # NGRAM's cheap drafts: the adaptive size, no gate costs
-    gated = SpeculativeGenerator(engine, _CostlyScriptedChainProposer([5] * 40, 0.0))
+    gated = SpeculativeGenerator(engine, _CostlyScriptedChainProposer([5] * 40, 0.0, _ScriptedClock()))
     gated.compile_verify(sampled=False)  # verify(6) is compiled already: this only measures it
     assert gated.verify_cost is not None and gated.verify_cost > 0 and gated._decode_s > 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
