@@ -25,19 +25,15 @@ from specdec_inductor.engine.hf import load_model
 from specdec_inductor.proposers.registry import (ProposerConfig, make_proposer,
                                                  make_target_engine)
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
-from specdec_inductor.speculative.policies import StartPolicy
 from specdec_inductor.train.corpus import heldout_prompts
 from specdec_inductor.train.styles import STYLES, StylePrompt, encode_prompt, eval_prompts
 
 
-def with_start_policy(spec: SpeculativeGenerator, plain_steps: int, probe_misses: int = 2,
-                      backoff_steps: int = 4) -> SpeculativeGenerator:
-    """spec whose batches run its own policy behind a StartPolicy (policies.py); its probes
-    need a probe size in spec's tree_sizes."""
-    inner = spec.new_policy
-    spec.new_policy = lambda: StartPolicy(inner(), plain_steps=plain_steps,
-                                          probe_misses=probe_misses, backoff_steps=backoff_steps)
-    return spec
+def start_rule(spec: str) -> dict:
+    """--start-policy's "K[/M/B]" as StartPolicy keyword arguments (plain steps, probe misses,
+    backoff steps)."""
+    names = ("plain_steps", "probe_misses", "backoff_steps")
+    return dict(zip(names, (int(x) for x in spec.split("/"))))
 
 
 def make_methods(args, model):
@@ -63,9 +59,8 @@ def make_methods(args, model):
             if start == "none":
                 methods[name] = SpeculativeGenerator(engine, proposer)
                 continue
-            spec = SpeculativeGenerator(engine, proposer, tree_sizes=(1, 2, proposer.num_draft_tokens))
-            methods[f"{name} + start {start}"] = with_start_policy(
-                spec, *(int(x) for x in start.split("/")))
+            methods[f"{name} + start {start}"] = SpeculativeGenerator(
+                engine, proposer, start_policy=start_rule(start))
     if args.floor:
         # What the loop costs without drafts: plain decoding through it, and EAGLE-3 that never
         # drafts (its target captures the head's layers; its proposer is started and committed).
@@ -73,8 +68,9 @@ def make_methods(args, model):
                                             prefill_chunk=64)
         methods["loop, no proposer"] = SpeculativeGenerator(plain, None)
         first = next(s for s in methods.values() if s.proposer is not None)
-        methods["EAGLE-3 never drafting"] = with_start_policy(
-            SpeculativeGenerator(first.engine, make_proposer(first_config, first.engine)), 10 ** 9)
+        methods["EAGLE-3 never drafting"] = SpeculativeGenerator(
+            first.engine, make_proposer(first_config, first.engine),
+            start_policy=dict(plain_steps=10 ** 9))
     if not args.no_ngram:
         config = ProposerConfig(method="ngram", num_draft_tokens=args.num_draft_tokens)
         engine = engines.get(None) or Engine(model, max_batch=1, max_len=args.max_len,

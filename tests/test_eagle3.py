@@ -18,6 +18,7 @@ from specdec_inductor.proposers.eagle import (  # noqa: E402
     EagleCheckpointError, EagleProposer, load_eagle_head)
 from specdec_inductor.proposers.eagle3 import (  # noqa: E402
     Eagle3CheckpointError, Eagle3Proposer, eagle3_target_layers, load_eagle3_head)
+from specdec_inductor.proposers.ngram import NgramProposer  # noqa: E402
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats  # noqa: E402
 from specdec_inductor.testing import (  # noqa: E402
     write_random_eagle3_checkpoint, write_random_eagle_checkpoint)
@@ -559,16 +560,14 @@ def test_start_policy_keeps_greedy_output_exact(tmp_path, plain_steps):
     """EAGLE-3 behind a StartPolicy (plain steps, probes of verify size 2, backoff, then the
     acceptance gate's full trees) emits plain greedy's tokens, over a batch that admits
     requests twice."""
-    from specdec_inductor.speculative.policies import StartPolicy
     target = tiny_target(4)
     write_head(tmp_path, target, seed=11)
     head = load_eagle3_head(str(tmp_path), target)
     proposer = Eagle3Proposer(_draft_engine(head, 2), 4)
     engine = Engine(target, max_batch=2, max_len=128, compile=False, prefill_chunk=16,
                     capture_hidden=proposer.target_hidden_layers)
-    spec = SpeculativeGenerator(engine, proposer, tree_sizes=(1, 2, 4), min_accepted=0.0)
-    inner = spec.new_policy
-    spec.new_policy = lambda: StartPolicy(inner(), plain_steps=plain_steps, probe_misses=2)
+    spec = SpeculativeGenerator(engine, proposer, tree_sizes=(1, 2, 4), min_accepted=0.0,
+                                start_policy=dict(plain_steps=plain_steps, probe_misses=2))
     stats = SpeculativeStats()
     ps = prompts(2)
     want = [engine.generate([p], 24)[0] for p in ps]
@@ -581,3 +580,16 @@ def test_start_policy_keeps_greedy_output_exact(tmp_path, plain_steps):
         assert [first[0].tokens, second[0].tokens] == want
     assert stats.steps_by_size.get(2, 0) > 0 and stats.steps_by_size.get(1, 0) > 0
     _free(engine, proposer.engine)
+
+
+def test_start_policy_argument_is_checked():
+    """A bad start_policy fails at construction, naming the argument."""
+    target = tiny_target(4)
+    engine = Engine(target, max_batch=1, max_len=64, compile=False, prefill_chunk=16)
+    for bad in (dict(plain_step=1), dict(probe_misses=0)):
+        with pytest.raises(ValueError, match="start_policy"):
+            SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=4), start_policy=bad)
+    spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=4), min_accepted=0.0,
+                                adaptive=False, start_policy={})
+    assert spec.tree_sizes == [1, 2, 4]
+    assert type(spec.new_policy()).__name__ == "StartPolicy"

@@ -39,7 +39,7 @@ from specdec_inductor.engine.kv_pool import Request
 from specdec_inductor.sampler import Sampler, SamplingParams, request_generator, request_params
 from specdec_inductor.speculative.commit import GreedyStep, StepResult, commit_step, step_result
 from specdec_inductor.speculative.policies import (NO_DRAFT, AcceptanceGate, AdaptiveVerifySize,
-                                                   DraftPolicy, StepCosts)
+                                                   DraftPolicy, StartPolicy, StepCosts)
 from specdec_inductor.speculative.proposer import Proposer
 from specdec_inductor.speculative.stats import SpeculativeStats, dynamo_counts, step_times
 from specdec_inductor.speculative.tree import DraftTree, VerifyInputs, truncate_draft
@@ -172,7 +172,10 @@ class SpeculativeGenerator:
     Draft budgets (policies.py): the adaptive verify size (adaptive; default for proposers with
     `cheap_drafts`) with grow_at and probe_cost, else the acceptance gate with min_accepted
     (None: verify_cost_per_node * (N - 1), raised to the measured costs' break-even point once
-    compile_verify measured them), backoff_steps and gate_min_steps.
+    compile_verify measured them), backoff_steps and gate_min_steps. start_policy: keyword
+    arguments of a StartPolicy put in front of that policy (when a request starts paying for
+    full drafts: probes of verify size 2 first; None: no start rule); it adds size 2 to the
+    default tree_sizes.
     """
 
     # The step's timer: the draft policies price drafts by it (tests swap in a scripted clock so
@@ -189,7 +192,7 @@ class SpeculativeGenerator:
                  min_accepted: Optional[float] = None, backoff_steps: int = 4,
                  verify_cost_per_node: float = 0.03, adaptive: Optional[bool] = None,
                  grow_at: float = 0.5, probe_cost: Optional[float] = None,
-                 gate_min_steps: int = 4):
+                 gate_min_steps: int = 4, start_policy: Optional[Dict[str, int]] = None):
         self.engine = engine
         self.proposer = proposer
         n = proposer.num_draft_tokens if proposer is not None else 1
@@ -206,11 +209,17 @@ class SpeculativeGenerator:
         self.costs = StepCosts(probe_cost=1.0 if probe_cost is None else probe_cost)
         self._calibrate = probe_cost is None
         if tree_sizes is None:
-            tree_sizes = (1, 2, n) if self.adaptive else (1, n)
+            tree_sizes = (1, 2, n) if self.adaptive or start_policy is not None else (1, n)
         sizes = sorted(set(tree_sizes) | {n})
         if sizes[0] < 1 or sizes[-1] > n:
             raise ValueError(f"tree_sizes must lie in [1, num_draft_tokens={n}], got {sizes}")
         self.tree_sizes = sizes
+        self.start_policy = dict(start_policy) if start_policy is not None else None
+        if self.start_policy is not None:
+            try:  # its checks (argument names and ranges) before anything runs
+                StartPolicy(DraftPolicy(sizes), **self.start_policy)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"argument 'start_policy': {exc}") from None
         # Only a proposer that can offer more than the root drafts (an AutoregressiveProposer's
         # trees are the root alone: its steps are plain decodes without asking it).
         self._drafts = proposer is not None and sizes[-1] > 1
@@ -247,9 +256,14 @@ class SpeculativeGenerator:
         if self.proposer is None:
             return DraftPolicy(self.tree_sizes)
         if self.adaptive:
-            return AdaptiveVerifySize(self.tree_sizes, self.costs, self.grow_at)
-        return AcceptanceGate(self.tree_sizes, self.costs, self._min_accepted,
-                              self._gate_from_costs, self.backoff_steps, self.gate_min_steps)
+            policy = AdaptiveVerifySize(self.tree_sizes, self.costs, self.grow_at)
+        else:
+            policy = AcceptanceGate(self.tree_sizes, self.costs, self._min_accepted,
+                                    self._gate_from_costs, self.backoff_steps,
+                                    self.gate_min_steps)
+        if self.start_policy is not None:
+            policy = StartPolicy(policy, **self.start_policy)
+        return policy
 
     @torch.inference_mode()
     def compile_verify(self, batch_size: int = 1, sampled: bool = True) -> None:
