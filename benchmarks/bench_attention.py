@@ -173,7 +173,7 @@ def bench_verify(bs, h, h_kv, d, n, prefix, dtype, repeats, use_flex, flex_fn, w
         return F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
     res["sdpa+gather"] = median_time(sdpa_gather, repeats)
-    del pools
+    pools = None  # the rotation's pool copies are freed before the next shape
     k_dense = k_pool[slots].transpose(1, 2).contiguous()  # [B, Hkv, L, D]
     v_dense = v_pool[slots].transpose(1, 2).contiguous()
     dense = Rotation([k_dense, v_dense], kv_bytes, warm)
@@ -221,7 +221,7 @@ def bench_decode(bs, h, h_kv, d, kv_len, dtype, repeats, warm, vs_isa=None):
         return F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
     res["sdpa+gather"] = median_time(sdpa_gather, repeats)
-    del pools
+    pools = None  # the rotation's pool copies are freed before the next shape
     dense = Rotation([k_pool[slots].transpose(1, 2).contiguous(),
                       v_pool[slots].transpose(1, 2).contiguous()], kv_bytes, warm)
     res["sdpa"] = median_time(lambda: F.scaled_dot_product_attention(

@@ -165,7 +165,6 @@ def bench_llamacpp(gguf_path, ids, new_tokens, repeats, threads):
     for _ in range(repeats + 1):  # first run is warm-up
         llm.reset()
         out, t_first = [], None
-        t0 = time.perf_counter()
         for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
             out.append(tok)
             if t_first is None:

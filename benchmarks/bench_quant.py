@@ -181,7 +181,7 @@ def main():
                 line += (f" | {t_base * 1e3:8.3f} {t_base / t_ours:7.2f} {t_base / one_row['base']:8.2f} "
                          f"{t_ours / one_row['ours']:8.2f}")
             print(line, flush=True)
-        del w, w_dq
+        w = w_dq = None  # freed before the next shape's weights
 
 
 if __name__ == "__main__":

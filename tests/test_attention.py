@@ -488,7 +488,7 @@ def test_gemma2_window_and_softcap_speculative_greedy_equals_stock():
     n-gram speculation equals the engine's plain greedy, which equals the stock model's greedy
     by full forwards without a cache (transformers' own generate is not the yardstick here: its
     cached path disagrees with its uncached one for this tiny window)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from specdec_inductor.engine.engine import Engine
     from specdec_inductor.proposers.ngram import NgramProposer
     from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats

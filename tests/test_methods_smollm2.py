@@ -5,7 +5,6 @@ compiled == eager is tested on tiny models). The drafts are whatever exists offl
 SmolLM2 cut to 8 layers (STANDALONE) and a random head in the EAGLE layout -- the last two
 rarely get a draft accepted, so they pin exactness, not speed."""
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 

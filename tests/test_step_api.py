@@ -308,7 +308,7 @@ def test_commit_ops_match_the_per_request_commit_eager_and_compiled():
     from specdec_inductor import ops
     from specdec_inductor.speculative.commit import commit_step
     gen = torch.Generator().manual_seed(0)
-    bs, bucket, size, steps, padding_row = 3, 4, 6, 4, 5
+    bs, size, steps, padding_row = 3, 6, 4, 5
     table = torch.randperm(6 * 40, generator=gen).view(6, 40).to(torch.int32)
     table[padding_row] = 999  # the padding row maps every position to the sink
     rows = torch.tensor([2, 0, 4, padding_row])

@@ -14,7 +14,7 @@ import shutil
 import struct
 import tempfile
 import warnings
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ from torch import Tensor, nn
 
 from specdec_inductor.ops.quant import (QuantActivation, QuantFormat, quant_dequantize,
                                         quant_embedding, quant_linear)
+
+if TYPE_CHECKING:  # gguf is imported where a file is read (an optional dependency)
+    import gguf
 
 # GGUF architectures we map, and whether llama.cpp's converter row-permuted their q/k weights
 # (it does for llama-style rotary: HF's rotate-half layout -> GGML's interleaved pairs).
@@ -305,7 +308,6 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
 
     tensors = {t.name: t for t in tensor_list if t.name not in _IGNORED}
     formats: Dict[str, int] = collections.Counter()
-    embedding_bytes: Optional[Tuple[Tensor, int]] = None
     biases = {name: t for name, t in tensors.items() if name.endswith(".bias")}
     for name, t in tensors.items():
         if name.endswith(".bias") and name[:-5] + ".weight" in tensors:
@@ -352,7 +354,6 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
         module_name = target[:-len(".weight")]
         if name == "token_embd.weight":
             _set(model, module_name, QuantEmbedding(weight, fmt, k, dtype))
-            embedding_bytes = (weight, fmt)
         else:
             _set(model, module_name, QuantLinear(weight, fmt, k, bias_t, activation))
     if "output.weight" not in tensors:
