@@ -92,6 +92,12 @@ class Sampler:
         params = request_params(sampling, batch)
         return None if all(p.greedy for p in params) else Sampler(params)
 
+    @staticmethod
+    def for_requests(params: Sequence[SamplingParams],
+                     generators: Sequence[Optional[torch.Generator]]) -> Optional["Sampler"]:
+        """for_batch of requests that carry their own generators."""
+        return None if all(p.greedy for p in params) else Sampler(params, generators)
+
     def target_probs(self, logits: Tensor) -> Tensor:
         """logits [B, N, V] -> the per-request sampling distributions [B, N, V] float32."""
         bs, n, v = logits.shape

@@ -358,3 +358,19 @@ def test_one_program_and_pieces_emit_the_same_tokens(method, tmp_path):
     assert spec.generate(prompts, 24) == whole == engine.generate(prompts, 24)
     assert calls and spec._greedy.compiled_runs == 0  # eager: nothing compiled either way
     _all_free(engine, draft)
+
+
+def test_chunked_admission_checks_the_parameter_layout():
+    """The compiled steps read the parameters unchecked: a chunked admission refuses a model
+    whose parameters changed layout since compiling, as a whole-prompt prefill does, and the
+    refused request leaves no slot behind."""
+    model = tiny_model()
+    engine = Engine(model, max_batch=1, max_len=64, compile=True, prefill_chunk=8)
+    spec = SpeculativeGenerator(engine, None)
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.t().contiguous().t())
+    with spec.batch(1) as batch:
+        spec.admit(batch, [[1, 2, 3, 4, 5]], 4, prefill_chunk=4)
+        with pytest.raises(RuntimeError, match="changed shape"):
+            spec.step(batch)
+    assert engine.pool.num_free_slots == engine.pool.num_slots

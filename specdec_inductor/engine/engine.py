@@ -516,6 +516,7 @@ class Engine:
         prefill_chunk): T tokens per request [B, T] after its cached prefix_lens, extend_lens
         [B] of them real (0: the row takes no part). Returns StepOutput(None, the logits of
         each request's last real row [B, V], hidden [B, T, k*H] or None)."""
+        self._check_layout()  # every prefill path (chunked admission too) runs through here
         threads.tick()
         out = self._extend_fn(*map(_inference, (input_ids, positions, req_rows, prefix_lens,
                                                  extend_lens, None, aux)),
@@ -528,7 +529,6 @@ class Engine:
         return StepOutput(None, logits[:, 0], out.hidden)
 
     def _prefill(self, prompts, req_rows, aux):
-        self._check_layout()
         bs = req_rows.shape[0]
         lens = [len(p) for p in prompts] + [1] * (bs - len(prompts))
         chunk = self.prefill_chunk

@@ -144,9 +144,8 @@ class Batch:
 
     def _membership_changed(self) -> None:
         self.rows = [r.row for r in self.requests]
-        params = [r.sampling for r in self.requests]
-        self.sampler = (None if all(p.greedy for p in params)
-                        else Sampler(params, [r.generator for r in self.requests]))
+        self.sampler = Sampler.for_requests([r.sampling for r in self.requests],
+                                            [r.generator for r in self.requests])
 
     def finished(self, b: int) -> None:
         """Request b is done: its row becomes padding, so no later step writes its KV."""
@@ -386,9 +385,7 @@ class SpeculativeGenerator:
         from them). On an error their slots are freed (the proposer finishes them)."""
         started = False  # set before start is called: a start that fails midway is finished
         try:
-            params = [r.sampling for r in new]
-            sampler = (None if all(p.greedy for p in params)
-                       else Sampler(params, [r.generator for r in new]))
+            sampler = Sampler.for_requests([r.sampling for r in new], [r.generator for r in new])
             first = (sampler.sample(logits) if sampler is not None else logits.argmax(-1))
             for r, tok in zip(new, first.tolist()):
                 r.emit([tok])
