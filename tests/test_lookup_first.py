@@ -135,6 +135,8 @@ def test_merge_takes_each_row_from_its_source():
     assert tree.tokens[1].tolist() == [3, 4, 5, 1]  # "1 2 3" seen before: 4 5 1 follow
     assert tree.tokens[0].tolist() == tree.tokens[2].tolist() == [50, 51, 52, 53]
     assert (p.lookup_drafts, p.model_drafts) == (1, 2)
+    p.commit([0, 1, 2], [[50, 7], [4, 5, 1, 9], [11]])  # 1, 3 and 0 drafts accepted
+    assert (p.lookup_accepted, p.model_accepted) == (3, 1)
     # The merged linkage is each row's own: a chain of 4 at every row, flat indices b*n + i.
     assert tree.retrieve_index.tolist() == [[b * n + i for i in range(n)] for b in range(3)]
     assert tree.positions.view(3, n).tolist() == [[s + i for i in range(n)]

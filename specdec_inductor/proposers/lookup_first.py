@@ -12,7 +12,7 @@ Both proposers see every request's start, commits and finish, so either can draf
 draft model catches up over the tokens committed while lookup drafted (its catch-up extend, as
 after the acceptance gate's plain steps). Both trees have N nodes, so a step verifies the same
 shape whichever drafted, and the merged tree's linkage is rebuilt from its ancestor mask."""
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -54,8 +54,11 @@ class LookupFirstProposer(Proposer):
         self.num_spec_steps = max(model.num_spec_steps, lookup.num_spec_steps)
         self.needs_target_hidden = model.needs_target_hidden
         self.engine = model.engine
-        self.lookup_drafts = 0  # request-steps drafted by lookup / by the model (for reports)
-        self.model_drafts = 0
+        # Request-steps drafted by lookup / by the model, and the drafts they got accepted
+        # (for reports: accepted per step of each source).
+        self.lookup_drafts = self.model_drafts = 0
+        self.lookup_accepted = self.model_accepted = 0
+        self._source: Dict[int, bool] = {}  # request id -> its last draft came from lookup
 
     def start(self, request_ids: List[int], contexts: List[List[int]],
               hidden: Optional[List[Tensor]] = None) -> None:
@@ -73,6 +76,8 @@ class LookupFirstProposer(Proposer):
         found, match_len = self.lookup.propose_with_match(request_ids, seq_lens)
         use_lookup = (match_len >= self.min_match) & (found.num_drafts >= self.min_drafts)  # [B]
         model_rows = (~use_lookup).nonzero().flatten().tolist()
+        for rid, looked in zip(request_ids, use_lookup.tolist()):
+            self._source[rid] = looked
         self.lookup_drafts += len(request_ids) - len(model_rows)
         self.model_drafts += len(model_rows)
         if not model_rows:
@@ -89,8 +94,17 @@ class LookupFirstProposer(Proposer):
         else:
             self.model.commit(request_ids, emitted)
         self.lookup.commit(request_ids, emitted)
+        for rid, toks in zip(request_ids, emitted):
+            looked = self._source.pop(rid, None)
+            if looked is not None and toks:
+                if looked:
+                    self.lookup_accepted += len(toks) - 1
+                else:
+                    self.model_accepted += len(toks) - 1
 
     def finish(self, request_ids: List[int]) -> None:
+        for rid in request_ids:
+            self._source.pop(rid, None)
         try:
             self.model.finish(request_ids)
         finally:
