@@ -161,12 +161,14 @@ def run_prompt(args, engine, methods, tokenizer, prompt: StylePrompt):
             sp_r[label].append(time.perf_counter() - t0)
             runs[label] = (out, stats)
     for label, spec in methods.items():
-        p = spec.proposer
-        if getattr(p, "lookup_drafts", 0) or getattr(p, "model_drafts", 0):
-            print(f"#   {prompt.name} {label}: lookup drafted {p.lookup_drafts} request-steps "
-                  f"({p.lookup_accepted / max(1, p.lookup_drafts):.2f} accepted each), the "
-                  f"model {p.model_drafts} ({p.model_accepted / max(1, p.model_drafts):.2f})")
-            p.lookup_drafts = p.model_drafts = p.lookup_accepted = p.model_accepted = 0
+        counts = getattr(spec.proposer, "drafts", None)
+        if counts:
+            done = spec.proposer.accepted
+            print(f"#   {prompt.name} {label}: " + ", ".join(
+                f"{k} drafted {n} request-steps ({done[k] / max(1, n):.2f} accepted each)"
+                for k, n in counts.items()))
+            for k in counts:
+                counts[k] = done[k] = 0
     ar_s = statistics.median(ar_r)  # the same tokens: time ratios are rate ratios
     return {label: (ar_s / statistics.median(sp_r[label]), runs[label][1].mean_accepted_length,
                     runs[label][0] == ar, len(ar[0])) for label in methods}

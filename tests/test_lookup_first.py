@@ -75,7 +75,7 @@ def test_lookup_first_is_exact_greedy_and_drafts_both_ways(eagle3_head, method, 
     assert spec.generate(ps, 28, stats=stats) == engine.generate(ps, 28)
     # Both sources drafted (the prompts' repeats for lookup, the random model's own text for
     # the draft model), so the catch-up after lookup steps was exercised.
-    assert proposer.lookup_drafts > 0 and proposer.model_drafts > 0
+    assert proposer.drafts["lookup"] > 0 and proposer.drafts["model"] > 0
     assert stats.verify_steps > 0
     _free(engine, proposer.engine)
     assert proposer.lookup.num_requests() == 0
@@ -134,15 +134,41 @@ def test_merge_takes_each_row_from_its_source():
     assert model.calls == [[0, 2]]  # request 1 drafted by lookup only
     assert tree.tokens[1].tolist() == [3, 4, 5, 1]  # "1 2 3" seen before: 4 5 1 follow
     assert tree.tokens[0].tolist() == tree.tokens[2].tolist() == [50, 51, 52, 53]
-    assert (p.lookup_drafts, p.model_drafts) == (1, 2)
+    assert p.drafts == {"lookup": 1, "model": 2}
     p.commit([0, 1, 2], [[50, 7], [4, 5, 1, 9], [11]])  # 1, 3 and 0 drafts accepted
-    assert (p.lookup_accepted, p.model_accepted) == (3, 1)
+    assert p.accepted == {"lookup": 3, "model": 1}
     # The merged linkage is each row's own: a chain of 4 at every row, flat indices b*n + i.
     assert tree.retrieve_index.tolist() == [[b * n + i for i in range(n)] for b in range(3)]
     assert tree.positions.view(3, n).tolist() == [[s + i for i in range(n)]
                                                   for s in seq_lens.tolist()]
     p.finish([0, 1, 2])
     assert lookup.num_requests() == 0
+
+
+def test_model_drafts_rest_per_request_while_they_miss_and_probe_again():
+    n = 4
+    model = _Fixed(n)
+    p = LookupFirstProposer(model, NgramProposer(n), model_min_accepted=0.5, probe_every=3)
+    p.start([0, 1], [[9, 8, 7], [6, 5, 4]])
+    seq_lens = torch.tensor([3, 3])
+    fresh = iter(range(10, 1000))  # tokens never repeated: lookup never matches
+
+    def step(accepted_by_request):
+        tree = p.propose([0, 1], seq_lens)
+        p.commit([0, 1], [[next(fresh) for _ in range(a + 1)] for a in accepted_by_request])
+        return tree
+
+    step([0, 2])  # means 0.5 and 1.5: both keep drafting
+    step([0, 2])  # request 0: 0.25 < 0.5, rests 3 steps
+    assert model.calls == [[0, 1], [0, 1]]
+    for _ in range(3):
+        tree = step([0, 2])
+        assert tree.num_drafts.tolist() == [0, n - 1]  # request 0 offers nothing (a decode)
+    assert model.calls[2:] == [[1]] * 3
+    step([3, 2])  # the probe: request 0 drafts again and is accepted (mean 1.6)
+    step([0, 2])
+    assert model.calls[5:] == [[0, 1], [0, 1]]
+    p.finish([0, 1])
 
 
 def test_bad_arguments_are_refused_naming_them(eagle3_head):
@@ -152,6 +178,10 @@ def test_bad_arguments_are_refused_naming_them(eagle3_head):
         LookupFirstProposer(_Fixed(4), NgramProposer(4), min_match=0)
     with pytest.raises(ValueError, match="argument 'min_drafts'"):
         LookupFirstProposer(_Fixed(4), NgramProposer(4), min_drafts=True)
+    with pytest.raises(ValueError, match="argument 'probe_every'"):
+        LookupFirstProposer(_Fixed(4), NgramProposer(4), probe_every=0)
+    with pytest.raises(ValueError, match="argument 'model_min_accepted'"):
+        LookupFirstProposer(_Fixed(4), NgramProposer(4), model_min_accepted=-1.0)
     for kwargs in ({"method": "ngram", "lookup": True}, {"method": "none", "lookup": True},
                    {"method": "eagle3", "lookup": 1}):
         with pytest.raises(ProposerConfigError, match="argument 'lookup'") as info:
