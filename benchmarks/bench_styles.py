@@ -16,6 +16,7 @@ medians per style and overall, and each method's worst prompt.
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -54,13 +55,20 @@ def make_methods(args, model):
         starts = args.start_policy.split(",")
         if i > 0 and len(starts) > 1:  # later heads: against the first head's policies only
             starts = [x for x in starts if x != "none"]
+        variants = [(name, config)]
+        if args.lookup:
+            variants += [(f"{name} + lookup {m}", replace(config, lookup=True))
+                         for m in args.lookup.split(",")]
         for start in starts:
-            proposer = make_proposer(config, engine)
-            if start == "none":
-                methods[name] = SpeculativeGenerator(engine, proposer)
-                continue
-            methods[f"{name} + start {start}"] = SpeculativeGenerator(
-                engine, proposer, start_policy=start_rule(start))
+            for label, cfg in variants:
+                proposer = make_proposer(cfg, engine)
+                if cfg.lookup:
+                    proposer.min_match = int(label.rsplit(" ", 1)[1])
+                if start == "none":
+                    methods[label] = SpeculativeGenerator(engine, proposer)
+                    continue
+                methods[f"{label} + start {start}"] = SpeculativeGenerator(
+                    engine, proposer, start_policy=start_rule(start))
     if args.floor:
         # What the loop costs without drafts: plain decoding through it, and EAGLE-3 that never
         # drafts (its target captures the head's layers; its proposer is started and committed).
@@ -152,6 +160,15 @@ def run_prompt(args, engine, methods, tokenizer, prompt: StylePrompt):
             out = spec.generate([ids], args.max_new_tokens, eos, stats)
             sp_r[label].append(time.perf_counter() - t0)
             runs[label] = (out, stats)
+    for label, spec in methods.items():
+        counts = getattr(spec.proposer, "drafts", None)
+        if counts:
+            done = spec.proposer.accepted
+            print(f"#   {prompt.name} {label}: " + ", ".join(
+                f"{k} drafted {n} request-steps ({done[k] / max(1, n):.2f} accepted each)"
+                for k, n in counts.items()))
+            for k in counts:
+                counts[k] = done[k] = 0
     ar_s = statistics.median(ar_r)  # the same tokens: time ratios are rate ratios
     return {label: (ar_s / statistics.median(sp_r[label]), runs[label][1].mean_accepted_length,
                     runs[label][0] == ar, len(ar[0])) for label in methods}
@@ -181,6 +198,9 @@ def main():
                              "(default M=2, B=4) (default: none,0)")
     parser.add_argument("--prompts", default=None, help="comma list of prompt names only")
     parser.add_argument("--no-ngram", action="store_true")
+    parser.add_argument("--lookup", default=None,
+                        help="comma list of minimum match lengths: also EAGLE-3 with prompt "
+                             "lookup first (ProposerConfig.lookup) at each")
     parser.add_argument("--floor", action="store_true",
                         help="also time the loop without drafts: plain decoding through it and "
                              "EAGLE-3 that never drafts (what a policy cannot save)")

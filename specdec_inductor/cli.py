@@ -40,14 +40,15 @@ def proposer_config(args) -> ProposerConfig:
     from specdec_inductor.proposers.ngram import parse_window
     method = getattr(args, "method", "none")
     try:
-        window = parse_window(args.ngram_window) if method == "ngram" else None
+        lookup = getattr(args, "lookup", False)
+        window = parse_window(args.ngram_window) if method == "ngram" or lookup else None
     except ValueError as exc:
         raise ProposerConfigError("ngram_window",
                                   str(exc).replace("argument 'ngram_window' ", "")) from None
     return ProposerConfig(
         method=method, num_draft_tokens=args.num_draft_tokens, topk=args.topk,
         depth=args.depth, draft_model=args.draft_model, draft_layers=args.draft_layers,
-        draft_dtype=args.draft_dtype, mtp_layer=args.mtp_layer,
+        draft_dtype=args.draft_dtype, mtp_layer=args.mtp_layer, lookup=lookup,
         **({} if window is None else {"ngram_window": window}),
         target_model=args.model, dtype=args.dtype, dequantize=args.dequantize,
         quant_activations=args.quant_activations)
@@ -398,6 +399,10 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--ngram-window", default=",".join(map(str, RECOMMENDED_WINDOW)),
                        help="ngram: MIN,MAX context-suffix lengths matched, longest first "
                             "(default %(default)s)")
+        p.add_argument("--lookup", action="store_true",
+                       help="standalone/eagle/eagle3/mtp: prompt lookup first: a request whose "
+                            "context ends in a repeat of earlier context drafts what followed "
+                            "it (as ngram) that step, else the draft model drafts")
 
     g = sub.add_parser("generate", help="stream text for one prompt")
     common(g)

@@ -133,3 +133,15 @@ def test_no_pack_weights_flag_switches_packing_for_the_run(monkeypatch):
     assert cli.main(["generate", "--no-pack-weights"]) == 0
     assert cli.main(["generate"]) == 0
     assert seen == [False, True] and backend.SWITCH_DEFAULTS["pack_weights"] is True
+
+
+def test_lookup_flag_reaches_the_config_and_is_refused_without_a_draft_model():
+    args = cli.make_parser().parse_args(["generate", "--method", "eagle3", "--lookup",
+                                         "--ngram-window", "2,6"])
+    config = cli.proposer_config(args)
+    assert config.lookup is True and config.ngram_window == (2, 6)
+    assert cli.proposer_config(cli.make_parser().parse_args(
+        ["generate", "--method", "eagle3"])).lookup is False
+    bad = cli.make_parser().parse_args(["generate", "--method", "ngram", "--lookup"])
+    with pytest.raises(SystemExit, match="argument --lookup: applies to method"):
+        cli.make_proposer(bad)

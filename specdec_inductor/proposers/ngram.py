@@ -3,7 +3,7 @@ matches the longest suffix of the context and expands the continuations seen aft
 breadth-first into a tree of N nodes (root = last committed token), padded to N so verify
 shapes stay static; reconstruct_tree_from_mask turns its ancestor mask into positions and
 linkage for verification."""
-from typing import Iterable, List, Sequence
+from typing import Iterable, List, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -104,8 +104,14 @@ class NgramProposer(Proposer):
     def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
         """Draft trees for `request_ids`; seq_lens [B] are their committed lengths (the root's
         position), as the verify step uses them."""
+        return self.propose_with_match(request_ids, seq_lens)[0]
+
+    def propose_with_match(self, request_ids: List[int],
+                           seq_lens: Tensor) -> Tuple[DraftTree, Tensor]:
+        """propose's trees and match_len [B] int32: the length of the context suffix each
+        request's drafts continue (0: no match, no drafts)."""
         tokens, mask, num_drafts, match_len = self._index.propose(
             list(request_ids), self.num_draft_tokens, self.breadth)
         num_drafts = torch.where(match_len < self.confident_window, num_drafts.clamp(max=1), num_drafts)
         positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, self.num_draft_tokens)
-        return DraftTree(tokens, mask, positions, ridx, nxt, sib, num_drafts)
+        return DraftTree(tokens, mask, positions, ridx, nxt, sib, num_drafts), match_len

@@ -61,6 +61,9 @@ class ProposerConfig:
         the target's dtype) or a loading.DTYPES name.
     mtp_layer: mtp: which of the model's NextN layers drafts.
     ngram_window / ngram_breadth: ngram: (MIN, MAX) suffix lengths; children per level.
+    lookup: draft-model methods: a request whose context suffix repeats earlier context
+        drafts the repeat's continuation (NGRAM, with ngram_window / ngram_breadth) that step
+        instead of the draft model (proposers/lookup_first.py).
     target_model: the target's model argument (None: the default model): which heads ship,
         the MTP checkpoint, standalone's default draft.
     dtype / dequantize / quant_activations: how a standalone draft model is loaded (as the
@@ -76,6 +79,7 @@ class ProposerConfig:
     mtp_layer: int = 0
     ngram_window: Tuple[int, int] = RECOMMENDED_WINDOW
     ngram_breadth: Tuple[int, ...] = DEFAULT_NGRAM_BREADTH
+    lookup: bool = False
     target_model: Optional[str] = None
     dtype: str = "fp32"
     dequantize: bool = False
@@ -130,6 +134,11 @@ def _check_config(c: ProposerConfig) -> None:
                                   f"{c.dtype!r}")
     if isinstance(c.mtp_layer, bool) or not isinstance(c.mtp_layer, int) or c.mtp_layer < 0:
         raise ProposerConfigError("mtp_layer", f"must be an int >= 0, got {c.mtp_layer!r}")
+    if not isinstance(c.lookup, bool):
+        raise ProposerConfigError("lookup", f"must be a bool, got {c.lookup!r}")
+    if c.lookup and not c.drafts_with_model:
+        raise ProposerConfigError("lookup", f"applies to method "
+                                  f"{'/'.join(DRAFT_MODEL_METHODS)}, not {c.method}")
     lo, hi = c.ngram_window
     if not 1 <= lo <= hi:
         raise ProposerConfigError("ngram_window", f"needs 1 <= MIN <= MAX, got {lo},{hi}")
@@ -233,10 +242,7 @@ def make_proposer(config: ProposerConfig, target_engine=None, *, draft=None,
         from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
         return AutoregressiveProposer()
     if config.method == "ngram":
-        from specdec_inductor.proposers.ngram import NgramProposer
-        lo, hi = config.ngram_window
-        return NgramProposer(num_draft_tokens=config.num_draft_tokens, min_window=lo,
-                             max_window=hi, breadth=config.ngram_breadth)
+        return _ngram(config)
     if target_engine is None:
         raise ValueError(f"argument 'target_engine': method {config.method} drafts for a target "
                          "Engine (make_target_engine)")
@@ -245,12 +251,24 @@ def make_proposer(config: ProposerConfig, target_engine=None, *, draft=None,
     from specdec_inductor.proposers.eagle import EagleCheckpointError
     from specdec_inductor.proposers.mtp import MtpCheckpointError
     try:
-        return _DRAFT_MODEL_PROPOSERS[config.method](config, target_engine, draft, log)
+        proposer = _DRAFT_MODEL_PROPOSERS[config.method](config, target_engine, draft, log)
     except EagleCheckpointError as exc:  # EAGLE-3's too
         raise ProposerConfigError("draft_model", str(exc)) from exc
     except MtpCheckpointError as exc:
         raise ProposerConfigError("target_model", f"method mtp drafts with the model's own "
                                   f"NextN layer: {exc}") from exc
+    if not config.lookup:
+        return proposer
+    from specdec_inductor.proposers.lookup_first import LookupFirstProposer
+    log("prompt lookup first: repeats of the context draft their continuation")
+    return LookupFirstProposer(proposer, _ngram(config))
+
+
+def _ngram(config: ProposerConfig):
+    from specdec_inductor.proposers.ngram import NgramProposer
+    lo, hi = config.ngram_window
+    return NgramProposer(num_draft_tokens=config.num_draft_tokens, min_window=lo, max_window=hi,
+                         breadth=config.ngram_breadth)
 
 
 def _draft_model_proposer(cls, config: ProposerConfig, target_engine, model, **engine_kwargs):

@@ -1,0 +1,172 @@
+"""Prompt lookup in front of a draft model: each step, a request whose context ends in a
+long repeat of an earlier stretch of its own context drafts that stretch's continuation (an
+NGRAM trie lookup, free next to a target step); every other request drafts with the draft
+model (EAGLE-3, EAGLE, STANDALONE, MTP), while the model's drafts pay for that request.
+
+Why: a trained head guesses a continuation from the target's features; a repeat in the context
+states it. On structured output (a JSON or YAML that restates the prompt's fields, a table, a
+rewrite, code edited in place) NGRAM accepts 4-6 tokens a step where a head trained on other
+prompts accepts 0-2, and on free text the head wins: the choice is per request and per step.
+
+The model's drafts are gated per request, not per batch: a request whose model drafts keep
+missing (a running mean below MODEL_MIN_ACCEPTED accepted drafts a step) offers no model draft
+for PROBE_EVERY steps, then probes again, while its lookup drafts still run every step. (The
+loop's acceptance gate switches drafting off for the whole batch, lookup included, so on its
+own it would throw away the repeats of a request whose head drafts miss.)
+
+Both proposers see every request's start, commits and finish, so either can draft any step: the
+draft model catches up over the tokens committed while it did not draft (its catch-up extend, as
+after the acceptance gate's plain steps). Both trees have N nodes, so a step verifies one shape
+whichever drafted, and the merged tree's linkage is rebuilt from its ancestor mask."""
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from specdec_inductor import ops
+from specdec_inductor.proposers.ngram import NgramProposer
+from specdec_inductor.speculative import DraftTree, Proposer
+
+# A lookup drafts when the context suffix it continues is at least this long and it offers at
+# least this many drafts; shorter matches (a repeated newline or keyword) continue too seldom
+# to beat the head.
+MIN_MATCH = 3
+MIN_DRAFTS = 2
+# A request's model drafts stop below this running mean of accepted drafts per step (a verify
+# of N rows plus the drafting cost about 1.3-1.5 decode steps on the 2-core machines: half a
+# token a step does not pay for it) and are probed again after PROBE_EVERY steps.
+MODEL_MIN_ACCEPTED = 0.5
+PROBE_EVERY = 8
+
+LOOKUP, MODEL, NONE = "lookup", "model", "none"  # who drafted a request's last step
+
+
+@dataclass
+class _Source:
+    last: str = NONE
+    model_mean: float = 1.0  # running mean of the model drafts it accepted (optimistic start)
+    rest: int = 0  # steps left without model drafts
+
+
+class LookupFirstProposer(Proposer):
+    """`model` (a draft-model proposer) drafting where `lookup` has no confident match.
+
+    Args:
+        model: the draft-model proposer; its N is this proposer's N.
+        lookup: an NgramProposer with the same N.
+        min_match / min_drafts: a request's lookup draft is used when its match length and its
+            number of drafts reach these.
+        model_min_accepted / probe_every: the per-request gate of the model's drafts.
+    """
+
+    cheap_drafts = False  # the draft model's steps cost: the acceptance gate decides
+
+    def __init__(self, model: Proposer, lookup: NgramProposer, min_match: int = MIN_MATCH,
+                 min_drafts: int = MIN_DRAFTS, model_min_accepted: float = MODEL_MIN_ACCEPTED,
+                 probe_every: int = PROBE_EVERY):
+        if lookup.num_draft_tokens != model.num_draft_tokens:
+            raise ValueError(f"argument 'lookup' drafts N={lookup.num_draft_tokens} nodes, the "
+                             f"model N={model.num_draft_tokens}: verify needs one tree size")
+        for name, value in (("min_match", min_match), ("min_drafts", min_drafts),
+                            ("probe_every", probe_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"argument '{name}' must be an int >= 1, got {value!r}")
+        if not 0.0 <= model_min_accepted < model.num_draft_tokens:
+            raise ValueError(f"argument 'model_min_accepted' must be in [0, N), got "
+                             f"{model_min_accepted!r}")
+        self.model, self.lookup = model, lookup
+        self.min_match, self.min_drafts = min_match, min_drafts
+        self.model_min_accepted, self.probe_every = model_min_accepted, probe_every
+        self.num_draft_tokens = model.num_draft_tokens
+        self.num_spec_steps = max(model.num_spec_steps, lookup.num_spec_steps)
+        self.needs_target_hidden = model.needs_target_hidden
+        self.engine = model.engine
+        self._sources: Dict[int, _Source] = {}
+        # Request-steps each source drafted and the drafts accepted from them (for reports).
+        self.drafts = {LOOKUP: 0, MODEL: 0}
+        self.accepted = {LOOKUP: 0, MODEL: 0}
+
+    def start(self, request_ids: List[int], contexts: List[List[int]],
+              hidden: Optional[List[Tensor]] = None) -> None:
+        if self.needs_target_hidden:
+            self.model.start(request_ids, contexts, hidden)
+        else:
+            self.model.start(request_ids, contexts)
+        try:
+            self.lookup.start(request_ids, contexts)
+        except BaseException:
+            self.model.finish(request_ids)
+            raise
+        for rid in request_ids:
+            self._sources[rid] = _Source()
+
+    def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
+        found, match_len = self.lookup.propose_with_match(request_ids, seq_lens)
+        use_lookup = ((match_len >= self.min_match)
+                      & (found.num_drafts >= self.min_drafts)).tolist()  # [B]
+        sources = [self._sources[r] for r in request_ids]
+        for s, looked in zip(sources, use_lookup):
+            s.last = LOOKUP if looked else self._model_turn(s)
+            if s.last != NONE:
+                self.drafts[s.last] += 1
+        num_drafts = found.num_drafts.clone()
+        resting = [b for b, s in enumerate(sources) if s.last == NONE]
+        num_drafts[resting] = 0  # a decode step for them, unless others verify drafts
+        found.num_drafts = num_drafts
+        model_rows = [b for b, s in enumerate(sources) if s.last == MODEL]
+        if not model_rows:
+            return found
+        drafted = self.model.propose([request_ids[b] for b in model_rows], seq_lens[model_rows])
+        if len(model_rows) == len(request_ids):
+            return drafted
+        return self._merge(found, drafted, model_rows, seq_lens)
+
+    def commit(self, request_ids: List[int], emitted: List[List[int]],
+               hidden: Optional[List[Tensor]] = None) -> None:
+        if self.needs_target_hidden:
+            self.model.commit(request_ids, emitted, hidden)
+        else:
+            self.model.commit(request_ids, emitted)
+        self.lookup.commit(request_ids, emitted)
+        for rid, toks in zip(request_ids, emitted):
+            s = self._sources[rid]
+            if toks and s.last != NONE:
+                self.accepted[s.last] += len(toks) - 1
+            if toks and s.last == MODEL:
+                s.model_mean = 0.5 * (s.model_mean + len(toks) - 1)
+                if s.model_mean < self.model_min_accepted:
+                    s.rest = self.probe_every
+            s.last = NONE
+
+    def finish(self, request_ids: List[int]) -> None:
+        for rid in request_ids:
+            self._sources.pop(rid, None)
+        try:
+            self.model.finish(request_ids)
+        finally:
+            self.lookup.finish(request_ids)
+
+    def _model_turn(self, s: _Source) -> str:
+        """MODEL while the request's model drafts pay or a probe is due, else NONE."""
+        if s.rest > 0:
+            s.rest -= 1
+            return NONE
+        return MODEL
+
+    def _merge(self, found: DraftTree, drafted: DraftTree, rows: List[int],
+               seq_lens: Tensor) -> DraftTree:
+        """`found` with rows `rows` replaced by `drafted`'s rows (in order); positions and
+        linkage rebuilt from the merged ancestor mask."""
+        bs, n = found.tokens.shape
+        index = torch.tensor(rows, dtype=torch.int64)
+        tokens = found.tokens.clone()
+        tokens[index] = drafted.tokens
+        mask = found.tree_mask.view(bs, n * n).clone()
+        mask[index] = drafted.tree_mask.view(len(rows), n * n)
+        mask = mask.flatten()
+        num_drafts = found.num_drafts.clone()
+        num_drafts[index] = (drafted.num_drafts.to(num_drafts.dtype)
+                             if drafted.num_drafts is not None else n - 1)
+        positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
+        return DraftTree(tokens, mask, positions, ridx, nxt, sib, num_drafts)

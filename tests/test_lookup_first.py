@@ -1,0 +1,189 @@
+"""Prompt lookup in front of a draft model (proposers/lookup_first.py): per request and step,
+a long context repeat drafts its continuation, else the draft model drafts; greedy output stays
+plain greedy whichever drafted, both proposers' state stays in step, nothing leaks."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from specdec_inductor.proposers.lookup_first import LookupFirstProposer  # noqa: E402
+from specdec_inductor.proposers.ngram import NgramProposer  # noqa: E402
+from specdec_inductor.proposers.registry import (  # noqa: E402
+    ProposerConfig, ProposerConfigError, make_proposer, make_target_engine)
+from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats  # noqa: E402
+from specdec_inductor.speculative.tree import DraftTree  # noqa: E402
+from specdec_inductor.testing import write_random_eagle3_checkpoint  # noqa: E402
+
+VOCAB = 96
+
+
+def tiny_llama(seed, layers=4):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def repetitive_prompts(count, seed=2):
+    """Prompts that restate a block of tokens (as structured output restates its input), of
+    different lengths so the batch is ragged."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        block = torch.randint(0, VOCAB, (5 + i,), generator=gen).tolist()
+        out.append(block * 3 + block[:2 + i])
+    return out
+
+
+def _free(*engines):
+    for e in engines:
+        e.pool.check_consistent()
+        assert e.pool.num_free_slots == e.pool.num_slots and not e.pool.live_requests
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lookup")
+    write_random_eagle3_checkpoint(str(root / "eagle3"), tiny_llama(0).config, seed=3,
+                                   layer_ids=[0, 1, 2])
+    return str(root / "eagle3")
+
+
+def _generators(method, head, batch, compile=False, **config_kwargs):
+    """(lookup-first generator, its proposer, the target engine)."""
+    target = tiny_llama(0)
+    config = ProposerConfig(method=method, num_draft_tokens=6, draft_model=head, lookup=True,
+                            **config_kwargs)
+    engine = make_target_engine(config, target, max_batch=batch, max_len=160, compile=compile,
+                                prefill_chunk=16)
+    draft = tiny_llama(7, layers=1) if method == "standalone" else None
+    lines = []
+    proposer = make_proposer(config, engine, draft=draft, log=lines.append)
+    assert isinstance(proposer, LookupFirstProposer) and "lookup" in lines[-1]
+    return SpeculativeGenerator(engine, proposer, min_accepted=0.0), proposer, engine
+
+
+@pytest.mark.parametrize("method,batch", [("eagle3", 1), ("eagle3", 4), ("standalone", 1),
+                                          ("standalone", 3)])
+def test_lookup_first_is_exact_greedy_and_drafts_both_ways(eagle3_head, method, batch):
+    head = eagle3_head if method == "eagle3" else None
+    spec, proposer, engine = _generators(method, head, batch)
+    ps = repetitive_prompts(batch)
+    stats = SpeculativeStats()
+    assert spec.generate(ps, 28, stats=stats) == engine.generate(ps, 28)
+    # Both sources drafted (the prompts' repeats for lookup, the random model's own text for
+    # the draft model), so the catch-up after lookup steps was exercised.
+    assert proposer.drafts["lookup"] > 0 and proposer.drafts["model"] > 0
+    assert stats.verify_steps > 0
+    _free(engine, proposer.engine)
+    assert proposer.lookup.num_requests() == 0
+
+
+def test_compiled_lookup_first_equals_eager_without_recompiles(eagle3_head):
+    spec, proposer, engine = _generators("eagle3", eagle3_head, 2, compile=True)
+    ps = repetitive_prompts(2)
+    want = engine.generate(ps, 16)
+    assert spec.generate(ps, 16) == want
+    with torch.compiler.set_stance("fail_on_recompile"):
+        ps2 = repetitive_prompts(2, seed=9)
+        stats = SpeculativeStats()
+        assert spec.generate(ps2, 16, stats=stats) == engine.generate(ps2, 16)
+        assert stats.recompiles == 0
+    _free(engine, proposer.engine)
+
+
+class _Fixed:
+    """A stand-in draft model: always drafts `tokens` as a chain."""
+
+    needs_target_hidden = False
+    engine = None
+
+    def __init__(self, n):
+        self.num_draft_tokens, self.num_spec_steps = n, n
+        self.calls = []
+
+    def start(self, request_ids, contexts):
+        pass
+
+    def commit(self, request_ids, emitted):
+        pass
+
+    def finish(self, request_ids):
+        pass
+
+    def propose(self, request_ids, seq_lens):
+        from specdec_inductor import ops
+        n, bs = self.num_draft_tokens, len(request_ids)
+        self.calls.append(list(request_ids))
+        mask = torch.tril(torch.ones(n, n, dtype=torch.bool)).flatten().repeat(bs)
+        tokens = torch.arange(50, 50 + n).repeat(bs, 1)
+        pos, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
+        return DraftTree(tokens, mask, pos, ridx, nxt, sib, torch.full((bs,), n - 1))
+
+
+def test_merge_takes_each_row_from_its_source():
+    n = 4
+    model, lookup = _Fixed(n), NgramProposer(n, min_window=1, max_window=4, breadth=(1,))
+    p = LookupFirstProposer(model, lookup, min_match=2, min_drafts=2)
+    repeat, plain = [1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7, 6]
+    p.start([0, 1, 2], [plain, repeat, plain])
+    seq_lens = torch.tensor([3, 7, 3])
+    tree = p.propose([0, 1, 2], seq_lens)
+    assert model.calls == [[0, 2]]  # request 1 drafted by lookup only
+    assert tree.tokens[1].tolist() == [3, 4, 5, 1]  # "1 2 3" seen before: 4 5 1 follow
+    assert tree.tokens[0].tolist() == tree.tokens[2].tolist() == [50, 51, 52, 53]
+    assert p.drafts == {"lookup": 1, "model": 2}
+    p.commit([0, 1, 2], [[50, 7], [4, 5, 1, 9], [11]])  # 1, 3 and 0 drafts accepted
+    assert p.accepted == {"lookup": 3, "model": 1}
+    # The merged linkage is each row's own: a chain of 4 at every row, flat indices b*n + i.
+    assert tree.retrieve_index.tolist() == [[b * n + i for i in range(n)] for b in range(3)]
+    assert tree.positions.view(3, n).tolist() == [[s + i for i in range(n)]
+                                                  for s in seq_lens.tolist()]
+    p.finish([0, 1, 2])
+    assert lookup.num_requests() == 0
+
+
+def test_model_drafts_rest_per_request_while_they_miss_and_probe_again():
+    n = 4
+    model = _Fixed(n)
+    p = LookupFirstProposer(model, NgramProposer(n), model_min_accepted=0.5, probe_every=3)
+    p.start([0, 1], [[9, 8, 7], [6, 5, 4]])
+    seq_lens = torch.tensor([3, 3])
+    fresh = iter(range(10, 1000))  # tokens never repeated: lookup never matches
+
+    def step(accepted_by_request):
+        tree = p.propose([0, 1], seq_lens)
+        p.commit([0, 1], [[next(fresh) for _ in range(a + 1)] for a in accepted_by_request])
+        return tree
+
+    step([0, 2])  # means 0.5 and 1.5: both keep drafting
+    step([0, 2])  # request 0: 0.25 < 0.5, rests 3 steps
+    assert model.calls == [[0, 1], [0, 1]]
+    for _ in range(3):
+        tree = step([0, 2])
+        assert tree.num_drafts.tolist() == [0, n - 1]  # request 0 offers nothing (a decode)
+    assert model.calls[2:] == [[1]] * 3
+    step([3, 2])  # the probe: request 0 drafts again and is accepted (mean 1.6)
+    step([0, 2])
+    assert model.calls[5:] == [[0, 1], [0, 1]]
+    p.finish([0, 1])
+
+
+def test_bad_arguments_are_refused_naming_them(eagle3_head):
+    with pytest.raises(ValueError, match="argument 'lookup'.*N=5.*N=4"):
+        LookupFirstProposer(_Fixed(4), NgramProposer(5))
+    with pytest.raises(ValueError, match="argument 'min_match'"):
+        LookupFirstProposer(_Fixed(4), NgramProposer(4), min_match=0)
+    with pytest.raises(ValueError, match="argument 'min_drafts'"):
+        LookupFirstProposer(_Fixed(4), NgramProposer(4), min_drafts=True)
+    with pytest.raises(ValueError, match="argument 'probe_every'"):
+        LookupFirstProposer(_Fixed(4), NgramProposer(4), probe_every=0)
+    with pytest.raises(ValueError, match="argument 'model_min_accepted'"):
+        LookupFirstProposer(_Fixed(4), NgramProposer(4), model_min_accepted=-1.0)
+    for kwargs in ({"method": "ngram", "lookup": True}, {"method": "none", "lookup": True},
+                   {"method": "eagle3", "lookup": 1}):
+        with pytest.raises(ProposerConfigError, match="argument 'lookup'") as info:
+            ProposerConfig(**kwargs)
+        assert info.value.field == "lookup"
