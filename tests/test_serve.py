@@ -190,16 +190,25 @@ def test_speculative_false_decodes_without_drafts_and_gives_the_same_tokens(tiny
     assert plain == _complete(client, PROMPTS[5], chat=True, max_tokens=24)
 
 
-def test_a_lone_request_decodes_in_the_single_request_batch(tiny):
-    assert [c.capacity for c in tiny.scheduler.lanes[0].cohorts] == [1, 4, 8]
-    stream = tiny.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200,
-                                              temperature=0, stream=True)
-    next(iter(stream))
-    cohorts = tiny.scheduler.lanes[0].cohorts
-    running = tiny.scheduler.inspect(lambda: [(c.capacity, len(c.running))
-                                              for c in cohorts]).result(30)
-    stream.close()
-    assert running == [(1, 1), (4, 0), (8, 0)]
+def test_the_batch_bucket_follows_the_running_requests(tiny):
+    """One lane batch (capacity --max-batch 8); each step takes the smallest bucket that holds
+    its requests: one stream decodes in bucket 1, three in bucket 4."""
+    lane = tiny.scheduler.lanes[0]
+    assert lane.capacity == 8 and lane.batch.capacity == 8
+
+    def state():
+        return tiny.scheduler.inspect(lambda: (lane.batch.bucket, len(lane.running))).result(30)
+
+    streams = []
+    for count, bucket in ((1, 1), (3, 4)):
+        while len(streams) < count:
+            streams.append(tiny.client().completions.create(
+                model=MODEL, prompt=PROMPTS[len(streams)], max_tokens=250, temperature=0,
+                stream=True))
+            next(iter(streams[-1]))  # its first token: it stepped with the others
+        assert state() == (bucket, count)
+    for stream in streams:
+        stream.close()
     tiny.wait_idle()
 
 
