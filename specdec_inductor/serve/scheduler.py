@@ -1,6 +1,7 @@
-"""Continuous batching for `specdec serve`: one thread owns the SpeculativeGenerator(s) and
-their open batches and drives the step API (speculative/loop.py); HTTP handlers only submit
-requests and cancel them, and receive each request's tokens through its `on_delta` callback.
+"""Continuous batching for `specdec serve`: one thread (run's caller: the process's main
+thread; or start's own) owns the SpeculativeGenerator(s) and their open batches and drives the
+step API (speculative/loop.py); HTTP handlers only submit requests and cancel them, and
+receive each request's tokens through its `on_delta` callback.
 
 Between two steps the thread runs, in this order: the test hooks (`inspect`), the retirement of
 cancelled requests (their KV slots are free before anything else is admitted), then admission
@@ -113,10 +114,11 @@ class Lane:
 
 
 class Scheduler:
-    """Owns `engine` (and `proposer`) from start() to stop(). method: the proposer's name (the
-    metrics label); max_batch: requests decoding at once per lane (the full batch's capacity);
-    warmup_prompt: token ids of a scratch request run through every lane before serving (a
-    compiled engine compiles its graphs there, an eager one pays its first-call costs)."""
+    """Owns `engine` (and `proposer`) from start() or run() to stop(). method: the proposer's
+    name (the metrics label); max_batch: requests decoding at once per lane (its batch's
+    capacity); warmup_prompt: token ids of a scratch request run through every lane before
+    serving (a compiled engine compiles its graphs there, an eager one pays its first-call
+    costs); flush: called after each step's on_delta calls (module docstring)."""
 
     def __init__(self, engine, proposer, *, method: str, max_batch: int, max_queue: int,
                  eos_token_id: Optional[int], metrics=None,
