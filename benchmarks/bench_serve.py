@@ -12,12 +12,17 @@ completion tokens. Every server is started first and stays up; the runs then tak
 (repeat -> concurrency -> server) so a drift of the machine's speed hits them alike. tok/s is
 the median over --repeats; latencies pool the repeats' requests. Ratios: vs llama-server at
 the same concurrency, vs our no-speculation server at the same concurrency, and vs the same
-server at concurrency 1 (the scaling).
+server at concurrency 1 (the scaling). The clients run as threads of this process and every
+server in a process of its own, so no server shares its interpreter (or GIL) with the load;
+they do share the machine's cores, alike for every server. Each run line and the table's
+header give the load average (other processes' load makes every tok/s here slower).
 
     bash benchmarks/build_llamacpp.sh      # once (llama-server)
     python benchmarks/bench_serve.py                                  # none, ngram, eagle3
     python benchmarks/bench_serve.py --eager --concurrency 1,4 --prompts 4 --max-tokens 16 \\
         --requests-per-client 1 --repeats 1                           # a quick smoke run
+    python benchmarks/bench_serve.py --methods none,ngram --baseline ../other-checkout
+                                      # same-run A/B of a change: also that checkout's servers
 """
 import argparse
 import os
@@ -81,16 +86,18 @@ class ServerProcess:
         self.log.close()
 
 
-def ours(method: str, args, log_dir: str) -> ServerProcess:
+def ours(method: str, args, log_dir: str, root: Optional[str] = None) -> ServerProcess:
+    """Our server with `method`; root: run another checkout's package (--baseline)."""
     # The console script the package installs next to this interpreter.
     specdec = os.path.join(os.path.dirname(sys.executable), "specdec")
-    cmd = [specdec, "serve", "--port", "{port}",
+    cmd = ["env", f"PYTHONPATH={root}"] if root else []
+    cmd += [specdec, "serve", "--port", "{port}",
            "--method", method, "--max-batch", str(args.max_batch), "--max-len",
            str(args.max_len), "--max-queue", str(4 * max(args.concurrency)),
            "--served-model-name", NAME, "--max-new-tokens", str(args.max_tokens)]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--eager"] if args.eager else []
-    return ServerProcess(f"ours {method}", cmd, log_dir)
+    return ServerProcess(f"{'baseline' if root else 'ours'} {method}", cmd, log_dir)
 
 
 def llama_server(bindir: str, args, log_dir: str) -> ServerProcess:
@@ -203,6 +210,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="llama-server -t (default: cores)")
     p.add_argument("--llamacpp-bin", default=None, help="llama.cpp bin dir (default: build it)")
     p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--baseline", default=None, metavar="CHECKOUT",
+                   help="also serve each method from this checkout of the repository (a "
+                        "same-run A/B of a change: its rows are 'baseline METHOD')")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -218,15 +228,18 @@ def main() -> int:
     bindir = None if args.no_llamacpp else llamacpp_bin(args.llamacpp_bin)
     servers = []
     try:
-        for method in methods:  # one at a time: each compiles (or warms up) on all cores
-            servers.append(ours(method, args, log_dir))
-            print(f"# {servers[-1].label}: up in {servers[-1].up(args.startup_timeout):.0f} s",
-                  flush=True)
+        roots = [None] + ([os.path.abspath(args.baseline)] if args.baseline else [])
+        for root in roots:
+            for method in methods:  # one at a time: each compiles (or warms up) on all cores
+                servers.append(ours(method, args, log_dir, root))
+                print(f"# {servers[-1].label}: up in {servers[-1].up(args.startup_timeout):.0f} s",
+                      flush=True)
         if bindir is not None:
             servers.append(llama_server(bindir, args, log_dir))
             print(f"# llama-server: up in {servers[-1].up(args.startup_timeout):.0f} s", flush=True)
         for server in servers:  # untimed: first-request costs
             one_request(server.base_url, prompts[0], 4)
+        load0 = os.getloadavg()[0]
         runs: Dict[str, Dict[int, List[dict]]] = {s.label: {c: [] for c in args.concurrency}
                                                   for s in servers}
         for _ in range(args.repeats):
@@ -234,7 +247,8 @@ def main() -> int:
                 for server in servers:
                     run = run_load(server, prompts, c, args.requests_per_client, args.max_tokens)
                     runs[server.label][c].append(run)
-                    print(f"# {server.label}, {c} clients: {run['tok_s']:.1f} tok/s", flush=True)
+                    print(f"# {server.label}, {c} clients: {run['tok_s']:.1f} tok/s (load "
+                          f"average {os.getloadavg()[0]:.1f})", flush=True)
     finally:
         for server in servers:
             server.stop()
@@ -243,8 +257,9 @@ def main() -> int:
           f"{os.cpu_count()} cores, torch {torch.__version__}; ours "
           f"{'eager' if args.eager else 'compiled'}; {len(prompts)} held-out prompts, "
           f"{args.requests_per_client} requests per client, max_tokens {args.max_tokens}, greedy, "
-          f"stop at eos; max batch {args.max_batch}; tok/s medians of {args.repeats}; "
-          f"server logs in {log_dir}")
+          f"stop at eos; max batch {args.max_batch}; tok/s medians of {args.repeats}; load "
+          f"average {load0:.1f} before the runs, {os.getloadavg()[0]:.1f} after; server logs "
+          f"in {log_dir}")
     print_table({label: {c: summarize(r) for c, r in rows.items()}
                  for label, rows in runs.items()}, args.concurrency)
     return 0

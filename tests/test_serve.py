@@ -7,7 +7,13 @@ with OpenAI-style errors naming the parameter, each followed by a request that s
 
 The text tests run the default SmolLM2 (its chat template and tokenizer matter); the load tests
 run a tiny random Llama over SmolLM2's tokenizer (its answers are gibberish, but exact)."""
+import asyncio
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -22,8 +28,11 @@ pytest.importorskip("fastapi")
 
 from specdec_inductor import cli  # noqa: E402
 from specdec_inductor.loading import DTYPES, encode, load_checked, model_directory  # noqa: E402
-from specdec_inductor.serve.app import chat_ids  # noqa: E402
+from specdec_inductor.engine.engine import Engine  # noqa: E402
+from specdec_inductor.sampler import SamplingParams  # noqa: E402
+from specdec_inductor.serve.app import Deliveries, chat_ids  # noqa: E402
 from specdec_inductor.serve.launch import build_service, start_in_thread  # noqa: E402
+from specdec_inductor.serve.scheduler import Delta, Scheduler, ServeRequest  # noqa: E402
 from specdec_inductor.testing import write_random_eagle3_checkpoint  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -190,16 +199,25 @@ def test_speculative_false_decodes_without_drafts_and_gives_the_same_tokens(tiny
     assert plain == _complete(client, PROMPTS[5], chat=True, max_tokens=24)
 
 
-def test_a_lone_request_decodes_in_the_single_request_batch(tiny):
-    assert [c.capacity for c in tiny.scheduler.lanes[0].cohorts] == [1, 4, 8]
-    stream = tiny.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200,
-                                              temperature=0, stream=True)
-    next(iter(stream))
-    cohorts = tiny.scheduler.lanes[0].cohorts
-    running = tiny.scheduler.inspect(lambda: [(c.capacity, len(c.running))
-                                              for c in cohorts]).result(30)
-    stream.close()
-    assert running == [(1, 1), (4, 0), (8, 0)]
+def test_the_batch_bucket_follows_the_running_requests(tiny):
+    """One lane batch (capacity --max-batch 8); each step takes the smallest bucket that holds
+    its requests: one stream decodes in bucket 1, three in bucket 4."""
+    lane = tiny.scheduler.lanes[0]
+    assert lane.capacity == 8 and lane.batch.capacity == 8
+
+    def state():
+        return tiny.scheduler.inspect(lambda: (lane.batch.bucket, len(lane.running))).result(30)
+
+    streams = []
+    for count, bucket in ((1, 1), (3, 4)):
+        while len(streams) < count:
+            streams.append(tiny.client().completions.create(
+                model=MODEL, prompt=PROMPTS[len(streams)], max_tokens=250, temperature=0,
+                stream=True))
+            next(iter(streams[-1]))  # its first token: it stepped with the others
+        assert state() == (bucket, count)
+    for stream in streams:
+        stream.close()
     tiny.wait_idle()
 
 
@@ -360,6 +378,131 @@ def test_models_health_metrics_and_unknown_routes(tiny):
         assert name in metrics, name
     assert metrics["specdec_generation_tokens_total"] > 0
     assert metrics['specdec_http_errors_total{status="404"}'] >= 1
+
+
+def test_a_whole_answer_whose_client_left_is_cancelled(tiny):
+    """A non-streamed request's client disconnects while it decodes: the watcher sees it, the
+    request leaves its batch at the next boundary and its slots are free."""
+    lane, scheduler = tiny.scheduler.lanes[0], tiny.scheduler
+    cancelled = 'specdec_requests_total{outcome="cancelled"}'
+    before = tiny.metrics().get(cancelled, 0)
+    body = json.dumps({**_ok(), "max_tokens": 250}).encode()
+    host, port = tiny.base_url.split("//")[1].split("/")[0].split(":")
+    conn = socket.create_connection((host, int(port)))
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 60
+    while not scheduler.inspect(lambda: len(lane.running)).result(30):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    release = threading.Event()
+    held = scheduler.inspect(lambda: release.wait(60))  # the scheduler waits between steps
+    try:
+        conn.close()
+        while not all(r.cancelled for r in list(lane.running.values())):
+            assert time.monotonic() < deadline, "the disconnect was not noticed"
+            time.sleep(0.01)
+    finally:
+        release.set()
+    held.result(30)
+    tiny.wait_idle()
+    assert tiny.metrics()[cancelled] == before + 1
+
+
+def test_deliveries_hand_each_step_over_in_one_call_in_order():
+    """The Deltas of a step reach the event loop in one call_soon_threadsafe, and each request's
+    Deltas keep their order across steps."""
+    calls = []
+
+    class Loop:
+        def call_soon_threadsafe(self, fn, *args):
+            calls.append((fn, args))
+
+    loop, deliveries = Loop(), Deliveries()
+    queues = [asyncio.Queue() for _ in range(3)]
+    for step in range(4):
+        for i, queue in enumerate(queues):
+            deliveries.put(loop, queue, Delta([10 * step + i]))
+        deliveries.flush()
+    deliveries.flush()  # nothing pending: no call
+    assert len(calls) == 4
+    for fn, args in calls:
+        fn(*args)
+    for i, queue in enumerate(queues):
+        assert [queue.get_nowait().tokens for _ in range(4)] == [[10 * s + i] for s in range(4)]
+        assert queue.empty()
+
+
+def test_run_serves_in_the_calling_thread_until_stop(tokenizer):
+    """Scheduler.run (what `specdec serve` calls in its main thread): every step and every
+    on_delta runs in the calling thread, flush follows each step's Deltas, and stop() from
+    another thread ends it with nothing failed."""
+    engine = Engine(_tiny_llama(len(tokenizer)), max_batch=2, max_len=64, compile=False)
+    events, threads, done = [], set(), threading.Event()
+
+    def on_delta(delta):
+        threads.add(threading.current_thread())
+        events.append(delta)
+        if delta.finish_reason is not None:
+            done.set()
+
+    scheduler = Scheduler(engine, None, method="none", max_batch=2, max_queue=4,
+                          eos_token_id=None, flush=lambda: events.append("flush"))
+    errors = []
+
+    def client():
+        try:
+            assert scheduler.ready.wait(60)
+            scheduler.submit(ServeRequest([1, 2, 3], 5, SamplingParams(), on_delta))
+            assert done.wait(60)
+        except Exception as exc:  # noqa: BLE001 -- reported below
+            errors.append(exc)
+        finally:
+            scheduler.stop()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    scheduler.run()
+    thread.join(60)
+    assert not errors and scheduler.failed is None
+    assert threads == {threading.current_thread()}
+    deltas = [e for e in events if e != "flush"]
+    assert sum(len(d.tokens) for d in deltas) == 5 and deltas[-1].finish_reason == "length"
+    for k, event in enumerate(events):  # a flush after every step's Delta
+        if event != "flush":
+            assert "flush" in events[k + 1:k + 2], events
+
+
+def test_specdec_serve_stops_cleanly_on_sigterm():
+    """The CLI server (scheduler in the main thread, uvicorn in a second one): answers, then
+    SIGTERM ends it with status 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "specdec_inductor.cli", "serve", "--eager",
+                             "--port", "0", "--max-batch", "1", "--max-len", "128"],
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        url = None
+        for line in proc.stderr:  # "... at http://127.0.0.1:PORT/v1; loaded in ..."
+            if " at http://" in line:
+                url = line.split(" at ")[1].split(";")[0]
+                break
+        assert url is not None, "no serving line"
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(url[:-3] + "/health")
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+        status, answer = _post(url + "/completions", _ok())
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_a_full_queue_answers_429(tokenizer):

@@ -6,7 +6,7 @@ request, which then leaves its batch at the next step boundary."""
 import asyncio
 import json
 import logging
-from typing import AsyncIterator, List, Optional, Tuple
+from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -35,13 +35,42 @@ def chat_ids(tokenizer, messages: List[dict]) -> List[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+class Deliveries:
+    """Deltas from the scheduler thread to the handlers' event loop: each request's on_delta
+    buffers its Delta (put), and the Scheduler's flush, once per step, hands every loop its
+    Deltas in one call_soon_threadsafe (one wake-up of the loop per step, whatever the number
+    of requests). Both run in the scheduler thread only."""
+
+    def __init__(self):
+        self._pending: Dict[asyncio.AbstractEventLoop, List[Tuple[asyncio.Queue, Delta]]] = {}
+
+    def put(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, delta: Delta) -> None:
+        self._pending.setdefault(loop, []).append((queue, delta))
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for loop, items in pending.items():
+            try:
+                loop.call_soon_threadsafe(_hand_over, items)
+            except RuntimeError:  # the event loop is gone (shutdown)
+                pass
+
+
+def _hand_over(items: List[Tuple[asyncio.Queue, Delta]]) -> None:
+    for queue, delta in items:  # in step order: each request's Deltas stay in order
+        queue.put_nowait(delta)
+
+
 class Service:
     """What the handlers share: the running Scheduler, the tokenizer, the served model's name,
-    the metrics and the max_tokens of a request that gives none."""
+    the metrics, the max_tokens of a request that gives none, and the Deliveries whose flush
+    the scheduler calls."""
 
-    def __init__(self, scheduler, tokenizer, model_name: str, metrics, default_max_tokens: int):
+    def __init__(self, scheduler, tokenizer, model_name: str, metrics, default_max_tokens: int,
+                 deliveries: Deliveries):
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
         self.metrics, self.default_max_tokens = metrics, default_max_tokens
+        self.deliveries = deliveries
 
     # -- a request, checked -------------------------------------------------------------------
     def prompt_ids(self, body, chat: bool) -> List[int]:
@@ -79,10 +108,7 @@ class Service:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def on_delta(delta: Delta) -> None:  # the scheduler thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, delta)
-            except RuntimeError:  # the event loop is gone (shutdown)
-                pass
+            self.deliveries.put(loop, queue, delta)
 
         request = self.serve_request(body, chat, ids, on_delta)
         text = StopText(self.tokenizer, body.stop_strings())
@@ -94,7 +120,9 @@ class Service:
         except RuntimeError as exc:
             raise APIError(503, str(exc), type="server_error") from None
         shape = ResponseShape(chat, self.model_name)
-        pieces = self._pieces(http, request, queue, text)
+        # A streamed answer learns of a disconnect from Starlette, which cancels the stream;
+        # a whole answer from a watcher that polls the connection.
+        pieces = self._pieces(None if body.stream else http, request, queue, text)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._events(shape, pieces, len(ids), text, usage),
@@ -106,14 +134,18 @@ class Service:
             return JSONResponse({}, status_code=499)
         return JSONResponse(shape.full("".join(answer), reason, len(ids), text.tokens_used))
 
-    async def _pieces(self, http: Request, request: ServeRequest, queue: asyncio.Queue,
-                      text: StopText) -> AsyncIterator[Tuple[str, Optional[str]]]:
+    async def _pieces(self, http: Optional[Request], request: ServeRequest,
+                      queue: asyncio.Queue, text: StopText
+                      ) -> AsyncIterator[Tuple[str, Optional[str]]]:
         """(new text, finish_reason on the last piece) as the request's tokens arrive; ends
-        without a finish_reason when the client disconnected. Whatever ends it early (a stop
-        string, a disconnect, an error, a cancelled stream) cancels the request."""
+        without a finish_reason when the client disconnected (http: watched for that, None:
+        the caller learns of it otherwise). Whatever ends it early (a stop string, a
+        disconnect, an error, a cancelled stream) cancels the request."""
+        watcher = (asyncio.ensure_future(_watch_disconnect(http, queue)) if http is not None
+                   else None)
         try:
             while True:
-                delta = await _next_delta(http, queue)
+                delta = await queue.get()
                 if delta is None or delta.finish_reason == CANCELLED:
                     return
                 if delta.error:
@@ -127,6 +159,8 @@ class Service:
                 if piece:
                     yield piece, None
         finally:
+            if watcher is not None:
+                watcher.cancel()
             if not request.finished:
                 self.scheduler.cancel(request)
 
@@ -144,14 +178,11 @@ class Service:
         yield "data: [DONE]\n\n"
 
 
-async def _next_delta(http: Request, queue: asyncio.Queue) -> Optional[Delta]:
-    """The next Delta, or None once the client has disconnected."""
-    while True:
-        try:
-            return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
-                return None
+async def _watch_disconnect(http: Request, queue: asyncio.Queue) -> None:
+    """Put None in the request's queue once its client has disconnected."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    queue.put_nowait(None)
 
 
 def _sse(body: dict) -> str:

@@ -1,6 +1,7 @@
-"""Continuous batching for `specdec serve`: one thread owns the SpeculativeGenerator(s) and
-their open batches and drives the step API (speculative/loop.py); HTTP handlers only submit
-requests and cancel them, and receive each request's tokens through its `on_delta` callback.
+"""Continuous batching for `specdec serve`: one thread (run's caller: the process's main
+thread; or start's own) owns the SpeculativeGenerator(s) and their open batches and drives the
+step API (speculative/loop.py); HTTP handlers only submit requests and cancel them, and
+receive each request's tokens through its `on_delta` callback.
 
 Between two steps the thread runs, in this order: the test hooks (`inspect`), the retirement of
 cancelled requests (their KV slots are free before anything else is admitted), then admission
@@ -17,19 +18,19 @@ the loop's guarantee); a sampled request keeps the target's distribution, but it
 stream depends on the tree sizes its batch verifies, so a seed repeats a request's text only
 under the same load.
 
-A batch keeps one bucket (its capacity's) for its whole life, and every step and prefill
-costs that bucket's rows. So each lane holds a ladder of batches (capacities 1, 4, 16, ...
-up to max_batch: LADDER) and admits a request into the smallest one that holds the lane's
-whole demand (running + waiting) and has room: one client decodes at bucket 1, four at
-bucket 4, and as the load settles its requests gather in the batch that fits it (the smaller
-ones drain as their requests end). While several batches hold requests an iteration steps
-each of them (a burst that starts small pays that until its first requests end). A bucket
-that follows the live count needs the step API to resize a batch between steps (it owns
-the bucket-sized step state).
+Each lane has one batch of capacity max_batch, and before every step the batch takes the
+smallest of the engine's buckets that holds its requests (Batch.fit_bucket): one client
+decodes in bucket 1, sixteen in bucket 16, and requests that arrive one after another share
+one step whatever their count (every bucket's graphs compile in the warm-up).
 
 The step API admits a group with one max_new_tokens: a group shares its largest request's
 budget and the scheduler ends each request at its own max_tokens (it retires the request
 right after the step that reached it, and never hands out tokens past it).
+
+Tokens leave through each request's `on_delta` (called in this thread, once per request and
+step), then one call of `flush` per step: on_delta may only buffer the Delta, and flush hands
+the step's Deltas to the HTTP side together (one event-loop wake-up per step, not per
+request).
 """
 import contextlib
 import logging
@@ -46,9 +47,6 @@ from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
 from specdec_inductor.speculative.loop import ActiveRequest
 
 log = logging.getLogger("specdec.serve")
-
-# Each lane's batch capacities grow by this factor from 1 up to max_batch (module docstring).
-LADDER = 4
 
 # finish_reason of a Delta that ends a request
 STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"
@@ -93,64 +91,41 @@ class ServeRequest:
     last_token_at: Optional[float] = None
 
 
-class Cohort:
-    """One open batch of a lane and the requests running in it."""
+class Lane:
+    """A SpeculativeGenerator, its queue, its open batch (capacity max_batch) and the requests
+    running in it. `extra`: KV positions admission reserves past max_new_tokens (the draft
+    tree)."""
 
-    def __init__(self, lane: "Lane", capacity: int):
-        self.lane, self.capacity = lane, capacity
+    def __init__(self, method: str, generator: SpeculativeGenerator, max_batch: int):
+        self.method, self.generator, self.capacity = method, generator, max_batch
+        self.extra = generator.num_draft_tokens
+        self.stats = SpeculativeStats()
+        self.waiting: Deque[ServeRequest] = deque()
         self.batch = None  # open while the scheduler runs
-        self.running: Dict[ActiveRequest, ServeRequest] = {}
+        self.running: Dict[ActiveRequest, ServeRequest] = {}  # the scheduler thread's
+
+    @property
+    def running_count(self) -> int:
+        return len(self.running)  # other threads read the count only
 
     def room(self) -> int:
         # Every admitted, unretired request (a prompt still prefilling in chunks too).
         return self.capacity - len(self.running)
 
 
-class Lane:
-    """A SpeculativeGenerator, its queue and its cohorts (batches of capacities 1, LADDER,
-    LADDER**2, ... and max_batch). `extra`: KV positions admission reserves past
-    max_new_tokens (the draft tree)."""
-
-    def __init__(self, method: str, generator: SpeculativeGenerator, max_batch: int):
-        self.method, self.generator = method, generator
-        self.extra = generator.num_draft_tokens
-        self.stats = SpeculativeStats()
-        self.waiting: Deque[ServeRequest] = deque()
-        capacities, c = [], 1
-        while c < max_batch:
-            capacities.append(c)
-            c *= LADDER
-        self.cohorts = [Cohort(self, c) for c in capacities + [max_batch]]
-
-    @property
-    def running(self) -> Dict[ActiveRequest, ServeRequest]:
-        """The scheduler thread's view (other threads: running_count)."""
-        return {a: r for c in self.cohorts for a, r in c.running.items()}
-
-    @property
-    def running_count(self) -> int:
-        return sum(len(c.running) for c in self.cohorts)  # no iteration over a changing dict
-
-    def cohort_for_admission(self) -> Optional[Cohort]:
-        """The smallest batch that holds the lane's whole demand (running + waiting) and has
-        room, else the largest with room."""
-        demand = self.running_count + len(self.waiting)
-        fits = [c for c in self.cohorts if c.capacity >= demand and c.room() > 0]
-        return fits[0] if fits else next((c for c in reversed(self.cohorts) if c.room() > 0),
-                                         None)
-
-
 class Scheduler:
-    """Owns `engine` (and `proposer`) from start() to stop(). method: the proposer's name (the
-    metrics label); max_batch: requests decoding at once per lane (the full batch's capacity);
-    warmup_prompt: token ids of a scratch request run through every lane before serving (a
-    compiled engine compiles its graphs there, an eager one pays its first-call costs)."""
+    """Owns `engine` (and `proposer`) from start() or run() to stop(). method: the proposer's
+    name (the metrics label); max_batch: requests decoding at once per lane (its batch's
+    capacity); warmup_prompt: token ids of a scratch request run through every lane before
+    serving (a compiled engine compiles its graphs there, an eager one pays its first-call
+    costs); flush: called after each step's on_delta calls (module docstring)."""
 
     def __init__(self, engine, proposer, *, method: str, max_batch: int, max_queue: int,
                  eos_token_id: Optional[int], metrics=None,
-                 warmup_prompt: Optional[Sequence[int]] = None, warmup_tokens: int = 4):
+                 warmup_prompt: Optional[Sequence[int]] = None, warmup_tokens: int = 4,
+                 flush: Optional[Callable[[], None]] = None):
         self.engine, self.eos_token_id, self.max_queue = engine, eos_token_id, max_queue
-        self.metrics = metrics
+        self.metrics, self.flush = metrics, flush
         self.lanes = [Lane(method if proposer is not None else "none",
                            SpeculativeGenerator(engine, proposer), max_batch)]
         if proposer is not None:
@@ -168,13 +143,26 @@ class Scheduler:
 
     # -- the handlers' side (any thread) -------------------------------------------------------
     def start(self) -> None:
+        """Serve from a background thread (tests, embedding; see run)."""
         self._thread.start()
 
+    def run(self) -> None:
+        """Serve in the calling thread until stop() (or a failure: `failed`). `specdec serve`
+        calls it from the process's main thread, the one that loaded the model: libgomp keeps
+        a thread pool per thread that starts OpenMP regions, and once its pools hold more
+        threads than there are cores every region's workers sleep between regions instead of
+        spinning (a futex wake-up per region, hundreds per step: a compiled 1-row step in a
+        second thread takes ~1.7x the main thread's time on 2 cores)."""
+        self._run()
+
     def stop(self, timeout: Optional[float] = None) -> None:
+        """End serving (from any thread, or a signal handler of the serving thread); waits
+        for start()'s thread when there is one."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join(timeout)
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def lane_for(self, speculative: bool) -> Lane:
         return self.lanes[0] if speculative or len(self.lanes) == 1 else self.lanes[1]
@@ -252,26 +240,22 @@ class Scheduler:
             assert not pool.live_requests, "requests still hold rows"
 
     # -- the scheduler thread ------------------------------------------------------------------
-    @property
-    def _cohorts(self) -> List[Cohort]:
-        return [c for lane in self.lanes for c in lane.cohorts]
-
     def _run(self) -> None:
         try:
             self._warm_up()
             with contextlib.ExitStack() as scopes:
-                for cohort in self._cohorts:
-                    lane = cohort.lane
-                    cohort.batch = scopes.enter_context(lane.generator.batch(cohort.capacity,
-                                                                             lane.stats))
+                for lane in self.lanes:
+                    lane.batch = scopes.enter_context(lane.generator.batch(lane.capacity,
+                                                                           lane.stats))
                 self.ready.set()
                 while self._wait_for_work():
                     self._boundary()
-                    for cohort in self._cohorts:
-                        if cohort.running:
-                            self._step(cohort)
+                    for lane in self.lanes:
+                        if lane.running:
+                            self._step(lane)
         except BaseException as exc:  # noqa: BLE001 -- reported to every waiting client
-            log.exception("the scheduler stopped")
+            if not isinstance(exc, KeyboardInterrupt):  # interrupted while warming up
+                log.exception("the scheduler stopped")
             self.failed = exc
         finally:
             self._fail_all("the server is shutting down" if self.failed is None
@@ -279,25 +263,29 @@ class Scheduler:
             self.ready.set()
 
     def _warm_up(self) -> None:
-        """Scratch requests through every batch of every lane, so their graphs compile before
-        serving: on a compiled engine in groups of every bucket size up to the batch's
-        capacity too (a draft model's steps take the bucket of the live requests' count)."""
+        """Scratch requests through every lane in groups of every bucket size, so the graphs
+        the batch's buckets step with (and a draft model's, which take the live count's
+        bucket) compile before serving; an eager engine pays its first-call costs once.
+        compile_verify runs the largest bucket first: the policies' step costs stay those it
+        measures last, at bucket 1 (as `specdec generate` measures them)."""
         if self._warmup is None:
             return
         prompt, tokens = self._warmup
-        for cohort in self._cohorts:
-            gen = cohort.lane.generator
-            gen.compile_verify(batch_size=cohort.capacity)
-            sizes = ([b for b in self.engine.buckets if b <= cohort.capacity]
-                     if self.engine.compiled else [1])
+        sizes = self.engine.buckets if self.engine.compiled else [1]
+        for lane in self.lanes:
+            gen = lane.generator
+            for size in reversed(sizes):
+                gen.compile_verify(batch_size=size)
             for size in sizes:
-                with gen.batch(cohort.capacity) as batch:
-                    gen.admit(batch, [prompt] * size, tokens + gen.num_draft_tokens)
+                with gen.batch(lane.capacity) as batch:
+                    gen.admit(batch, [prompt] * size, tokens + gen.num_draft_tokens,
+                              prefill_chunk=self.engine.prefill_chunk)
                     while batch.live:
+                        batch.fit_bucket(self.engine)
                         gen.step(batch)
 
     def _busy(self) -> bool:
-        return any(c.running for c in self._cohorts)
+        return any(lane.running for lane in self.lanes)
 
     def _wait_for_work(self) -> bool:
         """Block until there is something to do; move new requests into their lanes and run
@@ -320,24 +308,24 @@ class Scheduler:
         return True
 
     def _boundary(self) -> None:
-        for cohort in self._cohorts:
-            cancelled = [a for a, r in cohort.running.items() if r.cancelled]
-            if cancelled:
-                self._retire(cohort, cancelled)
-                for a in cancelled:
-                    self._end(cohort.running.pop(a), CANCELLED)
         for lane in self.lanes:
+            cancelled = [a for a, r in lane.running.items() if r.cancelled]
+            if cancelled:
+                self._retire(lane, cancelled)
+                for a in cancelled:
+                    self._end(lane.running.pop(a), CANCELLED)
             for request in [r for r in lane.waiting if r.cancelled]:
                 lane.waiting.remove(request)
                 self._dequeued(1)
                 self._end(request, CANCELLED)
             self._admit_waiting(lane)
+        self._flush()
 
-    def _next_group(self, lane: Lane, cohort: Cohort) -> Tuple[List[ServeRequest], int]:
-        """The longest head of the lane's queue that fits the cohort now, and its shared
+    def _next_group(self, lane: Lane) -> Tuple[List[ServeRequest], int]:
+        """The longest head of the lane's queue that fits its batch now, and its shared
         max_new_tokens (the loop reserves prompt + max_new_tokens + extra slots per request)."""
         pool = self.engine.pool
-        rows = min(pool.num_free_rows, cohort.room())
+        rows = min(pool.num_free_rows, lane.room())
         group: List[ServeRequest] = []
         longest = most = prompt_slots = 0
         for request in lane.waiting:
@@ -353,14 +341,13 @@ class Scheduler:
 
     def _admit_waiting(self, lane: Lane) -> None:
         while lane.waiting:
-            cohort = lane.cohort_for_admission()
-            group, most = self._next_group(lane, cohort) if cohort is not None else ([], 0)
+            group, most = self._next_group(lane)
             if not group:
                 return
             try:
                 # Prompts prefill one engine chunk per step, between the other requests'
                 # steps, so a long prompt does not stall the batch (the prefill graph's T).
-                actives = lane.generator.admit(cohort.batch, [r.prompt for r in group], most,
+                actives = lane.generator.admit(lane.batch, [r.prompt for r in group], most,
                                                [r.sampling for r in group], self.eos_token_id,
                                                prefill_chunk=self.engine.prefill_chunk)
             except PoolExhaustedError:
@@ -376,27 +363,30 @@ class Scheduler:
             for request, active in zip(group, actives):
                 lane.waiting.popleft()
                 request.active = active
-                cohort.running[active] = request
+                lane.running[active] = request
             self._dequeued(len(group))
             for request, active in zip(group, actives):
                 self._deliver(request, active.tokens, now)
-            self._retire_finished(cohort)
+            self._retire_finished(lane)
 
-    def _step(self, cohort: Cohort) -> None:
+    def _step(self, lane: Lane) -> None:
         try:
-            emitted = cohort.lane.generator.step(cohort.batch)
+            lane.batch.fit_bucket(self.engine)
+            emitted = lane.generator.step(lane.batch)
         except Exception as exc:  # noqa: BLE001 -- its requests fail, the server serves on
             log.exception("a step failed")
-            failed = list(cohort.running)
+            failed = list(lane.running)
             with contextlib.suppress(Exception):
-                self._retire(cohort, failed)
+                self._retire(lane, failed)
             for a in failed:
-                self._end(cohort.running.pop(a), ERROR, f"decoding failed: {exc}")
+                self._end(lane.running.pop(a), ERROR, f"decoding failed: {exc}")
+            self._flush()
             return
         now = time.perf_counter()
         for active, tokens in emitted.items():
-            self._deliver(cohort.running[active], tokens, now)
-        self._retire_finished(cohort)
+            self._deliver(lane.running[active], tokens, now)
+        self._flush()
+        self._retire_finished(lane)
 
     def _deliver(self, request: ServeRequest, tokens: List[int], now: float) -> None:
         """Hand out a step's tokens, cut at the request's own max_tokens."""
@@ -420,16 +410,20 @@ class Scheduler:
         if reason is not None and self.metrics is not None:
             self.metrics.request_ended(reason)
 
-    def _retire_finished(self, cohort: Cohort) -> None:
-        done = [a for a, r in cohort.running.items() if r.finished]
+    def _flush(self) -> None:
+        if self.flush is not None:
+            self.flush()
+
+    def _retire_finished(self, lane: Lane) -> None:
+        done = [a for a, r in lane.running.items() if r.finished]
         if done:
-            self._retire(cohort, done)
+            self._retire(lane, done)
             for a in done:
-                del cohort.running[a]
+                del lane.running[a]
 
     @staticmethod
-    def _retire(cohort: Cohort, actives: List[ActiveRequest]) -> None:
-        cohort.lane.generator.retire(cohort.batch, *actives)
+    def _retire(lane: Lane, actives: List[ActiveRequest]) -> None:
+        lane.generator.retire(lane.batch, *actives)
 
     def _fail_group(self, lane: Lane, group: List[ServeRequest], message: str) -> None:
         for request in group:
@@ -459,8 +453,8 @@ class Scheduler:
                            for r in list(lane.waiting) + list(lane.running.values())]
         for lane in self.lanes:
             lane.waiting.clear()
-            for cohort in lane.cohorts:
-                cohort.running.clear()
+            lane.running.clear()
         for request in pending:
             if not request.finished:
                 self._end(request, ERROR, message)
+        self._flush()

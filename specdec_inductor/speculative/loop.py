@@ -151,6 +151,25 @@ class Batch:
         """Request b is done: its row becomes padding, so no later step writes its KV."""
         self.req_rows[b] = self.padding_row
 
+    @torch.inference_mode()
+    def fit_bucket(self, engine) -> None:
+        """Between steps: step in the smallest of the engine's buckets that holds the batch's
+        requests (decoding and prefilling), so a batch whose capacity is larger than its load
+        does not pay for padding rows. Rows keep their requests; the step state is copied
+        into tensors of the new bucket. Each bucket runs its own compiled graphs."""
+        bucket = engine.bucket_for(max(1, self.size))
+        if bucket == self.bucket:
+            return
+        n = len(self.requests)
+        for name, fill in (("req_rows", self.padding_row), ("seq_lens", 1), ("roots", 0)):
+            old = getattr(self, name)
+            new = torch.full((bucket,), fill, dtype=old.dtype)
+            new[:n] = old[:n]
+            setattr(self, name, new)
+        self.bucket = bucket
+        self._verify_inputs = {}
+        self._membership_changed()
+
 
 def _cost(name: str, doc: str) -> property:
     """A StepCosts field read and set through the generator (benchmarks and tests do)."""
