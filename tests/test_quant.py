@@ -16,12 +16,12 @@ from torch.library import opcheck
 import specdec_inductor
 from specdec_inductor.ops import (QuantFormat, quant_block, quant_dequantize, quant_embedding,
                                   quant_linear, quant_row_bytes)
-from specdec_inductor.ops.quant import QuantActivation
+from specdec_inductor.ops.quant import FILE_FORMATS, QuantActivation
 from specdec_inductor.ops.reference import (quant_dequantize_ref, quant_embedding_ref,
                                             quant_linear_int8_terms_ref, quant_linear_ref)
 
 PATHS = specdec_inductor.runnable_isas()
-FORMATS = list(QuantFormat)
+FORMATS = FILE_FORMATS  # the repacked layouts: tests/test_quant_repack.py
 # Byte offsets of each format's fp16 fields (d, and m / dmin) inside a block.
 F16_FIELDS = {
     QuantFormat.Q4_0: [0], QuantFormat.Q4_1: [0, 2], QuantFormat.Q5_0: [0], QuantFormat.Q5_1: [0, 2],
