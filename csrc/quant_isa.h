@@ -50,7 +50,7 @@ inline bool quant_format_info(int fmt, QuantFormatInfo* info) {
     case QuantFmt::Q5_K: *info = {256, 176}; return true;
     case QuantFmt::Q6_K: *info = {256, 210}; return true;
     case QuantFmt::Q4_K_R16: *info = {256, 148, 16}; return true;
-    case QuantFmt::Q6_K_R16: *info = {256, 210, 16}; return true;
+    case QuantFmt::Q6_K_R16: *info = {256, 212, 16}; return true;
   }
   return false;
 }

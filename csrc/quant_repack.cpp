@@ -8,7 +8,7 @@
 namespace specdec {
 namespace {
 
-constexpr int64_t kQ4Chunk = 16 * 148, kQ6Chunk = 16 * 210;
+constexpr int64_t kQ4Chunk = 16 * 148, kQ6Chunk = 16 * 212;
 
 // Q4_K / Q5_K's 12 scale bytes from the 8 6-bit scales and mins (the inverse of k_scale_min:
 // every one of the 96 bits is a bit of one value, so this gives back the file's bytes).
@@ -45,12 +45,12 @@ void q6_set_quants(const uint8_t* u, uint8_t* p) {
 // Byte offset in a Q6_K_R16 chunk of lane r's ql / qh byte for weight k (and the qh bit shift).
 int64_t q6_ql_at(int k, int r) {
   const int p = k / 64, t = (k % 32) / 4, i = k % 4;
-  return 288 + ((p * 8 + t) * 16 + r) * 4 + i;
+  return 320 + ((p * 8 + t) * 16 + r) * 4 + i;
 }
 int64_t q6_qh_at(int k, int r, int* shift) {
   const int p = k / 64, h = (k % 64) / 32, t = (k % 32) / 4, i = k % 4;
   *shift = 2 * (2 * (p % 2) + h);
-  return 2336 + (((p / 2) * 8 + t) * 16 + r) * 4 + i;
+  return 2368 + (((p / 2) * 8 + t) * 16 + r) * 4 + i;
 }
 
 void q4_repack_block(const uint8_t* const* rows, uint8_t* c) {
@@ -83,12 +83,12 @@ void q4_unpack_block(const uint8_t* c, int r, uint8_t* p) {
 }
 
 void q6_repack_block(const uint8_t* const* rows, uint8_t* c) {
-  std::memset(c + 288, 0, kQ6Chunk - 288);
+  std::memset(c, 0, kQ6Chunk);  // the quants' bits are or-ed in; the padding stays zero
   uint8_t u[256];
   for (int r = 0; r < 16; ++r) {
     const uint8_t* p = rows[r];
     std::memcpy(c + 2 * r, p + 208, 2);
-    for (int g = 0; g < 16; ++g) c[32 + (g / 2) * 32 + 2 * r + g % 2] = p[192 + g];
+    for (int g = 0; g < 16; ++g) c[64 + (g / 2) * 32 + 2 * r + g % 2] = p[192 + g];
     q6_quants(p, u);
     for (int k = 0; k < 256; ++k) {
       const int64_t lo_shift = ((k % 64) / 32) * 4;
@@ -109,7 +109,7 @@ void q6_unpack_block(const uint8_t* c, int r, uint8_t* p) {
     u[k] = static_cast<uint8_t>(lo | hi << 4);
   }
   q6_set_quants(u, p);
-  for (int g = 0; g < 16; ++g) p[192 + g] = c[32 + (g / 2) * 32 + 2 * r + g % 2];
+  for (int g = 0; g < 16; ++g) p[192 + g] = c[64 + (g / 2) * 32 + 2 * r + g % 2];
   std::memcpy(p + 208, c + 2 * r, 2);
 }
 

@@ -12,12 +12,15 @@
 //     [192, 320)   u8 mn[4][16][2]       the same for the 6-bit mins
 //     [320, 2368)  u8 qs[4][8][16][4]    (j, t, r, i) = the file row's qs[32j + 4t + i]: low nibble
 //                  weight 64j + 4t + i (sub-block 2j), high nibble weight 64j + 32 + 4t + i
-//   Q6_K_R16 chunk (3360 B = 16 x 210), u[k] = the 6-bit quant of weight k (0..63, wq = u - 32):
+//   Q6_K_R16 chunk (3392 B = 16 x 212, 53 cache lines; the padding puts every 64-byte vector of
+//   quants on a cache line of a 64-byte aligned tensor: split loads made the kernel memory-latency
+//   bound), u[k] = the 6-bit quant of weight k (0..63, wq = u - 32):
 //     [0, 32)      fp16 d[16]
-//     [32, 288)    i8 sc[8][16][2]       pair e, lane r: the int8 scales of 16-weight groups 2e, 2e + 1
-//     [288, 2336)  u8 ql[4][8][16][4]    (p, t, r, i): low nibble u[64p + 4t + i] & 15, high nibble
+//     [32, 64)     zero padding
+//     [64, 320)    i8 sc[8][16][2]       pair e, lane r: the int8 scales of 16-weight groups 2e, 2e + 1
+//     [320, 2368)  u8 ql[4][8][16][4]    (p, t, r, i): low nibble u[64p + 4t + i] & 15, high nibble
 //                  u[64p + 32 + 4t + i] & 15
-//     [2336, 3360) u8 qh[2][8][16][4]    (c, t, r, i): bits 2(2a + h) .. +1 = u[64p + 32h + 4t + i] >> 4
+//     [2368, 3392) u8 qh[2][8][16][4]    (c, t, r, i): bits 2(2a + h) .. +1 = u[64p + 32h + 4t + i] >> 4
 //                  for p = 2c + a (a, h in {0, 1})
 // Raw-pointer functions (no ATen): portable ones in quant_repack.cpp, the kernel in
 // quant_repack_avx512vnni.cpp.

@@ -40,6 +40,15 @@ inline __m512i pairs_i8(const uint8_t* p) {
 inline __m512i even_member(__m512i pairs) { return _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16); }
 inline __m512i odd_member(__m512i pairs) { return _mm512_srai_epi32(pairs, 16); }
 
+// The chunk two blocks ahead into L1 (a group's chunks, and the next group's, are contiguous):
+// the unpacking reads a chunk in two streams (Q6_K: low and high bits), which the hardware
+// prefetchers alone leave latency-bound on a single thread.
+template <int64_t kChunk>
+inline void prefetch_ahead(const uint8_t* chunk) {
+  for (int64_t off = 0; off < kChunk; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(chunk + 2 * kChunk + off), _MM_HINT_T0);
+}
+
 // acc[i] += lane-wise block result, the float tail shared by both formats: acc + I * (d * d_x).
 inline __m512 scale_add(__m512i isum, __m512 d, float dx, __m512 acc) {
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc);
@@ -51,6 +60,7 @@ void q4_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
   const __m512i nib = _mm512_set1_epi8(15);
   for (int64_t c = 0; c < blocks; ++c) {
     const uint8_t* p = group + c * (16 * 148);
+    prefetch_ahead<16 * 148>(p);
     __m512i isum[MB], imin[MB];
     for (int i = 0; i < MB; ++i) isum[i] = imin[i] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
@@ -93,53 +103,61 @@ void q4_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
 
 // Bits 2 * sel .. + 1 of each byte moved to bits 4-5 (other bits cleared). 16-bit shifts: the
 // bits that cross into the neighbouring byte land outside 0x30.
-inline __m512i q6_high_bits(__m512i v, int sel) {
+template <int kSel>
+inline __m512i q6_high_bits(__m512i v) {
   const __m512i mask = _mm512_set1_epi8(0x30);
-  switch (sel) {
-    case 0: return _mm512_and_si512(_mm512_slli_epi16(v, 4), mask);
-    case 1: return _mm512_and_si512(_mm512_slli_epi16(v, 2), mask);
-    case 2: return _mm512_and_si512(v, mask);
-    default: return _mm512_and_si512(_mm512_srli_epi16(v, 2), mask);
+  if constexpr (kSel < 2) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - 2 * kSel), mask);
+  else if constexpr (kSel == 2) return _mm512_and_si512(v, mask);
+  else return _mm512_and_si512(_mm512_srli_epi16(v, 2), mask);
+}
+
+// Q6_K, pair P of 64 weights of block c, for MB rows of x: per half th of each 32 (quads
+// t = 4th .. 4th + 3), the 16-weight groups 4P + th (half 0) and 4P + 2 + th (half 1), their
+// sums times their scales into isum.
+template <int MB, int P>
+inline void q6_pair(const uint8_t* ch, const XRow* x, int64_t c, __m512i* isum) {
+  const __m512i nib = _mm512_set1_epi8(15);
+  constexpr int kSel = 2 * (P % 2);  // qh bits of half 0; half 1's are the next two
+  for (int th = 0; th < 2; ++th) {
+    __m512i s0[MB], s1[MB];
+    for (int i = 0; i < MB; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
+    for (int t = 4 * th; t < 4 * th + 4; ++t) {
+      const __m512i l = _mm512_loadu_si512(ch + 320 + (P * 8 + t) * 64);
+      const __m512i h = _mm512_loadu_si512(ch + 2368 + ((P / 2) * 8 + t) * 64);
+      const __m512i u0 = _mm512_or_si512(_mm512_and_si512(l, nib), q6_high_bits<kSel>(h));
+      const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), nib),
+                                         q6_high_bits<kSel + 1>(h));
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* q = x[i].q + 256 * c + 64 * P + 4 * t;
+        s0[i] = _mm512_dpbusd_epi32(s0[i], u0, bcast4(q));
+        s1[i] = _mm512_dpbusd_epi32(s1[i], u1, bcast4(q + 32));
+      }
+    }
+    // Groups 4P + th and 4P + 2 + th: members th of scale pairs 2P and 2P + 1.
+    const __m512i pair0 = pairs_i8(ch + 64 + 32 * (2 * P)), pair1 = pairs_i8(ch + 64 + 32 * (2 * P + 1));
+    const __m512i sc0 = th ? odd_member(pair0) : even_member(pair0);
+    const __m512i sc1 = th ? odd_member(pair1) : even_member(pair1);
+    for (int i = 0; i < MB; ++i)
+      isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(s0[i], sc0),
+                                                           _mm512_mullo_epi32(s1[i], sc1)));
   }
 }
 
-// Q6_K: MB rows of x against one group, all K. Per pair p of 64 weights and half th of each 32
-// (quads t = 4th .. 4th + 3), the two 16-weight groups 4p + th (half 0) and 4p + 2 + th (half 1).
+// Q6_K: MB rows of x against one group, all K.
 template <int MB>
 void q6_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) {
-  const __m512i nib = _mm512_set1_epi8(15);
   for (int64_t c = 0; c < blocks; ++c) {
-    const uint8_t* ch = group + c * (16 * 210);
+    const uint8_t* ch = group + c * (16 * 212);
+    prefetch_ahead<16 * 212>(ch);
     __m512i isum[MB], corr[MB];
     for (int i = 0; i < MB; ++i) isum[i] = corr[i] = _mm512_setzero_si512();
-    for (int p = 0; p < 4; ++p) {
-      for (int th = 0; th < 2; ++th) {
-        __m512i s0[MB], s1[MB];  // 16-weight group sums of halves 0 and 1
-        for (int i = 0; i < MB; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
-        for (int t = 4 * th; t < 4 * th + 4; ++t) {
-          const __m512i l = _mm512_loadu_si512(ch + 288 + (p * 8 + t) * 64);
-          const __m512i h = _mm512_loadu_si512(ch + 2336 + ((p / 2) * 8 + t) * 64);
-          const __m512i u0 = _mm512_or_si512(_mm512_and_si512(l, nib), q6_high_bits(h, 2 * (p % 2)));
-          const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), nib),
-                                             q6_high_bits(h, 2 * (p % 2) + 1));
-          for (int i = 0; i < MB; ++i) {
-            const int8_t* q = x[i].q + 256 * c + 64 * p + 4 * t;
-            s0[i] = _mm512_dpbusd_epi32(s0[i], u0, bcast4(q));
-            s1[i] = _mm512_dpbusd_epi32(s1[i], u1, bcast4(q + 32));
-          }
-        }
-        // Groups 4p + th and 4p + 2 + th: members th of scale pairs 2p and 2p + 1.
-        const __m512i pair0 = pairs_i8(ch + 32 + 32 * (2 * p)), pair1 = pairs_i8(ch + 32 + 32 * (2 * p + 1));
-        const __m512i sc0 = th ? odd_member(pair0) : even_member(pair0);
-        const __m512i sc1 = th ? odd_member(pair1) : even_member(pair1);
-        for (int i = 0; i < MB; ++i)
-          isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(s0[i], sc0),
-                                                               _mm512_mullo_epi32(s1[i], sc1)));
-      }
-    }
+    q6_pair<MB, 0>(ch, x, c, isum);
+    q6_pair<MB, 1>(ch, x, c, isum);
+    q6_pair<MB, 2>(ch, x, c, isum);
+    q6_pair<MB, 3>(ch, x, c, isum);
     // wq = u - 32: I = sum_g sc[g] * (dot_u - 32 * sum of the group's 16 quants).
     for (int e = 0; e < 8; ++e) {
-      const __m512i sc = pairs_i8(ch + 32 + 32 * e);
+      const __m512i sc = pairs_i8(ch + 64 + 32 * e);
       for (int i = 0; i < MB; ++i) {
         int32_t s2;
         std::memcpy(&s2, x[i].bsum16 + 16 * c + 2 * e, 4);

@@ -65,13 +65,19 @@ def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
     return np.arange(num_rows).reshape(num_heads, dim, 2).swapaxes(2, 1).reshape(num_rows)
 
 
+# File formats repacked at load for INT8 on VNNI. Q6_K_R16 exists and is exact, but its kernel
+# read Q6_K at 0.55-0.7x the file layout's speed at one row (1.1-1.5x at 8; docs/decisions.md),
+# so Q6_K layers keep the file's rows.
+REPACKED_AT_LOAD = (QuantFormat.Q4_K,)
+
+
 def kernel_layout(weight: Tensor, fmt, activation) -> Tuple[Tensor, QuantFormat]:
-    """(weight, fmt) in the layout quant_linear reads fastest with `activation`: Q4_K / Q6_K rows
-    interleaved in 16-row groups (QuantFormat.*_R16, a new tensor) where INT8 runs the AVX-512
+    """(weight, fmt) in the layout quant_linear reads fastest with `activation`: Q4_K rows
+    interleaved in 16-row groups (QuantFormat.Q4_K_R16, a new tensor) where INT8 runs the AVX-512
     VNNI kernel and N is a multiple of 16; the given file rows everywhere else (FLOAT, AVX2,
-    portable), unchanged."""
+    portable, other formats), unchanged."""
     fmt = QuantFormat(int(fmt))
-    packed = repacked_format(fmt)
+    packed = repacked_format(fmt) if fmt in REPACKED_AT_LOAD else None
     if (packed is None or QuantActivation(int(activation or 0)) != QuantActivation.INT8
             or weight.shape[0] % group_rows(packed) or int8_path(packed) != "avx512"):
         return weight, fmt
@@ -332,8 +338,8 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
     embedding's own bytes. `model.quantized_formats` counts the tensors kept per format.
     `activation`: the QuantLinear layers' QuantActivation (None: FLOAT, exact weights and fp32
     products; INT8: 8-bit activations as llama.cpp); `model.quant_activation` records it. With
-    INT8 where the VNNI kernel runs, Q4_K / Q6_K layers are repacked at load into their 16-row
-    interleaved layouts (kernel_layout; `model.quantized_formats` counts them under their *_R16
+    INT8 where the VNNI kernel runs, Q4_K layers are repacked at load into their 16-row
+    interleaved layout (kernel_layout; `model.quantized_formats` counts them under their *_R16
     name) and the file's pages are dropped from this process's mapping."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer

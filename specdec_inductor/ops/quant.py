@@ -113,7 +113,7 @@ _BLOCKS = {
     QuantFormat.Q5_K: (256, 176),
     QuantFormat.Q6_K: (256, 210),
     QuantFormat.Q4_K_R16: (256, 148),  # bytes per block and weight row (unpacked 6-bit scales)
-    QuantFormat.Q6_K_R16: (256, 210),
+    QuantFormat.Q6_K_R16: (256, 212),  # 32 bytes of padding per 16 rows (64-byte aligned chunks)
 }
 
 

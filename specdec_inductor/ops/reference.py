@@ -488,8 +488,9 @@ def quant_repack_ref(weight: Tensor, fmt) -> Tensor:
         ql = (u[:, :, :, :, 0] & 15) | (u[:, :, :, :, 1] & 15) << 4  # [G, 16, nb, p, t, i]
         hi = (u >> 4).reshape(g, 16, nb, 2, 2, 2, 8, 4)  # [G, 16, nb, c, a, h, t, i]
         qh = sum(hi[:, :, :, :, a, h] << 2 * (2 * a + h) for a in range(2) for h in range(2))
-        parts = [_lanes(c[..., 208:210]), _pairs(c[..., 192:208]),
-                 _quads(ql.reshape(g, 16, nb, -1), 4), _quads(qh.reshape(g, 16, nb, -1), 2)]
+        parts = [_lanes(c[..., 208:210]), torch.zeros(g, nb, 32, dtype=torch.int64),  # padding
+                 _pairs(c[..., 192:208]), _quads(ql.reshape(g, 16, nb, -1), 4),
+                 _quads(qh.reshape(g, 16, nb, -1), 2)]
     out = torch.cat([p.reshape(g, nb, -1) for p in parts], -1)  # [G, nb, chunk]
     return out.reshape(g, -1).to(torch.uint8)
 
@@ -502,7 +503,7 @@ def quant_unpack_ref(weight: Tensor, fmt) -> Tensor:
     fmt = QuantFormat(int(fmt))
     q4 = fmt == QuantFormat.Q4_K_R16
     g = weight.shape[0]
-    ch = weight.reshape(g, -1, 16 * (148 if q4 else 210)).long()  # [G, nb, chunk]
+    ch = weight.reshape(g, -1, 16 * (148 if q4 else 212)).long()  # [G, nb, chunk]
     nb = ch.shape[1]
     rows = lambda x: x.reshape(g, nb, 16, -1).transpose(1, 2)  # noqa: E731  [G, nb, 16, n] -> [G, 16, nb, n]
     unquads = lambda x, outer: x.reshape(g, nb, outer, 8, 16, 4).permute(0, 4, 1, 2, 3, 5).reshape(g, 16, nb, -1)  # noqa: E731
@@ -514,9 +515,9 @@ def quant_unpack_ref(weight: Tensor, fmt) -> Tensor:
                             (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4], -1)
         blocks = torch.cat([d, dmin, scales, unquads(ch[..., 320:2368], 4)], -1)
     else:
-        d, sc = rows(ch[..., 0:32]), unpairs(ch[..., 32:288], 16)
-        ql = unquads(ch[..., 288:2336], 4).reshape(g, 16, nb, 4, 1, 8, 4)
-        qh = unquads(ch[..., 2336:3360], 2).reshape(g, 16, nb, 2, 1, 1, 8, 4)
+        d, sc = rows(ch[..., 0:32]), unpairs(ch[..., 64:320], 16)
+        ql = unquads(ch[..., 320:2368], 4).reshape(g, 16, nb, 4, 1, 8, 4)
+        qh = unquads(ch[..., 2368:3392], 2).reshape(g, 16, nb, 2, 1, 1, 8, 4)
         lo = torch.cat([ql & 15, ql >> 4], 4)  # [G, 16, nb, p, half, t, i]
         shifts = (2 * (2 * torch.arange(2)[:, None] + torch.arange(2))).reshape(1, 1, 1, 1, 2, 2, 1, 1)
         hi = ((qh >> shifts) & 3).reshape(g, 16, nb, 4, 2, 8, 4)  # [G, 16, nb, p (= 2c + a), h, t, i]
