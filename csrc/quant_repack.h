@@ -13,8 +13,8 @@
 //     [320, 2368)  u8 qs[4][8][16][4]    (j, t, r, i) = the file row's qs[32j + 4t + i]: low nibble
 //                  weight 64j + 4t + i (sub-block 2j), high nibble weight 64j + 32 + 4t + i
 //   Q6_K_R16 chunk (3392 B = 16 x 212, 53 cache lines; the padding puts every 64-byte vector of
-//   quants on a cache line of a 64-byte aligned tensor: split loads made the kernel memory-latency
-//   bound), u[k] = the 6-bit quant of weight k (0..63, wq = u - 32):
+//   quants on one cache line of a 64-byte aligned tensor, no split loads), u[k] = the 6-bit quant
+//   of weight k (0..63, wq = u - 32):
 //     [0, 32)      fp16 d[16]
 //     [32, 64)     zero padding
 //     [64, 320)    i8 sc[8][16][2]       pair e, lane r: the int8 scales of 16-weight groups 2e, 2e + 1

@@ -19,9 +19,10 @@
 namespace specdec {
 namespace {
 
-inline __m512i bcast4(const int8_t* q) {
+// The 4 bytes at p (4 activation quants, or 2 int16 block sums) in every int32 lane.
+inline __m512i bcast4(const void* p) {
   int32_t v;
-  std::memcpy(&v, q, 4);
+  std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
 }
 
@@ -85,11 +86,7 @@ void q4_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
     // Mins: sum_s mn[s] * (sum of the 32 quants of sub-block s), pairs of sub-blocks per vpdpwssd.
     for (int e = 0; e < 4; ++e) {
       const __m512i mn = pairs_u8(p + 192 + 32 * e);
-      for (int i = 0; i < MB; ++i) {
-        int32_t s2;
-        std::memcpy(&s2, x[i].bsum32 + 8 * c + 2 * e, 4);
-        imin[i] = _mm512_dpwssd_epi32(imin[i], mn, _mm512_set1_epi32(s2));
-      }
+      for (int i = 0; i < MB; ++i) imin[i] = _mm512_dpwssd_epi32(imin[i], mn, bcast4(x[i].bsum32 + 8 * c + 2 * e));
     }
     const __m512 d = f16x16(p), dmin = f16x16(p + 32);
     for (int i = 0; i < MB; ++i) {
@@ -158,11 +155,7 @@ void q6_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
     // wq = u - 32: I = sum_g sc[g] * (dot_u - 32 * sum of the group's 16 quants).
     for (int e = 0; e < 8; ++e) {
       const __m512i sc = pairs_i8(ch + 64 + 32 * e);
-      for (int i = 0; i < MB; ++i) {
-        int32_t s2;
-        std::memcpy(&s2, x[i].bsum16 + 16 * c + 2 * e, 4);
-        corr[i] = _mm512_dpwssd_epi32(corr[i], sc, _mm512_set1_epi32(s2));
-      }
+      for (int i = 0; i < MB; ++i) corr[i] = _mm512_dpwssd_epi32(corr[i], sc, bcast4(x[i].bsum16 + 16 * c + 2 * e));
     }
     const __m512 d = f16x16(ch);
     for (int i = 0; i < MB; ++i)

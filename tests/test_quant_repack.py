@@ -13,7 +13,8 @@ from specdec_inductor.ops.quant import (QuantActivation, QuantFormat, file_forma
                                         quant_repack, repacked_format)
 from specdec_inductor.ops.reference import (quant_dequantize_ref, quant_linear_int8_terms_ref,
                                             quant_repack_ref, quant_unpack_ref)
-from test_quant import (PATHS, _int8_x, _saturating_weight, bits, int8_kernel_of, random_weight)
+from test_quant import (PATHS, _int8_x, _saturating_weight, _saturating_x, assert_one_thread_equals_all, bits,
+                        check_int8_rows_alone_equal_batches, int8_kernel_of, random_weight)
 
 BASES = [QuantFormat.Q4_K, QuantFormat.Q6_K]
 INT8 = QuantActivation.INT8
@@ -88,25 +89,9 @@ def test_int8_linear_is_batch_invariant(base, path):
     _, r, fmt = packed(base, n, k, seed=int(base))
     bias = torch.randn(n)
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(int(base)))  # [64, K]
-    threads = torch.get_num_threads()
     specdec_inductor.reset_kernel_path_counts()
     with specdec_inductor.forced_isa(path):
-        for dtype in (torch.float32, torch.bfloat16):
-            xd, bd = x.to(dtype), bias.to(dtype)
-            alone = torch.cat([quant_linear(xd[i:i + 1], r, fmt, bd, INT8) for i in range(64)])
-            for rows in list(range(2, 17)) + [64]:
-                for start in range(0, 64 - rows + 1, max(rows, 13)):
-                    batch = quant_linear(xd[start:start + rows], r, fmt, bd, INT8)
-                    assert torch.equal(batch, alone[start:start + rows]), (dtype, rows, start)
-            for pos in range(8):
-                xs = xd[8:16].clone()
-                xs[pos] = xd[3]
-                assert torch.equal(quant_linear(xs, r, fmt, bd, INT8)[pos], alone[3])
-            torch.set_num_threads(1)
-            try:
-                assert torch.equal(quant_linear(xd[:16], r, fmt, bd, INT8), alone[:16])
-            finally:
-                torch.set_num_threads(threads)
+        check_int8_rows_alone_equal_batches(x, r, fmt, bias)
     assert set(specdec_inductor.kernel_path_counts()) == {f"quant_linear_int8_r16:{r16_kernel_of(path)}"}
 
 
@@ -115,15 +100,8 @@ def test_int8_linear_is_batch_invariant(base, path):
 def test_threads_split_groups_not_sums(base, path):
     _, r, fmt = packed(base, 1008, 512, seed=31)  # 63 groups: enough to fan out
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(31))
-    threads = torch.get_num_threads()
     with specdec_inductor.forced_isa(path):
-        many = quant_linear(x, r, fmt, activation=INT8)
-        torch.set_num_threads(1)
-        try:
-            one = quant_linear(x, r, fmt, activation=INT8)
-        finally:
-            torch.set_num_threads(threads)
-    assert torch.equal(one, many)
+        assert_one_thread_equals_all(x, r, fmt, INT8)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -131,10 +109,7 @@ def test_threads_split_groups_not_sums(base, path):
 def test_extreme_integer_sums(base, path):
     """The largest quants and scales against x = +-1: no int32 sum overflows."""
     k, n = 3 * 256, 16
-    x = torch.ones(4, k)
-    x[1] = -1.0
-    x[2, ::2] = -1.0
-    x[3, 256:] = 0.5
+    x = _saturating_x(k)
     for sign in (1, -1):
         w = _saturating_weight(base, n, k, sign)
         r, fmt = quant_repack(w, base), repacked_format(base)
