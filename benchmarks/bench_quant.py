@@ -10,13 +10,18 @@ the INT8 columns give its rate and its speedup over FLOAT and over F.linear.
 
     python benchmarks/bench_quant.py [--rows 1,8,16] [--repeats 7] [--path avx512] [--no-head]
                                      [--threads 1] [--formats Q4_K,Q6_K] [--shapes 8960x1536]
-                                     [--baseline /work/main]
+                                     [--baseline /work/main] [--repacked]
 
 --baseline ROOT: also times INT8 with the kernels of another checkout (ROOT's specdec_inductor
 and its built extension, e.g. main's before a kernel change) in a second process that takes
 turns with this one call by call on the same random weights; the "vs base" column is the
 baseline's time over ours (> 1: ours is faster) and "base/M=1" the baseline's M-row time over
 its own 1-row time.
+
+--repacked: also times INT8 on the same weights repacked into their 16-row interleaved layout
+(QuantFormat.*_R16, what load_gguf builds for INT8 on VNNI; Q4_K and Q6_K) in the same rounds:
+"R16 ms", its rate in file bytes, "file/R16" (the file layout's INT8 time over the repacked one's:
+> 1 the repacked layout is faster), and each layout's M-row time over its own 1-row time.
 
 On a machine shared with other jobs, --threads 1 gives steadier numbers (an OpenMP barrier can
 wait a whole scheduler slice for a descheduled worker); the bandwidth probe then uses one thread
@@ -36,7 +41,7 @@ import torch.nn.functional as F
 
 import specdec_inductor
 from specdec_inductor.ops import QuantFormat, quant_block, quant_dequantize, quant_linear
-from specdec_inductor.ops.quant import QuantActivation
+from specdec_inductor.ops.quant import QuantActivation, quant_repack, repacked_format
 
 from bench_linear import median_times, read_bandwidth_gbs  # benchmarks/ is on sys.path
 
@@ -129,6 +134,8 @@ def main():
     ap.add_argument("--shapes", default=None, help="only these NxK shapes, e.g. 8960x1536,1536x8960")
     ap.add_argument("--baseline", default=None, help="a checkout (with its built extension) whose "
                     "INT8 kernels to time against ours in the same run")
+    ap.add_argument("--repacked", action="store_true", help="also time the 16-row interleaved "
+                    "layout (Q4_K_R16 / Q6_K_R16) with INT8 on the same weights")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
@@ -154,7 +161,8 @@ def main():
     print(f"{'fmt':5} {'N':>6} {'K':>5} {'M':>3} | {'ms':>8} {'GB/s':>6} {'of bw':>6} | "
           f"{'ms':>8} {'GB/s':>6} {'of bw':>6} | {'F.linear fp32 ms':>16} | "
           f"{'FLOAT':>7} {'INT8':>7}" + (f" | {'base ms':>8} {'vs base':>7} {'base/M=1':>8} {'ours/M=1':>8}"
-                                          if base else ""))
+                                          if base else "")
+          + (f" | {'R16 ms':>8} {'GB/s':>6} {'file/R16':>8} {'file/M=1':>8} {'R16/M=1':>8}" if args.repacked else ""))
     for fmt, n, k in CASES:
         if args.no_head and n > 40000:
             continue
@@ -162,13 +170,17 @@ def main():
             continue
         w = random_weight(fmt, n, k)  # [N, row_bytes]
         w_dq = quant_dequantize(w, fmt)  # [N, K] fp32
+        packed = repacked_format(fmt) if args.repacked and n % 16 == 0 else None
+        w_r = quant_repack(w, fmt) if packed else None  # [N / 16, 16 * row_bytes']
         one_row = {}  # baseline and ours at M = 1
         for m in rows:
             x = case_input(fmt, n, k, m)[1]  # [M, K]
-            t_q, t_8, t_ref = median_times(
-                [lambda: quant_linear(x, w, fmt),
-                 lambda: quant_linear(x, w, fmt, activation=QuantActivation.INT8),
-                 lambda: F.linear(x, w_dq)], args.repeats)
+            calls = [lambda: quant_linear(x, w, fmt),
+                     lambda: quant_linear(x, w, fmt, activation=QuantActivation.INT8),
+                     lambda: F.linear(x, w_dq)]
+            if packed:
+                calls.append(lambda: quant_linear(x, w_r, packed, activation=QuantActivation.INT8))
+            t_q, t_8, t_ref, *t_r = median_times(calls, args.repeats)
             gbs, gbs8 = w.numel() / t_q / 1e9, w.numel() / t_8 / 1e9
             line = (f"{fmt.name:5} {n:6d} {k:5d} {m:3d} | {t_q * 1e3:8.3f} {gbs:6.1f} {gbs / bw:6.2f} | "
                     f"{t_8 * 1e3:8.3f} {gbs8:6.1f} {gbs8 / bw:6.2f} | {t_ref * 1e3:16.3f} | "
@@ -180,8 +192,15 @@ def main():
                 one_row.setdefault("ours", t_ours)
                 line += (f" | {t_base * 1e3:8.3f} {t_base / t_ours:7.2f} {t_base / one_row['base']:8.2f} "
                          f"{t_ours / one_row['ours']:8.2f}")
+            if t_r:
+                one_row.setdefault("file", t_8)
+                one_row.setdefault("r16", t_r[0])
+                line += (f" | {t_r[0] * 1e3:8.3f} {w.numel() / t_r[0] / 1e9:6.1f} {t_8 / t_r[0]:8.2f} "
+                         f"{t_8 / one_row['file']:8.2f} {t_r[0] / one_row['r16']:8.2f}")
+            elif args.repacked:
+                line += " | (no repacked layout)"
             print(line, flush=True)
-        w = w_dq = None  # freed before the next shape's weights
+        w = w_dq = w_r = None  # freed before the next shape's weights
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@
 
 #include "common.h"
 #include "quant_isa.h"
+#include "quant_repack.h"
 
 namespace specdec {
 namespace {
@@ -111,6 +112,8 @@ void quant_dequantize_row_portable(QuantFmt fmt, const uint8_t* p, int64_t K, fl
       }
       break;
     }
+    default:  // repacked layouts: rows are given back in the file's layout first
+      break;
     case QuantFmt::Q6_K:
       for (int64_t k = 0; k < K; k += 256, p += 210) {
         const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
@@ -340,7 +343,7 @@ void quantize_x_rows(const float* x, int64_t K, int offset, int64_t Kp, int8_t* 
 // Rows [m_begin, m_end) of x [M, K] fp32 quantized in 256-value blocks (the K formats;
 // QuantizedXK), the rounding as quantize_x_rows.
 void quantize_xk_rows(const float* x, int64_t K, int8_t* q, float* d, float* d_bsum32,
-                      int16_t* bsum16, int64_t m_begin, int64_t m_end) {
+                      int16_t* bsum16, int16_t* bsum32, int64_t m_begin, int64_t m_end) {
   for (int64_t m = m_begin; m < m_end; ++m) {
     const float* xm = x + m * K;
     int8_t* qm = q + m * K;
@@ -361,6 +364,7 @@ void quantize_xk_rows(const float* x, int64_t K, int8_t* q, float* d, float* d_b
       }
       for (int64_t s = k / 32; s < (k + 256) / 32; ++s) {
         const int32_t sum = bsum16[m * (K / 16) + 2 * s] + bsum16[m * (K / 16) + 2 * s + 1];
+        bsum32[m * (K / 32) + s] = static_cast<int16_t>(sum);
         d_bsum32[m * (K / 32) + s] = dk * static_cast<float>(sum);
       }
     }
@@ -380,6 +384,7 @@ Isa quant_path() {
 // The INT8 path of `fmt`: the VNNI kernels where they were built, the CPU has avx512_vnni and
 // AVX-512 or better is active; for the K formats the AVX2 kernel where AVX2 or better is active
 // otherwise; the portable loops else (also what _C.quant_int8_path(fmt) reports).
+// The repacked layouts have no AVX2 kernel (the loader repacks only where VNNI runs).
 Isa quant_int8_path(QuantFmt fmt) {
 #ifdef SPECDEC_BUILT_AVX512VNNI
   if (active_isa() >= Isa::AVX512 && cpu_has_avx512_vnni()) return Isa::AVX512;
@@ -406,21 +411,23 @@ DequantizeRowFn dequantize_row_for(Isa isa) {
 
 QuantFormatInfo check_fmt(int64_t fmt) {
   QuantFormatInfo info{};
-  TORCH_CHECK_VALUE(fmt >= 0 && fmt < 64 && quant_format_info(static_cast<int>(fmt), &info),
+  TORCH_CHECK_VALUE(fmt >= 0 && fmt < 512 && quant_format_info(static_cast<int>(fmt), &info),
                     "argument 'fmt' must be a supported ggml type id (Q4_0=2, Q4_1=3, Q5_0=6, "
-                    "Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14), got ", fmt);
+                    "Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14) or repacked layout (Q4_K_R16=268, "
+                    "Q6_K_R16=270), got ", fmt);
   return info;
 }
 
-// weight: uint8 [N, row_bytes], each row's bytes dense (stride(1) == 1; any row stride), never
-// written. Returns K implied by row_bytes.
+// weight: uint8 [N, row_bytes] (a repacked layout: [N / 16, 16 * row_bytes]), each row's bytes
+// dense (stride(1) == 1; any row stride), never written. Returns K implied by row_bytes.
 int64_t check_weight(const at::Tensor& weight, const QuantFormatInfo& info) {
   check_cpu(weight, "weight");
   TORCH_CHECK_TYPE(weight.scalar_type() == at::kByte, "argument 'weight' must be uint8 (the GGUF "
                    "tensor's bytes), got ", weight.scalar_type());
   check_dim(weight, 2, "weight");
-  TORCH_CHECK_VALUE(weight.size(1) % info.block_bytes == 0, "argument 'weight' must have a whole "
-                    "number of ", info.block_bytes, "-byte blocks per row for this fmt, got shape ",
+  const int64_t unit = info.block_bytes * info.group_rows;
+  TORCH_CHECK_VALUE(weight.size(1) % unit == 0, "argument 'weight' must have a whole "
+                    "number of ", unit, "-byte blocks per row for this fmt, got shape ",
                     weight.sizes());
   TORCH_CHECK_VALUE(weight.size(1) <= 1 || weight.size(0) == 0 || weight.stride(1) == 1,
                     "argument 'weight' must have contiguous rows (stride(1) == 1), got strides ",
@@ -428,7 +435,7 @@ int64_t check_weight(const at::Tensor& weight, const QuantFormatInfo& info) {
   TORCH_CHECK_VALUE(weight.size(0) <= 1 || weight.stride(0) >= weight.size(1),
                     "argument 'weight' must have non-overlapping rows (stride(0) >= row bytes ",
                     weight.size(1), "), got strides ", weight.strides());
-  return weight.size(1) / info.block_bytes * info.block_size;
+  return weight.size(1) / unit * info.block_size;
 }
 
 // Items (rows, or blocks of rows of `item_bytes` weight bytes) per parallel chunk: ~256 KiB of
@@ -439,11 +446,10 @@ int64_t row_grain(int64_t item_bytes, int64_t M) {
   return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, item_bytes * std::max<int64_t>(1, M)));
 }
 
-// Output rows [0, N) in blocks of 8 across threads: fn(n_begin, n_end) per chunk, the chunk
-// sized by row_grain (FLOAT and INT8 split alike).
+// Output rows [0, N) in blocks of 8 (a repacked layout: its 16-row groups) across threads:
+// fn(n_begin, n_end) per chunk, the chunk sized by row_grain (FLOAT and INT8 split alike).
 template <class Fn>
-void for_row_blocks(int64_t N, int64_t row_bytes, int64_t M, const Fn& fn) {
-  constexpr int64_t kRowBlock = 8;
+void for_row_blocks(int64_t N, int64_t row_bytes, int64_t M, const Fn& fn, int64_t kRowBlock = 8) {
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, blocks, row_grain(kRowBlock * row_bytes, M), [&](int64_t begin, int64_t end) {
     fn(begin * kRowBlock, std::min(N, end * kRowBlock));
@@ -493,34 +499,37 @@ QuantizedXK quantize_xk(const at::Tensor& x2, Isa isa) {
   thread_local std::vector<int16_t> s_buf;
   q_buf.resize(static_cast<size_t>(M * K));
   f_buf.resize(static_cast<size_t>(M * (K / 256 + K / 32)));
-  s_buf.resize(static_cast<size_t>(M * (K / 16)));
+  s_buf.resize(static_cast<size_t>(M * (K / 16 + K / 32)));
   int8_t* q = q_buf.data();                 // [M, K]
   float* d = f_buf.data();                  // [M, K/256]
   float* d_bsum32 = d + M * (K / 256);      // [M, K/32]
   int16_t* bsum16 = s_buf.data();           // [M, K/16]
+  int16_t* bsum32 = bsum16 + M * (K / 16);  // [M, K/32]
   const float* x = x2.const_data_ptr<float>();
   at::parallel_for(0, M, quantize_grain(K), [&](int64_t begin, int64_t end) {
 #ifdef SPECDEC_BUILT_AVX512VNNI
     if (isa == Isa::AVX512) {
-      quant_quantize_xk_avx512vnni(x, K, q, d, d_bsum32, bsum16, begin, end);
+      quant_quantize_xk_avx512vnni(x, K, q, d, d_bsum32, bsum16, bsum32, begin, end);
       return;
     }
 #endif
     (void)isa;
-    quantize_xk_rows(x, K, q, d, d_bsum32, bsum16, begin, end);
+    quantize_xk_rows(x, K, q, d, d_bsum32, bsum16, bsum32, begin, end);
   });
-  return {M, K, q, d, d_bsum32, bsum16};
+  return {M, K, q, d, d_bsum32, bsum16, bsum32};
 }
 
 // y [M, N] = x2 [M, K] W^T + bias with INT8 activations (quant_isa.h). Returns the path that ran.
 Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fmt,
                       const float* bias, at::Tensor& y, int64_t row_bytes) {
-  const int64_t M = x2.size(0), N = weight.size(0);
   const QuantFmt f = static_cast<QuantFmt>(fmt);
+  const bool repacked = is_repacked(f);
+  const int64_t M = x2.size(0), N = y.size(1);
   const Isa isa = quant_int8_path(f);
   QuantLinearInt8Block blk{f, {}, {}, static_cast<const uint8_t*>(weight.const_data_ptr()),
-                           weight.stride(0), bias, y.data_ptr<float>(), N, 0, 0};
-  if (is_k_format(f)) blk.xk = quantize_xk(x2, isa);
+                           weight.size(0) > 1 ? weight.stride(0) : weight.size(1), bias,
+                           y.data_ptr<float>(), N, 0, 0};
+  if (is_k_format(file_format(f))) blk.xk = quantize_xk(x2, isa);
   else blk.x = quantize_x(x2, f, isa);
   for_row_blocks(N, row_bytes, M, [&](int64_t n_begin, int64_t n_end) {
     QuantLinearInt8Block part = blk;
@@ -528,10 +537,15 @@ Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fm
     part.n_end = n_end;
 #ifdef SPECDEC_BUILT_AVX512VNNI
     if (isa == Isa::AVX512) {
-      quant_linear_int8_avx512vnni(part);
+      if (repacked) quant_linear_int8_r16_avx512vnni(part);
+      else quant_linear_int8_avx512vnni(part);
       return;
     }
 #endif
+    if (repacked) {
+      quant_linear_int8_r16_portable(part);
+      return;
+    }
 #ifdef SPECDEC_BUILT_AVX2
     if (isa == Isa::AVX2) {
       quant_linear_int8k_avx2(part);
@@ -539,7 +553,7 @@ Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fm
     }
 #endif
     quant_linear_int8_portable(part);
-  });
+  }, repacked ? kRepackRows : 8);
   return isa;
 }
 
@@ -555,13 +569,16 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t f
   const int64_t K = x.size(-1);
   TORCH_CHECK_VALUE(K % info.block_size == 0, "argument 'x' must have a last dimension (K) that "
                     "is a multiple of the fmt's block size ", info.block_size, ", got ", K);
-  const int64_t row_bytes = K / info.block_size * info.block_bytes;
+  const int64_t row_bytes = K / info.block_size * info.block_bytes;  // of one weight row
+  const int64_t G = info.group_rows;
   check_cpu(weight, "weight");
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == row_bytes, "argument 'weight' must have "
-                    "shape [N, ", row_bytes, "] (the bytes of K = ", K, " weights in this fmt), got ",
-                    weight.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == G * row_bytes, "argument 'weight' must have "
+                    "shape [", G > 1 ? "N / 16" : "N", ", ", G * row_bytes, "] (the bytes of K = ", K,
+                    " weights in this fmt), got ", weight.sizes());
   check_weight(weight, info);
-  const int64_t N = weight.size(0);
+  TORCH_CHECK_VALUE(G == 1 || activation == 1, "argument 'activation' must be INT8 (1) for the "
+                    "repacked fmt ", fmt, " (its only kernel), got ", activation);
+  const int64_t N = weight.size(0) * G;
   if (bias.has_value()) {
     check_cpu(*bias, "bias");
     TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "argument 'bias' must have x's dtype ",
@@ -581,9 +598,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t f
       if (b32.defined()) y.copy_(b32.unsqueeze(0).expand({rows, N}));
       else y.zero_();
     } else if (activation == 1) {
-      SPECDEC_RECORD_PATH("quant_linear_int8",
-                          quant_linear_int8(x2, weight, fmt, b32.defined() ? b32.const_data_ptr<float>() : nullptr,
-                                            y, row_bytes));
+      const Isa ran = quant_linear_int8(x2, weight, fmt, b32.defined() ? b32.const_data_ptr<float>() : nullptr,
+                                        y, row_bytes);
+      if (G > 1) SPECDEC_RECORD_PATH("quant_linear_int8_r16", ran);
+      else SPECDEC_RECORD_PATH("quant_linear_int8", ran);
     } else {
       const Isa isa = quant_path();
       QuantLinearBlock blk{static_cast<QuantFmt>(fmt), rows, K, x2.const_data_ptr<float>(), K,
@@ -618,16 +636,26 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t f
 
 // Rows `ids` (all rows when ids is null) of the dequantized weight into out [R, K] fp32 (ids
 // already range-checked). Returns the path that ran.
+// A repacked layout gives each row back in the file's bytes first.
 Isa dequantize_rows(const at::Tensor& weight, int64_t fmt, int64_t K, const int64_t* ids,
                     int64_t R, float* out) {
   const Isa isa = quant_path();
   const DequantizeRowFn fn = dequantize_row_for(isa);
+  const QuantFmt f = static_cast<QuantFmt>(fmt), base = file_format(f);
   const uint8_t* w = static_cast<const uint8_t*>(weight.const_data_ptr());
   const int64_t ws = weight.size(0) > 1 ? weight.stride(0) : weight.size(1);
-  at::parallel_for(0, R, row_grain(weight.size(1), 1), [&](int64_t begin, int64_t end) {
+  const int64_t G = is_repacked(f) ? kRepackRows : 1, row_bytes = weight.size(1) / G;
+  at::parallel_for(0, R, row_grain(row_bytes, 1), [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> file_row;
+    file_row.resize(static_cast<size_t>(row_bytes));
     for (int64_t r = begin; r < end; ++r) {
       const int64_t n = ids ? ids[r] : r;
-      fn(static_cast<QuantFmt>(fmt), w + n * ws, K, out + r * K);
+      if (G == 1) {
+        fn(f, w + n * ws, K, out + r * K);
+      } else {
+        quant_unpack_group_row(base, w + (n / G) * ws, K, static_cast<int>(n % G), file_row.data());
+        fn(base, file_row.data(), K, out + r * K);
+      }
     }
   });
   return isa;
@@ -635,7 +663,7 @@ Isa dequantize_rows(const at::Tensor& weight, int64_t fmt, int64_t K, const int6
 
 at::Tensor quant_dequantize(const at::Tensor& weight, int64_t fmt) {
   const QuantFormatInfo info = check_fmt(fmt);
-  const int64_t K = check_weight(weight, info), N = weight.size(0);
+  const int64_t K = check_weight(weight, info), N = weight.size(0) * info.group_rows;
   at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kFloat));  // [N, K]
   if (N > 0 && K > 0) {
     SPECDEC_RECORD_PATH("quant_dequantize", dequantize_rows(weight, fmt, K, nullptr, N, out.data_ptr<float>()));
@@ -649,7 +677,7 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& weight, int6
   check_cpu(ids, "ids");
   TORCH_CHECK_TYPE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong,
                    "argument 'ids' must be int32 or int64, got ", ids.scalar_type());
-  const int64_t K = check_weight(weight, info), N = weight.size(0);
+  const int64_t K = check_weight(weight, info), N = weight.size(0) * info.group_rows;
   const at::ScalarType out_dtype = dtype.value_or(at::kFloat);
   TORCH_CHECK_TYPE(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
                    "argument 'dtype' must be float32 or bfloat16, got ", out_dtype);
@@ -670,6 +698,42 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& weight, int6
   return out.view(out_shape);
 }
 
+// A file-layout weight [N, row_bytes] of a format with a repacked layout (Q4_K, Q6_K; N a
+// multiple of 16) -> that layout [N / 16, 16 * row_bytes]; a repacked weight -> the file's rows
+// [N, row_bytes], bitwise the bytes it was made from. The source is read once, group by group.
+at::Tensor quant_repack(const at::Tensor& weight, int64_t fmt) {
+  const QuantFormatInfo info = check_fmt(fmt);
+  const QuantFmt f = static_cast<QuantFmt>(fmt), base = file_format(f);
+  TORCH_CHECK_VALUE(repacked_format(base) != base, "argument 'fmt' must be Q4_K (12), Q6_K (14), "
+                    "Q4_K_R16 (268) or Q6_K_R16 (270), got ", fmt);
+  const int64_t K = check_weight(weight, info);
+  const int64_t G = kRepackRows, rows = weight.size(0);
+  TORCH_CHECK_VALUE(is_repacked(f) || rows % G == 0, "argument 'weight' must have a multiple of ",
+                    G, " rows to repack, got ", rows);
+  const uint8_t* src = static_cast<const uint8_t*>(weight.const_data_ptr());
+  const int64_t ws = rows > 1 ? weight.stride(0) : weight.size(1);
+  QuantFormatInfo file_info{}, packed_info{};
+  quant_format_info(static_cast<int>(base), &file_info);
+  quant_format_info(static_cast<int>(repacked_format(base)), &packed_info);
+  const int64_t file_row = K / 256 * file_info.block_bytes, group_bytes = G * K / 256 * packed_info.block_bytes;
+  const int64_t groups = is_repacked(f) ? rows : rows / G;
+  at::Tensor out = is_repacked(f) ? at::empty({rows * G, file_row}, weight.options())   // [N, row_bytes]
+                                  : at::empty({groups, group_bytes}, weight.options());  // [N / 16, 16 * row_bytes']
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, group_bytes)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      if (is_repacked(f)) {
+        for (int r = 0; r < G; ++r)
+          quant_unpack_group_row(base, src + g * ws, K, r, dst + (g * G + r) * file_row);
+      } else {
+        quant_repack_group(base, src + g * G * ws, ws, K, dst + g * group_bytes);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 void bind_quant(pybind11::module& m) {
@@ -685,12 +749,14 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("quant_linear(Tensor x, Tensor weight, int fmt, Tensor? bias=None, int activation=0) -> Tensor");
   m.def("quant_embedding(Tensor ids, Tensor weight, int fmt, ScalarType? dtype=None) -> Tensor");
   m.def("quant_dequantize(Tensor weight, int fmt) -> Tensor");
+  m.def("quant_repack(Tensor weight, int fmt) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_embedding", &quant_embedding);
   m.impl("quant_dequantize", &quant_dequantize);
+  m.impl("quant_repack", &quant_repack);
 }
 
 }  // namespace specdec

@@ -374,7 +374,7 @@ struct KVec512 {
 }  // namespace
 
 void quant_quantize_xk_avx512vnni(const float* x, int64_t K, int8_t* q, float* d, float* d_bsum32,
-                                  int16_t* bsum16, int64_t m_begin, int64_t m_end) {
+                                  int16_t* bsum16, int16_t* bsum32, int64_t m_begin, int64_t m_end) {
   const __m512 zero = _mm512_setzero_ps(), lim = _mm512_set1_ps(127.0f);
   for (int64_t m = m_begin; m < m_end; ++m) {
     for (int64_t k = 0; k < K; k += 256) {
@@ -394,8 +394,11 @@ void quant_quantize_xk_avx512vnni(const float* x, int64_t K, int8_t* q, float* d
         sums[t] = static_cast<int16_t>(_mm512_reduce_add_epi32(i));
       }
       // 32-quant sums (exact integers) times d: one rounding, as the portable quantizer.
-      for (int s = 0; s < 8; ++s)
-        d_bsum32[m * (K / 32) + k / 32 + s] = dk * static_cast<float>(sums[2 * s] + sums[2 * s + 1]);
+      for (int s = 0; s < 8; ++s) {
+        const int sum = sums[2 * s] + sums[2 * s + 1];
+        bsum32[m * (K / 32) + k / 32 + s] = static_cast<int16_t>(sum);
+        d_bsum32[m * (K / 32) + k / 32 + s] = dk * static_cast<float>(sum);
+      }
     }
   }
 }
@@ -448,6 +451,7 @@ void quant_linear_int8_avx512vnni(const QuantLinearInt8Block& b) {
     case QuantFmt::Q4_K: k_linear_rows<KVec512, KDecode45<false>>(b, t_kblocks); break;
     case QuantFmt::Q5_K: k_linear_rows<KVec512, KDecode45<true>>(b, t_kblocks); break;
     case QuantFmt::Q6_K: k_linear_rows<KVec512, KDecode6>(b, t_kblocks); break;
+    default: break;  // repacked layouts: quant_repack_avx512vnni.cpp
   }
 }
 

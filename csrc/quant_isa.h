@@ -8,7 +8,9 @@
 namespace specdec {
 
 // ggml type ids (gguf.GGMLQuantizationType) of the supported block formats.
-enum class QuantFmt : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+// The *_R16 ids are our own layouts (csrc/quant_repack.h): 256 + the file format's id.
+enum class QuantFmt : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+                            Q4_K_R16 = 256 + 12, Q6_K_R16 = 256 + 14 };
 
 // Block layouts, byte offsets as stored in a GGUF file (little-endian, no padding, blocks packed
 // back to back with no alignment: every field is read with unaligned loads / memcpy).
@@ -34,7 +36,8 @@ namespace {
 
 struct QuantFormatInfo {
   int64_t block_size;   // weights per block
-  int64_t block_bytes;  // bytes per block
+  int64_t block_bytes;  // bytes per block and weight row
+  int64_t group_rows = 1;  // weight rows per tensor row (16: rows interleaved, quant_repack.h)
 };
 inline bool quant_format_info(int fmt, QuantFormatInfo* info) {
   switch (static_cast<QuantFmt>(fmt)) {
@@ -46,6 +49,8 @@ inline bool quant_format_info(int fmt, QuantFormatInfo* info) {
     case QuantFmt::Q4_K: *info = {256, 144}; return true;
     case QuantFmt::Q5_K: *info = {256, 176}; return true;
     case QuantFmt::Q6_K: *info = {256, 210}; return true;
+    case QuantFmt::Q4_K_R16: *info = {256, 148, 16}; return true;
+    case QuantFmt::Q6_K_R16: *info = {256, 212, 16}; return true;
   }
   return false;
 }
@@ -148,6 +153,7 @@ struct QuantizedXK {
   const float* d;         // [M, K / 256] each block's d
   const float* d_bsum32;  // [M, K / 32] d * (sum of the 32 quants)
   const int16_t* bsum16;  // [M, K / 16] sum of the 16 quants
+  const int16_t* bsum32;  // [M, K / 32] sum of the 32 quants
 };
 // One block of output features [n_begin, n_end) for all M rows (bias as QuantLinearBlock).
 // x is filled for the 32-weight formats, xk for the K formats.
@@ -180,7 +186,7 @@ void quant_quantize_x_avx512vnni(const float* x, int64_t K, int offset, int64_t 
 // Rows [m_begin, m_end) of x [M, K] fp32 quantized in 256-value blocks into QuantizedXK's
 // buffers; the portable version (quant.cpp) is the same bit for bit.
 void quant_quantize_xk_avx512vnni(const float* x, int64_t K, int8_t* q, float* d, float* d_bsum32,
-                                  int16_t* bsum16, int64_t m_begin, int64_t m_end);
+                                  int16_t* bsum16, int16_t* bsum32, int64_t m_begin, int64_t m_end);
 
 // The FLOAT kernels' format dispatch, written once for the AVX2 and AVX-512 units: each unit
 // defines its own row types (Q4_0Rows ... Q6_KRows, QK45Rows<is_q5>) under these names and
@@ -195,6 +201,7 @@ void quant_quantize_xk_avx512vnni(const float* x, int64_t K, int8_t* q, float* d
     case QuantFmt::Q4_K: CALL(QK45Rows<false>); break;     \
     case QuantFmt::Q5_K: CALL(QK45Rows<true>); break;      \
     case QuantFmt::Q6_K: CALL(Q6_KRows); break;            \
+    default: break; /* repacked layouts: INT8 only */     \
   }
 
 }  // namespace specdec

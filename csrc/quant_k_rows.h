@@ -27,9 +27,11 @@ struct XRow {
   const float* d;           // [K / 256]
   const float* d_bsum32;    // [K / 32]
   const int16_t* bsum16;    // [K / 16]
+  const int16_t* bsum32;    // [K / 32]
+  XRow() = default;
   XRow(const QuantizedXK& X, int64_t m)
       : q(X.q + m * X.K), d(X.d + m * (X.K / 256)), d_bsum32(X.d_bsum32 + m * (X.K / 32)),
-        bsum16(X.bsum16 + m * (X.K / 16)) {}
+        bsum16(X.bsum16 + m * (X.K / 16)), bsum32(X.bsum32 + m * (X.K / 32)) {}
 };
 
 inline void store_k_output(const QuantLinearInt8Block& b, int64_t m, int64_t n, float v) {

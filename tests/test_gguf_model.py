@@ -327,3 +327,39 @@ def test_speculation_on_a_quantized_target_equals_its_ar(tiny, activation, compi
             assert spec.generate(prompts[:b], 24, stats=stats) == plain[b], (type(proposer), b)
             accepted.append(stats.mean_accepted_length)
     assert accepted[0] > 4.0  # the self-draft's chains were verified, not skipped
+
+
+def test_int8_repacks_k_layers_where_the_vnni_kernel_runs(tiny):
+    """With INT8 on a VNNI CPU, the Q4_K layers (REPACKED_AT_LOAD) are repacked at load into
+    their 16-row interleaved layout and run by the R16 kernel; elsewhere (FLOAT, no VNNI, Q6_K)
+    they keep the file's rows. Either way every weight dequantizes to the file's value, select_rows stays
+    exact, and the model's logits stay within INT8's bound of the exact weights'."""
+    import specdec_inductor
+    from specdec_inductor.engine.gguf_model import REPACKED_AT_LOAD
+    from specdec_inductor.ops.quant import QuantActivation, QuantFormat, file_format, int8_path
+    vnni = int8_path(QuantFormat.Q4_K_R16) == "avx512"
+    int8, tokenizer = load_gguf(tiny["qwen2"], activation=QuantActivation.INT8)
+    exact, _ = load_gguf(tiny["qwen2"], activation=QuantActivation.FLOAT)
+    layers = {n: m for n, m in int8.named_modules() if isinstance(m, QuantLinear)}
+    files = {n: m for n, m in exact.named_modules() if isinstance(m, QuantLinear)}
+    k_layers = [n for n, m in files.items() if m.fmt in (QuantFormat.Q4_K, QuantFormat.Q6_K)]
+    assert k_layers  # attn_k and ffn_up (Q6_K), ffn_down (Q4_K)
+    for name in k_layers:
+        repacked = vnni and files[name].fmt in REPACKED_AT_LOAD
+        want = QuantFormat(int(files[name].fmt) + 256) if repacked else files[name].fmt
+        assert layers[name].fmt == want and files[name].fmt == file_format(want)
+        assert layers[name].out_features == files[name].out_features
+        assert torch.equal(layers[name].dequantized_weight(), files[name].dequantized_weight())
+    assert all(m.fmt < 256 for m in files.values())  # FLOAT keeps the file layout
+    counted = {f: c for f, c in int8.quantized_formats.items() if f.endswith("_R16")}
+    assert sum(counted.values()) == (sum(files[n].fmt in REPACKED_AT_LOAD for n in k_layers) if vnni else 0)
+    for name in k_layers:
+        for index in (torch.tensor([5, 0, 17, 3]), torch.arange(32).flip(0)):  # 4 rows; 2 groups
+            head = layers[name].select_rows(index)
+            assert torch.equal(head.dequantized_weight(), files[name].dequantized_weight()[index])
+    specdec_inductor.reset_kernel_path_counts()
+    got, ref = _logits(int8, tokenizer, PROMPTS[0]), _logits(exact, tokenizer, PROMPTS[0])
+    counts = specdec_inductor.kernel_path_counts()
+    assert ("quant_linear_int8_r16:avx512" in counts) == vnni
+    assert not any(k.startswith("quant_linear_int8_r16:") and not k.endswith("avx512") for k in counts)
+    assert (got - ref).abs().max() <= 0.08 * ref.abs().max()

@@ -16,12 +16,12 @@ from torch.library import opcheck
 import specdec_inductor
 from specdec_inductor.ops import (QuantFormat, quant_block, quant_dequantize, quant_embedding,
                                   quant_linear, quant_row_bytes)
-from specdec_inductor.ops.quant import QuantActivation
+from specdec_inductor.ops.quant import FILE_FORMATS, QuantActivation
 from specdec_inductor.ops.reference import (quant_dequantize_ref, quant_embedding_ref,
                                             quant_linear_int8_terms_ref, quant_linear_ref)
 
 PATHS = specdec_inductor.runnable_isas()
-FORMATS = list(QuantFormat)
+FORMATS = FILE_FORMATS  # the repacked layouts: tests/test_quant_repack.py
 # Byte offsets of each format's fp16 fields (d, and m / dmin) inside a block.
 F16_FIELDS = {
     QuantFormat.Q4_0: [0], QuantFormat.Q4_1: [0, 2], QuantFormat.Q5_0: [0], QuantFormat.Q5_1: [0, 2],
@@ -353,14 +353,18 @@ def test_threads_do_not_change_the_result(path, activation, fmt):
     """Threads split the output features, never a sum: 1 thread == all threads, bitwise."""
     w = random_weight(fmt, 1001, 512, seed=31)  # enough rows to fan out
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(31))
-    threads = torch.get_num_threads()
     with specdec_inductor.forced_isa(path):
-        many = quant_linear(x, w, fmt, activation=activation)
-        torch.set_num_threads(1)
-        try:
-            one = quant_linear(x, w, fmt, activation=activation)
-        finally:
-            torch.set_num_threads(threads)
+        assert_one_thread_equals_all(x, w, fmt, activation)
+
+
+def assert_one_thread_equals_all(x, w, fmt, activation):
+    many = quant_linear(x, w, fmt, activation=activation)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = quant_linear(x, w, fmt, activation=activation)
+    finally:
+        torch.set_num_threads(threads)
     assert torch.equal(one, many)
 
 
@@ -424,27 +428,33 @@ def test_int8_linear_is_batch_invariant(fmt, path):
     w = random_weight(fmt, 19, k, seed=int(fmt))  # [N, row_bytes]
     b = torch.randn(19)  # [N]
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(int(fmt)))  # [64, K]
-    int8 = QuantActivation.INT8
-    threads = torch.get_num_threads()
     specdec_inductor.reset_kernel_path_counts()
     with specdec_inductor.forced_isa(path):
-        for dtype in (torch.float32, torch.bfloat16):
-            xd, bd = x.to(dtype), b.to(dtype)
-            alone = torch.cat([quant_linear(xd[r:r + 1], w, fmt, bd, int8) for r in range(64)])  # [64, N]
-            for rows in list(range(2, 17)) + [64]:
-                for start in range(0, 64 - rows + 1, max(rows, 13)):
-                    batch = quant_linear(xd[start:start + rows], w, fmt, bd, int8)
-                    assert torch.equal(batch, alone[start:start + rows]), (dtype, rows, start)
-            for pos in range(8):
-                xs = xd[8:16].clone()
-                xs[pos] = xd[3]
-                assert torch.equal(quant_linear(xs, w, fmt, bd, int8)[pos], alone[3])
-            torch.set_num_threads(1)
-            try:
-                assert torch.equal(quant_linear(xd[:16], w, fmt, bd, int8), alone[:16])
-            finally:
-                torch.set_num_threads(threads)
+        check_int8_rows_alone_equal_batches(x, w, fmt, b)
     assert set(specdec_inductor.kernel_path_counts()) == {f"quant_linear_int8:{int8_kernel_of(path, fmt)}"}
+
+
+def check_int8_rows_alone_equal_batches(x, w, fmt, b):
+    """For x [64, K] in fp32 and bf16: each row alone == the same row in batches of every M in
+    2..16 and 64, at every position of an 8-row batch, and with 1 thread."""
+    int8 = QuantActivation.INT8
+    threads = torch.get_num_threads()
+    for dtype in (torch.float32, torch.bfloat16):
+        xd, bd = x.to(dtype), b.to(dtype)
+        alone = torch.cat([quant_linear(xd[r:r + 1], w, fmt, bd, int8) for r in range(64)])  # [64, N]
+        for rows in list(range(2, 17)) + [64]:
+            for start in range(0, 64 - rows + 1, max(rows, 13)):
+                batch = quant_linear(xd[start:start + rows], w, fmt, bd, int8)
+                assert torch.equal(batch, alone[start:start + rows]), (dtype, rows, start)
+        for pos in range(8):
+            xs = xd[8:16].clone()
+            xs[pos] = xd[3]
+            assert torch.equal(quant_linear(xs, w, fmt, bd, int8)[pos], alone[3])
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(quant_linear(xd[:16], w, fmt, bd, int8), alone[:16])
+        finally:
+            torch.set_num_threads(threads)
 
 
 def test_int8_default_is_float():
@@ -474,16 +484,22 @@ def _saturating_weight(fmt, n, k, sign):
     return blocks.reshape(n, -1)
 
 
+def _saturating_x(k):
+    """x [4, K] of +-1 (quants +-127) in four sign patterns, one row half at 0.5 past 256."""
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3, 256:] = 0.5
+    return x
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt", K_FORMATS)
 def test_int8_k_formats_extreme_integer_sums(fmt, path):
     """The largest quants and scales against x = +-1 (quants +-127): no int16 pair saturates
     and no int32 block sum overflows (the result matches the fp64 definition)."""
     k, n = 3 * 256, 4
-    x = torch.ones(4, k)
-    x[1] = -1.0
-    x[2, ::2] = -1.0
-    x[3, 256:] = 0.5
+    x = _saturating_x(k)
     for sign in (1, -1):
         w = _saturating_weight(fmt, n, k, sign)
         with specdec_inductor.forced_isa(path):

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from specdec_inductor.ops.quant import (QuantActivation, QuantFormat, quant_dequantize,
-                                        quant_embedding, quant_linear)
+from specdec_inductor.ops.quant import (QuantActivation, QuantFormat, file_format, group_rows,
+                                        int8_path, is_repacked, quant_dequantize, quant_embedding,
+                                        quant_linear, quant_repack, repacked_format)
 
 if TYPE_CHECKING:  # gguf is imported where a file is read (an optional dependency)
     import gguf
@@ -64,9 +65,29 @@ def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
     return np.arange(num_rows).reshape(num_heads, dim, 2).swapaxes(2, 1).reshape(num_rows)
 
 
+# File formats repacked at load for INT8 on VNNI. Q6_K_R16 exists and is exact, but its kernel
+# read Q6_K at 0.55-0.7x the file layout's speed at one row (1.1-1.5x at 8; docs/decisions.md),
+# so Q6_K layers keep the file's rows.
+REPACKED_AT_LOAD = (QuantFormat.Q4_K,)
+
+
+def kernel_layout(weight: Tensor, fmt, activation) -> Tuple[Tensor, QuantFormat]:
+    """(weight, fmt) in the layout quant_linear reads fastest with `activation`: Q4_K rows
+    interleaved in 16-row groups (QuantFormat.Q4_K_R16, a new tensor) where INT8 runs the AVX-512
+    VNNI kernel and N is a multiple of 16; the given file rows everywhere else (FLOAT, AVX2,
+    portable, other formats), unchanged."""
+    fmt = QuantFormat(int(fmt))
+    packed = repacked_format(fmt) if fmt in REPACKED_AT_LOAD else None
+    if (packed is None or QuantActivation(int(activation or 0)) != QuantActivation.INT8
+            or weight.shape[0] % group_rows(packed) or int8_path(packed) != "avx512"):
+        return weight, fmt
+    return quant_repack(weight, fmt), packed
+
+
 class QuantLinear(nn.Module):
     """y = x @ W^T + b with W kept in a GGUF quant format: `weight` is uint8 [N, row_bytes],
-    the file's bytes (never written; often a read-only mmap view)."""
+    the file's bytes (never written; often a read-only mmap view), or for fmt *_R16 our
+    row-interleaved copy [N / 16, 16 * row_bytes] (kernel_layout; INT8 only)."""
 
     def __init__(self, weight: Tensor, fmt, in_features: int, bias: Optional[Tensor] = None,
                  activation=None):
@@ -78,7 +99,10 @@ class QuantLinear(nn.Module):
         # in the last bits, INT8's rounding can turn that into different tokens
         # (docs/decisions.md, INT8 activations and speculation).
         self.activation = QuantActivation(int(activation or 0))
-        self.in_features, self.out_features = in_features, weight.shape[0]
+        if is_repacked(self.fmt) and self.activation != QuantActivation.INT8:
+            raise ValueError(f"argument 'activation' must be INT8 for the repacked fmt "
+                             f"{self.fmt.name}, got {self.activation.name}")
+        self.in_features, self.out_features = in_features, weight.shape[0] * group_rows(self.fmt)
         self.register_buffer("weight", weight, persistent=False)  # [N, row_bytes] uint8
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
@@ -87,8 +111,13 @@ class QuantLinear(nn.Module):
 
     def select_rows(self, index: Tensor) -> "QuantLinear":
         """The layer restricted to output rows `index` (a draft vocabulary's LM head): rows are
-        whole quant blocks, so this is exact and stays quantized (a copy of those rows)."""
-        return QuantLinear(self.weight[index], self.fmt, self.in_features,
+        whole quant blocks, so this is exact and stays quantized (a copy of those rows, in the
+        layout kernel_layout picks for their count)."""
+        rows, fmt = self.weight, self.fmt
+        if is_repacked(fmt):
+            rows, fmt = quant_repack(rows, fmt), file_format(fmt)  # the file's rows back
+        weight, fmt = kernel_layout(rows[index], fmt, self.activation)
+        return QuantLinear(weight, fmt, self.in_features,
                            None if self.bias is None else self.bias[index], self.activation)
 
     def dequantized_weight(self) -> Tensor:
@@ -269,6 +298,26 @@ def _tensor(data: np.ndarray) -> Tensor:
         return torch.from_numpy(data)
 
 
+def _release_file_pages(data: np.ndarray) -> None:
+    """Drops this process's mapping of the whole pages under `data` (a view of the GGUF's
+    read-only np.memmap; the pages stay in the page cache): once a tensor is repacked its file
+    copy is never read again, and resident memory should hold one copy. A neighbour sharing an
+    edge page keeps it; anything that reads a dropped page faults it back in."""
+    import mmap
+    base = data
+    while base is not None and not isinstance(getattr(base, "_mmap", None), mmap.mmap):
+        base = getattr(base, "base", None)
+    if base is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    mapping = base._mmap
+    start = (data.__array_interface__["data"][0]
+             - np.frombuffer(mapping, np.uint8).__array_interface__["data"][0])  # offset in the mapping
+    page = mmap.PAGESIZE
+    begin, end = -(-start // page) * page, (start + data.nbytes) // page * page
+    if end > begin:
+        mapping.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
+
 def _set(model, name: str, module_or_tensor) -> None:
     parent, _, child = name.rpartition(".")
     owner = model.get_submodule(parent)
@@ -288,7 +337,10 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
     `dtype`. A GGUF without output.weight (tied embeddings) gets an LM head over the
     embedding's own bytes. `model.quantized_formats` counts the tensors kept per format.
     `activation`: the QuantLinear layers' QuantActivation (None: FLOAT, exact weights and fp32
-    products; INT8: 8-bit activations as llama.cpp); `model.quant_activation` records it."""
+    products; INT8: 8-bit activations as llama.cpp); `model.quant_activation` records it. With
+    INT8 where the VNNI kernel runs, Q4_K layers are repacked at load into their 16-row
+    interleaved layout (kernel_layout; `model.quantized_formats` counts them under their *_R16
+    name) and the file's pages are dropped from this process's mapping."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
     if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
@@ -349,19 +401,23 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
             raise ValueError(f"argument 'path': quantized tensor {name!r} is not 2-D")
         raw = t.data if rows is None else np.ascontiguousarray(t.data[rows])  # [N, row_bytes]
         weight, k = _tensor(raw), int(t.shape[0])
-        fmt = int(t.tensor_type)
-        formats[kind] += 1
+        fmt = QuantFormat(int(t.tensor_type))
         module_name = target[:-len(".weight")]
         if name == "token_embd.weight":
             _set(model, module_name, QuantEmbedding(weight, fmt, k, dtype))
         else:
+            weight, fmt = kernel_layout(weight, fmt, activation)
+            if is_repacked(fmt):
+                _release_file_pages(t.data)
             _set(model, module_name, QuantLinear(weight, fmt, k, bias_t, activation))
+        formats[fmt.name] += 1
     if "output.weight" not in tensors:
         # Tied embeddings: the LM head reads the embedding table (the same bytes, no copy).
         embed = model.model.embed_tokens
-        if isinstance(embed, QuantEmbedding):
-            model.lm_head = QuantLinear(embed.weight, embed.fmt, embed.embedding_dim,
-                                        activation=activation)
+        if isinstance(embed, QuantEmbedding):  # a repacked layout is the head's own copy
+            weight, fmt = kernel_layout(embed.weight, embed.fmt, activation)
+            model.lm_head = QuantLinear(weight, fmt, embed.embedding_dim, activation=activation)
+            formats[fmt.name] += fmt != embed.fmt
         else:
             model.lm_head.weight = embed.weight
     missing = [n for n, p in model.named_parameters() if p.is_meta]

@@ -19,7 +19,13 @@ import specdec_inductor._library  # noqa: F401  (loads the schemas before regist
 
 
 class QuantFormat(enum.IntEnum):
-    """ggml block formats; the values are ggml's type ids (gguf.GGMLQuantizationType)."""
+    """ggml block formats; the values are ggml's type ids (gguf.GGMLQuantizationType).
+
+    The *_R16 members are our own layouts of a file format (256 + its id; `quant_repack` makes
+    them): 16 weight rows interleaved so that one vector lane is one weight row (the layout is
+    described in csrc/quant_repack.h). A weight in one is uint8 [N / 16, 16 * row_bytes]; every
+    weight keeps its exact file value; quant_linear runs them with INT8 activations only.
+    """
     Q4_0 = 2
     Q4_1 = 3
     Q5_0 = 6
@@ -28,6 +34,37 @@ class QuantFormat(enum.IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    Q4_K_R16 = 256 + 12
+    Q6_K_R16 = 256 + 14
+
+
+# The formats a GGUF file holds (QuantFormat less our repacked layouts).
+FILE_FORMATS = [f for f in QuantFormat if f < 256]
+REPACK_ROWS = 16
+
+
+def is_repacked(fmt) -> bool:
+    """True for our row-interleaved layouts (QuantFormat.*_R16)."""
+    return int(fmt) >= 256
+
+
+def file_format(fmt) -> "QuantFormat":
+    """The GGUF format a layout holds (itself for a file format)."""
+    fmt = _format(fmt)
+    return QuantFormat(int(fmt) - 256) if is_repacked(fmt) else fmt
+
+
+def repacked_format(fmt) -> Optional["QuantFormat"]:
+    """The row-interleaved layout of a file format, or None where there is none."""
+    try:
+        return QuantFormat(int(_format(fmt)) + 256)
+    except ValueError:
+        return None
+
+
+def group_rows(fmt) -> int:
+    """Weight rows per tensor row: 16 for a repacked layout, 1 for a file format."""
+    return REPACK_ROWS if is_repacked(fmt) else 1
 
 
 class QuantActivation(enum.IntEnum):
@@ -75,6 +112,8 @@ _BLOCKS = {
     QuantFormat.Q4_K: (256, 144),
     QuantFormat.Q5_K: (256, 176),
     QuantFormat.Q6_K: (256, 210),
+    QuantFormat.Q4_K_R16: (256, 148),  # bytes per block and weight row (unpacked 6-bit scales)
+    QuantFormat.Q6_K_R16: (256, 212),  # 32 bytes of padding per 16 rows (64-byte aligned chunks)
 }
 
 
@@ -87,7 +126,7 @@ def _format(fmt) -> QuantFormat:
 
 
 def quant_block(fmt: QuantFormat):
-    """(weights per block, bytes per block) of `fmt`."""
+    """(weights per block, bytes per block and weight row) of `fmt`."""
     return _BLOCKS[_format(fmt)]
 
 
@@ -114,8 +153,8 @@ def quant_linear(x: Tensor, weight: Tensor, fmt: QuantFormat, bias: Optional[Ten
     """y = x @ dequantize(weight).T (+ bias), as `F.linear` on the dequantized weight.
 
     Args: x [..., K] float32 or bfloat16 (any strides); weight uint8 [N, quant_row_bytes(fmt, K)]
-    (rows dense: stride(1) == 1); fmt a QuantFormat; bias [N] of x's dtype or None; activation a
-    QuantActivation.
+    (rows dense: stride(1) == 1), or [N / 16, 16 * quant_row_bytes(fmt, K)] for a repacked fmt
+    (INT8 only); fmt a QuantFormat; bias [N] of x's dtype or None; activation a QuantActivation.
     Returns y [..., N] of x's dtype, accumulated in fp32 (bf16 rounded once, at the end). Any
     number of rows M = prod(x.shape[:-1]), each row's result independent of M.
 
@@ -134,7 +173,9 @@ def quant_linear(x: Tensor, weight: Tensor, fmt: QuantFormat, bias: Optional[Ten
         wq = q - 32): I_b = sum over sub-blocks s of sc[s] * (sum over s of wq * q), an exact
         integer; y[m, n] = sum_b (d * d_b) * I_b
                   + sum_b sum_s (-dmin * mn[s]) * (d_b * sum over s of q)   (Q4_K / Q5_K)   (+ bias[n]).
-      The integer sums are exact, the rest accumulated in fp32 in a fixed order.
+      The integer sums are exact, the rest accumulated in fp32 in a fixed order (the repacked
+      layouts' kernel sums the Q4_K mins as the integer sum_s mn[s] * (sum over s of q) and adds
+      it once per block times -dmin * d_b: the same value in exact arithmetic).
     `quant_linear_ref(..., activation=INT8)` computes the same in fp64.
     """
     return torch.ops.specdec.quant_linear.default(x, weight, int(_format(fmt)), bias,
@@ -143,7 +184,7 @@ def quant_linear(x: Tensor, weight: Tensor, fmt: QuantFormat, bias: Optional[Ten
 
 @torch.library.register_fake("specdec::quant_linear")
 def _(x, weight, fmt, bias=None, activation=0):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return x.new_empty((*x.shape[:-1], weight.shape[0] * group_rows(fmt)))
 
 
 def quant_embedding(ids: Tensor, weight: Tensor, fmt: QuantFormat,
@@ -159,17 +200,39 @@ def quant_embedding(ids: Tensor, weight: Tensor, fmt: QuantFormat,
 @torch.library.register_fake("specdec::quant_embedding")
 def _(ids, weight, fmt, dtype=None):
     size, nbytes = _BLOCKS[_format(fmt)]
-    k = weight.shape[1] // nbytes * size
+    k = weight.shape[1] // (nbytes * group_rows(fmt)) * size
     return weight.new_empty((*ids.shape, k), dtype=dtype or torch.float32)
 
 
 def quant_dequantize(weight: Tensor, fmt: QuantFormat) -> Tensor:
     """The exact fp32 weight [N, K] of a uint8 [N, row_bytes] tensor of `fmt` blocks (bitwise
-    `gguf.quants.dequantize`)."""
+    `gguf.quants.dequantize`; a repacked fmt: of the file rows it was made from)."""
     return torch.ops.specdec.quant_dequantize.default(weight, int(_format(fmt)))
 
 
 @torch.library.register_fake("specdec::quant_dequantize")
 def _(weight, fmt):
     size, nbytes = _BLOCKS[_format(fmt)]
-    return weight.new_empty((weight.shape[0], weight.shape[1] // nbytes * size), dtype=torch.float32)
+    g = group_rows(fmt)
+    return weight.new_empty((weight.shape[0] * g, weight.shape[1] // (nbytes * g) * size),
+                            dtype=torch.float32)
+
+
+def quant_repack(weight: Tensor, fmt: QuantFormat) -> Tensor:
+    """A file-layout weight uint8 [N, row_bytes] of Q4_K / Q6_K (N a multiple of 16) in its
+    row-interleaved layout `repacked_format(fmt)`, [N / 16, 16 * quant_row_bytes(R16 fmt, K)]; a
+    repacked weight (fmt its *_R16 format) back to the file's bytes [N, row_bytes], bitwise. A new
+    tensor: the source is read once and not kept."""
+    return torch.ops.specdec.quant_repack.default(weight, int(_format(fmt)))
+
+
+@torch.library.register_fake("specdec::quant_repack")
+def _(weight, fmt):
+    fmt = _format(fmt)
+    size, nbytes = _BLOCKS[fmt]
+    if is_repacked(fmt):
+        k = weight.shape[1] // (nbytes * REPACK_ROWS) * size
+        return weight.new_empty((weight.shape[0] * REPACK_ROWS, k // size * _BLOCKS[file_format(fmt)][1]))
+    k = weight.shape[1] // nbytes * size
+    return weight.new_empty((weight.shape[0] // REPACK_ROWS,
+                             REPACK_ROWS * k // size * _BLOCKS[repacked_format(fmt)][1]))

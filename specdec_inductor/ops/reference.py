@@ -386,10 +386,10 @@ def _k_scale_min(scales: Tensor) -> Tuple[Tensor, Tensor]:
 def quant_dequantize_ref(weight: Tensor, fmt) -> Tensor:
     """The fp32 weight [N, K] of uint8 [N, row_bytes] ggml blocks (layouts: csrc/quant_isa.h),
     written out per format. Every product is exact in fp32; the one rounding per weight is that of
-    the file's definition (the "+ m" / "- dmin * mn" step)."""
+    the file's definition (the "+ m" / "- dmin * mn" step). A repacked fmt: its file rows'."""
     from specdec_inductor.ops.quant import QuantFormat, quant_block
 
-    fmt = QuantFormat(int(fmt))
+    weight, fmt = _file_layout(weight, QuantFormat(int(fmt)))
     size, nbytes = quant_block(fmt)
     n = weight.shape[0]
     blocks = weight.reshape(-1, nbytes)  # [B, bytes], B = N * K / size
@@ -418,17 +418,121 @@ def quant_dequantize_ref(weight: Tensor, fmt) -> Tensor:
         dm = (_f16_field(blocks, 2) * mn)[:, :, None]
         w = ds * q.float() - dm
     else:  # Q6_K
-        ql, qh = b[:, 0:128], b[:, 128:192]
-        groups = []
-        for g in range(8):  # 32 weights each
-            h, t = divmod(g, 4)
-            lo = (ql[:, 64 * h + 32 * (t % 2):][:, :32] >> 4 * (t // 2)) & 15
-            hi = (qh[:, 32 * h:32 * h + 32] >> 2 * t) & 3
-            groups.append((lo | hi << 4) - 32)
-        q = torch.cat(groups, 1).float()  # [B, 256]
+        q = (_q6_quants(b) - 32).float()  # [B, 256]
         scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [B, 16]
         w = (_f16_field(blocks, 208) * scales).repeat_interleave(16, 1) * q
     return w.reshape(n, -1)
+
+
+def _q6_quants(b: Tensor) -> Tensor:
+    """The 256 6-bit quants u (0..63) of Q6_K blocks ([B, 210] int) as [B, 256]."""
+    ql, qh = b[:, 0:128], b[:, 128:192]
+    groups = []
+    for g in range(8):  # 32 weights each
+        h, t = divmod(g, 4)
+        lo = (ql[:, 64 * h + 32 * (t % 2):][:, :32] >> 4 * (t // 2)) & 15
+        hi = (qh[:, 32 * h:32 * h + 32] >> 2 * t) & 3
+        groups.append(lo | hi << 4)
+    return torch.cat(groups, 1)
+
+
+def _q6_file_quants(u: Tensor) -> Tensor:
+    """Q6_K's ql [128] and qh [64] bytes from u [B, 256] (the inverse of _q6_quants): [B, 192]."""
+    out = torch.zeros(u.shape[0], 192, dtype=torch.int64)
+    for g in range(8):
+        h, t = divmod(g, 4)
+        ug = u[:, 32 * g:32 * g + 32].long()
+        at = 64 * h + 32 * (t % 2)
+        out[:, at:at + 32] |= (ug & 15) << 4 * (t // 2)
+        out[:, 128 + 32 * h:160 + 32 * h] |= (ug >> 4) << 2 * t
+    return out
+
+
+def _r16_chunks(weight: Tensor, nbytes: int) -> Tensor:
+    """File rows [N, row_bytes] (N a multiple of 16) as blocks [G, 16, nb, nbytes] int64."""
+    return weight.reshape(weight.shape[0] // 16, 16, -1, nbytes).long()
+
+
+def _lanes(field: Tensor) -> Tensor:
+    """[G, 16, nb, *rest] -> [G, nb, 16, *rest]: a per-row field laid out lane by lane."""
+    return field.transpose(1, 2)
+
+
+def _pairs(values: Tensor) -> Tensor:
+    """Per-row values [G, 16, nb, 2P] as the R16 pair layout [G, nb, P, 16, 2]."""
+    g, r, nb, n = values.shape
+    return values.reshape(g, r, nb, n // 2, 2).permute(0, 2, 3, 1, 4)
+
+
+def _quads(values: Tensor, outer: int) -> Tensor:
+    """Per-row bytes [G, 16, nb, outer * 32] (outer x 8 quads x 4) as [G, nb, outer, 8, 16, 4]."""
+    g, r, nb, _ = values.shape
+    return values.reshape(g, r, nb, outer, 8, 4).permute(0, 2, 3, 4, 1, 5)
+
+
+def quant_repack_ref(weight: Tensor, fmt) -> Tensor:
+    """The R16 layout (csrc/quant_repack.h) of file rows uint8 [N, row_bytes] of Q4_K / Q6_K, built
+    from the decoded fields: uint8 [N / 16, 16 * R16 row_bytes]."""
+    from specdec_inductor.ops.quant import QuantFormat
+
+    fmt = QuantFormat(int(fmt))
+    c = _r16_chunks(weight, 144 if fmt == QuantFormat.Q4_K else 210)  # [G, 16, nb, bytes]
+    g, _, nb, nbytes = c.shape
+    flat = c.reshape(-1, nbytes)  # [B, bytes]
+    if fmt == QuantFormat.Q4_K:
+        sc, mn = (v.long().reshape(g, 16, nb, 8) for v in _k_scale_min(flat[:, 4:16]))
+        parts = [_lanes(c[..., 0:2]), _lanes(c[..., 2:4]), _pairs(sc), _pairs(mn),
+                 _quads(c[..., 16:144], 4)]
+    else:
+        u = _q6_quants(flat).reshape(g, 16, nb, 4, 2, 8, 4)  # [G, 16, nb, p, half, t, i]
+        ql = (u[:, :, :, :, 0] & 15) | (u[:, :, :, :, 1] & 15) << 4  # [G, 16, nb, p, t, i]
+        hi = (u >> 4).reshape(g, 16, nb, 2, 2, 2, 8, 4)  # [G, 16, nb, c, a, h, t, i]
+        qh = sum(hi[:, :, :, :, a, h] << 2 * (2 * a + h) for a in range(2) for h in range(2))
+        parts = [_lanes(c[..., 208:210]), torch.zeros(g, nb, 32, dtype=torch.int64),  # padding
+                 _pairs(c[..., 192:208]), _quads(ql.reshape(g, 16, nb, -1), 4),
+                 _quads(qh.reshape(g, 16, nb, -1), 2)]
+    out = torch.cat([p.reshape(g, nb, -1) for p in parts], -1)  # [G, nb, chunk]
+    return out.reshape(g, -1).to(torch.uint8)
+
+
+def quant_unpack_ref(weight: Tensor, fmt) -> Tensor:
+    """The file rows uint8 [N, row_bytes] of an R16 weight [N / 16, 16 * R16 row_bytes] (fmt
+    Q4_K_R16 / Q6_K_R16): its fields read back and encoded as the file's blocks."""
+    from specdec_inductor.ops.quant import QuantFormat
+
+    fmt = QuantFormat(int(fmt))
+    q4 = fmt == QuantFormat.Q4_K_R16
+    g = weight.shape[0]
+    ch = weight.reshape(g, -1, 16 * (148 if q4 else 212)).long()  # [G, nb, chunk]
+    nb = ch.shape[1]
+    rows = lambda x: x.reshape(g, nb, 16, -1).transpose(1, 2)  # noqa: E731  [G, nb, 16, n] -> [G, 16, nb, n]
+    unquads = lambda x, outer: x.reshape(g, nb, outer, 8, 16, 4).permute(0, 4, 1, 2, 3, 5).reshape(g, 16, nb, -1)  # noqa: E731
+    unpairs = lambda x, n: x.reshape(g, nb, n // 2, 16, 2).permute(0, 3, 1, 2, 4).reshape(g, 16, nb, n)  # noqa: E731
+    if q4:
+        d, dmin = rows(ch[..., 0:32]), rows(ch[..., 32:64])
+        sc, mn = unpairs(ch[..., 64:192], 8), unpairs(ch[..., 192:320], 8)
+        scales = torch.cat([sc[..., :4] | (sc[..., 4:] >> 4) << 6, mn[..., :4] | (mn[..., 4:] >> 4) << 6,
+                            (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4], -1)
+        blocks = torch.cat([d, dmin, scales, unquads(ch[..., 320:2368], 4)], -1)
+    else:
+        d, sc = rows(ch[..., 0:32]), unpairs(ch[..., 64:320], 16)
+        ql = unquads(ch[..., 320:2368], 4).reshape(g, 16, nb, 4, 1, 8, 4)
+        qh = unquads(ch[..., 2368:3392], 2).reshape(g, 16, nb, 2, 1, 1, 8, 4)
+        lo = torch.cat([ql & 15, ql >> 4], 4)  # [G, 16, nb, p, half, t, i]
+        shifts = (2 * (2 * torch.arange(2)[:, None] + torch.arange(2))).reshape(1, 1, 1, 1, 2, 2, 1, 1)
+        hi = ((qh >> shifts) & 3).reshape(g, 16, nb, 4, 2, 8, 4)  # [G, 16, nb, p (= 2c + a), h, t, i]
+        u = (lo | hi << 4).reshape(-1, 256)
+        blocks = torch.cat([_q6_file_quants(u).reshape(g, 16, nb, 192), sc, d], -1)
+    return blocks.reshape(g * 16, -1).to(torch.uint8)
+
+
+def _file_layout(weight: Tensor, fmt):
+    """(file rows, file format) of a weight in any layout."""
+    from specdec_inductor.ops.quant import file_format, is_repacked
+
+    if is_repacked(fmt):
+        return quant_unpack_ref(weight, fmt), file_format(fmt)
+    return weight, fmt
 
 
 def _k_int_parts(blocks: Tensor, fmt) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -449,14 +553,7 @@ def _k_int_parts(blocks: Tensor, fmt) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         d = _f16_field(blocks, 0).double()
         minimum = -(_f16_field(blocks, 2) * mn).double()  # [B, 8]
     else:  # Q6_K
-        ql, qh = b[:, 0:128], b[:, 128:192]
-        groups = []
-        for g in range(8):
-            h, t = divmod(g, 4)
-            lo = (ql[:, 64 * h + 32 * (t % 2):][:, :32] >> 4 * (t // 2)) & 15
-            hi = (qh[:, 32 * h:32 * h + 32] >> 2 * t) & 3
-            groups.append((lo | hi << 4) - 32)
-        wq = torch.cat(groups, 1)
+        wq = _q6_quants(b) - 32
         isc = blocks[:, 192:208].contiguous().view(torch.int8).long()  # [B, 16]
         d = _f16_field(blocks, 208).double()
         minimum = torch.zeros(blocks.shape[0], 8, dtype=torch.float64)
@@ -543,9 +640,11 @@ def quant_linear_int8_terms_ref(x: Tensor, weight: Tensor, fmt, bias: Optional[T
     """quant_linear with INT8 activations in fp64 from exact integer dots (the definition in
     ops/quant.py), and the sum of the absolute values of every term at the product level
     (|scale * d * wq * q| per weight, |min * d * q|, |bias|): the scale of fp32 rounding error.
-    Returns (y [M, N] float64, magnitude [M, N] float64) for x [M, K]."""
+    Returns (y [M, N] float64, magnitude [M, N] float64) for x [M, K]. A repacked fmt: the
+    definition over its file rows (the same value in exact arithmetic)."""
     from specdec_inductor.ops.quant import quant_block
 
+    weight, fmt = _file_layout(weight, fmt)
     if quant_block(fmt)[0] == 256:
         y, mag = _int8k_terms_ref(x, weight, fmt)
     else:

@@ -1,0 +1,158 @@
+// The R16 layouts (quant_repack.h): repacking a group of 16 file rows, giving back a row's file
+// bytes, and the portable INT8 path over a repacked weight. No ATen here (quant.cpp has the ops).
+#include "quant_repack.h"
+
+#include <cstring>
+#include <vector>
+
+namespace specdec {
+namespace {
+
+constexpr int64_t kQ4Chunk = 16 * 148, kQ6Chunk = 16 * 212;
+
+// Q4_K / Q5_K's 12 scale bytes from the 8 6-bit scales and mins (the inverse of k_scale_min:
+// every one of the 96 bits is a bit of one value, so this gives back the file's bytes).
+void k_pack_scale_min(const int* sc, const int* mn, uint8_t* q) {
+  for (int j = 0; j < 4; ++j) {
+    q[j] = static_cast<uint8_t>(sc[j] | (sc[j + 4] >> 4) << 6);
+    q[j + 4] = static_cast<uint8_t>(mn[j] | (mn[j + 4] >> 4) << 6);
+    q[j + 8] = static_cast<uint8_t>((sc[j + 4] & 15) | (mn[j + 4] & 15) << 4);
+  }
+}
+
+// Q6_K's 256 6-bit quants u of a file block (quant_isa.h's layout), and back.
+void q6_quants(const uint8_t* p, uint8_t* u) {
+  for (int g = 0; g < 8; ++g) {
+    const int h = g / 4, t = g % 4;
+    for (int l = 0; l < 32; ++l) {
+      const int lo = (p[64 * h + 32 * (t % 2) + l] >> (4 * (t / 2))) & 15;
+      const int hi = (p[128 + 32 * h + l] >> (2 * t)) & 3;
+      u[32 * g + l] = static_cast<uint8_t>(lo | hi << 4);
+    }
+  }
+}
+void q6_set_quants(const uint8_t* u, uint8_t* p) {
+  std::memset(p, 0, 192);
+  for (int g = 0; g < 8; ++g) {
+    const int h = g / 4, t = g % 4;
+    for (int l = 0; l < 32; ++l) {
+      p[64 * h + 32 * (t % 2) + l] |= static_cast<uint8_t>((u[32 * g + l] & 15) << (4 * (t / 2)));
+      p[128 + 32 * h + l] |= static_cast<uint8_t>((u[32 * g + l] >> 4) << (2 * t));
+    }
+  }
+}
+
+// Byte offset in a Q6_K_R16 chunk of lane r's ql / qh byte for weight k (and the qh bit shift).
+int64_t q6_ql_at(int k, int r) {
+  const int p = k / 64, t = (k % 32) / 4, i = k % 4;
+  return 320 + ((p * 8 + t) * 16 + r) * 4 + i;
+}
+int64_t q6_qh_at(int k, int r, int* shift) {
+  const int p = k / 64, h = (k % 64) / 32, t = (k % 32) / 4, i = k % 4;
+  *shift = 2 * (2 * (p % 2) + h);
+  return 2368 + (((p / 2) * 8 + t) * 16 + r) * 4 + i;
+}
+
+void q4_repack_block(const uint8_t* const* rows, uint8_t* c) {
+  for (int r = 0; r < 16; ++r) {
+    const uint8_t* p = rows[r];
+    std::memcpy(c + 2 * r, p, 2);
+    std::memcpy(c + 32 + 2 * r, p + 2, 2);
+    for (int s = 0; s < 8; ++s) {
+      int sc, mn;
+      k_scale_min(p + 4, s, &sc, &mn);
+      c[64 + (s / 2) * 32 + 2 * r + s % 2] = static_cast<uint8_t>(sc);
+      c[192 + (s / 2) * 32 + 2 * r + s % 2] = static_cast<uint8_t>(mn);
+    }
+    for (int j = 0; j < 4; ++j)
+      for (int t = 0; t < 8; ++t) std::memcpy(c + 320 + ((j * 8 + t) * 16 + r) * 4, p + 16 + 32 * j + 4 * t, 4);
+  }
+}
+
+void q4_unpack_block(const uint8_t* c, int r, uint8_t* p) {
+  std::memcpy(p, c + 2 * r, 2);
+  std::memcpy(p + 2, c + 32 + 2 * r, 2);
+  int sc[8], mn[8];
+  for (int s = 0; s < 8; ++s) {
+    sc[s] = c[64 + (s / 2) * 32 + 2 * r + s % 2];
+    mn[s] = c[192 + (s / 2) * 32 + 2 * r + s % 2];
+  }
+  k_pack_scale_min(sc, mn, p + 4);
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < 8; ++t) std::memcpy(p + 16 + 32 * j + 4 * t, c + 320 + ((j * 8 + t) * 16 + r) * 4, 4);
+}
+
+void q6_repack_block(const uint8_t* const* rows, uint8_t* c) {
+  std::memset(c, 0, kQ6Chunk);  // the quants' bits are or-ed in; the padding stays zero
+  uint8_t u[256];
+  for (int r = 0; r < 16; ++r) {
+    const uint8_t* p = rows[r];
+    std::memcpy(c + 2 * r, p + 208, 2);
+    for (int g = 0; g < 16; ++g) c[64 + (g / 2) * 32 + 2 * r + g % 2] = p[192 + g];
+    q6_quants(p, u);
+    for (int k = 0; k < 256; ++k) {
+      const int64_t lo_shift = ((k % 64) / 32) * 4;
+      int shift;
+      c[q6_ql_at(k, r)] |= static_cast<uint8_t>((u[k] & 15) << lo_shift);
+      c[q6_qh_at(k, r, &shift)] |= static_cast<uint8_t>((u[k] >> 4) << shift);
+    }
+  }
+}
+
+void q6_unpack_block(const uint8_t* c, int r, uint8_t* p) {
+  uint8_t u[256];
+  for (int k = 0; k < 256; ++k) {
+    const int lo_shift = ((k % 64) / 32) * 4;
+    int shift;
+    const int lo = (c[q6_ql_at(k, r)] >> lo_shift) & 15;
+    const int hi = (c[q6_qh_at(k, r, &shift)] >> shift) & 3;
+    u[k] = static_cast<uint8_t>(lo | hi << 4);
+  }
+  q6_set_quants(u, p);
+  for (int g = 0; g < 16; ++g) p[192 + g] = c[64 + (g / 2) * 32 + 2 * r + g % 2];
+  std::memcpy(p + 208, c + 2 * r, 2);
+}
+
+}  // namespace
+
+void quant_repack_group(QuantFmt base, const uint8_t* src, int64_t src_stride, int64_t K, uint8_t* dst) {
+  const bool q4 = base == QuantFmt::Q4_K;
+  const int64_t file_bytes = q4 ? 144 : 210, chunk = q4 ? kQ4Chunk : kQ6Chunk;
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* rows[16];
+    for (int r = 0; r < 16; ++r) rows[r] = src + r * src_stride + b * file_bytes;
+    if (q4) q4_repack_block(rows, dst + b * chunk);
+    else q6_repack_block(rows, dst + b * chunk);
+  }
+}
+
+void quant_unpack_group_row(QuantFmt base, const uint8_t* group, int64_t K, int r, uint8_t* dst) {
+  const bool q4 = base == QuantFmt::Q4_K;
+  const int64_t file_bytes = q4 ? 144 : 210, chunk = q4 ? kQ4Chunk : kQ6Chunk;
+  for (int64_t b = 0; b < K / 256; ++b) {
+    if (q4) q4_unpack_block(group + b * chunk, r, dst + b * file_bytes);
+    else q6_unpack_block(group + b * chunk, r, dst + b * file_bytes);
+  }
+}
+
+void quant_linear_int8_r16_portable(const QuantLinearInt8Block& b) {
+  const QuantFmt base = file_format(b.fmt);
+  const int64_t K = b.xk.K, row_bytes = K / 256 * (base == QuantFmt::Q4_K ? 144 : 210);
+  thread_local std::vector<uint8_t> rows;
+  rows.resize(static_cast<size_t>(16 * row_bytes));
+  for (int64_t n = b.n_begin; n < b.n_end; n += 16) {
+    const uint8_t* group = b.w + (n / 16) * b.w_stride;
+    for (int r = 0; r < 16; ++r) quant_unpack_group_row(base, group, K, r, rows.data() + r * row_bytes);
+    QuantLinearInt8Block part = b;
+    part.fmt = base;
+    part.w = rows.data();
+    part.w_stride = row_bytes;
+    part.bias = b.bias ? b.bias + n : nullptr;
+    part.y = b.y + n;
+    part.n_begin = 0;
+    part.n_end = 16;
+    quant_linear_int8_portable(part);
+  }
+}
+
+}  // namespace specdec

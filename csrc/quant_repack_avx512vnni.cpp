@@ -1,0 +1,198 @@
+// AVX-512 VNNI kernel of quant_linear with INT8 activations over the R16 layouts
+// (quant_repack.h): lane r of every vector is weight row 16g + r of the group. Per x row and
+// 4 weights of the 16 rows, one vpdpbusd against a broadcast of the row's 4 activation quants;
+// per sub-block (32 weights Q4_K, 16 Q6_K) its sum times the lane's integer scale (vpmulld)
+// into the block's integer sum; per 256 weights one convert and one FMA (d * d_x) per lane, plus
+// one for the Q4_K mins (an integer sum of mn * 32-quant sums, vpdpwssd). Up to 4 rows of x share
+// each unpacked weight vector (the unpacking is ~1.5 ops per 64 bytes for Q4_K, ~4.5 for Q6_K).
+// Every lane sees the operations of one (x row, weight row) pair in one order whatever the
+// number of rows of x or the tile a row falls in: batch invariance.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "quant_isa.h"
+#include "quant_k_rows.h"
+#include "quant_repack.h"
+
+namespace specdec {
+namespace {
+
+// The 4 bytes at p (4 activation quants, or 2 int16 block sums) in every int32 lane.
+inline __m512i bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512 f16x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The int16 pairs of 16 lanes (32 bytes of pairs) widened: even member in the low int16 of each
+// int32 lane, odd member in the high one.
+inline __m512i pairs_u8(const uint8_t* p) {
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512i pairs_i8(const uint8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512i even_member(__m512i pairs) { return _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16); }
+inline __m512i odd_member(__m512i pairs) { return _mm512_srai_epi32(pairs, 16); }
+
+// The chunk two blocks ahead into L1 (a group's chunks, and the next group's, are contiguous):
+// the unpacking reads a chunk in two streams (Q6_K: low and high bits), which the hardware
+// prefetchers alone leave latency-bound on a single thread.
+template <int64_t kChunk>
+inline void prefetch_ahead(const uint8_t* chunk) {
+  for (int64_t off = 0; off < kChunk; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(chunk + 2 * kChunk + off), _MM_HINT_T0);
+}
+
+// acc[i] += lane-wise block result, the float tail shared by both formats: acc + I * (d * d_x).
+inline __m512 scale_add(__m512i isum, __m512 d, float dx, __m512 acc) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc);
+}
+
+// Q4_K: MB rows of x against one group, all K.
+template <int MB>
+void q4_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) {
+  const __m512i nib = _mm512_set1_epi8(15);
+  for (int64_t c = 0; c < blocks; ++c) {
+    const uint8_t* p = group + c * (16 * 148);
+    prefetch_ahead<16 * 148>(p);
+    __m512i isum[MB], imin[MB];
+    for (int i = 0; i < MB; ++i) isum[i] = imin[i] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo[MB], hi[MB];
+      for (int i = 0; i < MB; ++i) lo[i] = hi[i] = _mm512_setzero_si512();
+      const uint8_t* qs = p + 320 + j * 512;
+      for (int t = 0; t < 8; ++t) {
+        const __m512i v = _mm512_loadu_si512(qs + 64 * t);
+        const __m512i ul = _mm512_and_si512(v, nib), uh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        for (int i = 0; i < MB; ++i) {
+          const int8_t* q = x[i].q + 256 * c + 64 * j + 4 * t;
+          lo[i] = _mm512_dpbusd_epi32(lo[i], ul, bcast4(q));
+          hi[i] = _mm512_dpbusd_epi32(hi[i], uh, bcast4(q + 32));
+        }
+      }
+      const __m512i sc = pairs_u8(p + 64 + 32 * j);
+      const __m512i sc_lo = even_member(sc), sc_hi = odd_member(sc);
+      for (int i = 0; i < MB; ++i)
+        isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(lo[i], sc_lo),
+                                                             _mm512_mullo_epi32(hi[i], sc_hi)));
+    }
+    // Mins: sum_s mn[s] * (sum of the 32 quants of sub-block s), pairs of sub-blocks per vpdpwssd.
+    for (int e = 0; e < 4; ++e) {
+      const __m512i mn = pairs_u8(p + 192 + 32 * e);
+      for (int i = 0; i < MB; ++i) imin[i] = _mm512_dpwssd_epi32(imin[i], mn, bcast4(x[i].bsum32 + 8 * c + 2 * e));
+    }
+    const __m512 d = f16x16(p), dmin = f16x16(p + 32);
+    for (int i = 0; i < MB; ++i) {
+      const float dx = x[i].d[c];
+      acc[i] = scale_add(isum[i], d, dx, acc[i]);
+      // - dmin * mn * sum q: acc - Imin * (dmin * d_x), fused.
+      acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[i]), _mm512_mul_ps(dmin, _mm512_set1_ps(dx)), acc[i]);
+    }
+  }
+}
+
+// Bits 2 * sel .. + 1 of each byte moved to bits 4-5 (other bits cleared). 16-bit shifts: the
+// bits that cross into the neighbouring byte land outside 0x30.
+template <int kSel>
+inline __m512i q6_high_bits(__m512i v) {
+  const __m512i mask = _mm512_set1_epi8(0x30);
+  if constexpr (kSel < 2) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - 2 * kSel), mask);
+  else if constexpr (kSel == 2) return _mm512_and_si512(v, mask);
+  else return _mm512_and_si512(_mm512_srli_epi16(v, 2), mask);
+}
+
+// Q6_K, pair P of 64 weights of block c, for MB rows of x: per half th of each 32 (quads
+// t = 4th .. 4th + 3), the 16-weight groups 4P + th (half 0) and 4P + 2 + th (half 1), their
+// sums times their scales into isum.
+template <int MB, int P>
+inline void q6_pair(const uint8_t* ch, const XRow* x, int64_t c, __m512i* isum) {
+  const __m512i nib = _mm512_set1_epi8(15);
+  constexpr int kSel = 2 * (P % 2);  // qh bits of half 0; half 1's are the next two
+  for (int th = 0; th < 2; ++th) {
+    __m512i s0[MB], s1[MB];
+    for (int i = 0; i < MB; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
+    for (int t = 4 * th; t < 4 * th + 4; ++t) {
+      const __m512i l = _mm512_loadu_si512(ch + 320 + (P * 8 + t) * 64);
+      const __m512i h = _mm512_loadu_si512(ch + 2368 + ((P / 2) * 8 + t) * 64);
+      const __m512i u0 = _mm512_or_si512(_mm512_and_si512(l, nib), q6_high_bits<kSel>(h));
+      const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), nib),
+                                         q6_high_bits<kSel + 1>(h));
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* q = x[i].q + 256 * c + 64 * P + 4 * t;
+        s0[i] = _mm512_dpbusd_epi32(s0[i], u0, bcast4(q));
+        s1[i] = _mm512_dpbusd_epi32(s1[i], u1, bcast4(q + 32));
+      }
+    }
+    // Groups 4P + th and 4P + 2 + th: members th of scale pairs 2P and 2P + 1.
+    const __m512i pair0 = pairs_i8(ch + 64 + 32 * (2 * P)), pair1 = pairs_i8(ch + 64 + 32 * (2 * P + 1));
+    const __m512i sc0 = th ? odd_member(pair0) : even_member(pair0);
+    const __m512i sc1 = th ? odd_member(pair1) : even_member(pair1);
+    for (int i = 0; i < MB; ++i)
+      isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(s0[i], sc0),
+                                                           _mm512_mullo_epi32(s1[i], sc1)));
+  }
+}
+
+// Q6_K: MB rows of x against one group, all K.
+template <int MB>
+void q6_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) {
+  for (int64_t c = 0; c < blocks; ++c) {
+    const uint8_t* ch = group + c * (16 * 212);
+    prefetch_ahead<16 * 212>(ch);
+    __m512i isum[MB], corr[MB];
+    for (int i = 0; i < MB; ++i) isum[i] = corr[i] = _mm512_setzero_si512();
+    q6_pair<MB, 0>(ch, x, c, isum);
+    q6_pair<MB, 1>(ch, x, c, isum);
+    q6_pair<MB, 2>(ch, x, c, isum);
+    q6_pair<MB, 3>(ch, x, c, isum);
+    // wq = u - 32: I = sum_g sc[g] * (dot_u - 32 * sum of the group's 16 quants).
+    for (int e = 0; e < 8; ++e) {
+      const __m512i sc = pairs_i8(ch + 64 + 32 * e);
+      for (int i = 0; i < MB; ++i) corr[i] = _mm512_dpwssd_epi32(corr[i], sc, bcast4(x[i].bsum16 + 16 * c + 2 * e));
+    }
+    const __m512 d = f16x16(ch);
+    for (int i = 0; i < MB; ++i)
+      acc[i] = scale_add(_mm512_sub_epi32(isum[i], _mm512_slli_epi32(corr[i], 5)), d, x[i].d[c], acc[i]);
+  }
+}
+
+template <int MB>
+void tile(const QuantLinearInt8Block& b, const uint8_t* group, int64_t n, int64_t m0) {
+  const int64_t blocks = b.xk.K / 256;
+  XRow x[MB];
+  for (int i = 0; i < MB; ++i) x[i] = XRow(b.xk, m0 + i);
+  __m512 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  if (b.fmt == QuantFmt::Q4_K_R16) q4_group<MB>(group, blocks, x, acc);
+  else q6_group<MB>(group, blocks, x, acc);
+  for (int i = 0; i < MB; ++i) {
+    __m512 v = acc[i];
+    if (b.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(b.bias + n));
+    _mm512_storeu_ps(b.y + (m0 + i) * b.y_stride + n, v);
+  }
+}
+
+}  // namespace
+
+void quant_linear_int8_r16_avx512vnni(const QuantLinearInt8Block& b) {
+  for (int64_t n = b.n_begin; n < b.n_end; n += 16) {
+    const uint8_t* group = b.w + (n / 16) * b.w_stride;
+    for (int64_t m = 0; m < b.xk.M;) {
+      switch (b.xk.M - m) {
+        case 1: tile<1>(b, group, n, m); m += 1; break;
+        case 2: tile<2>(b, group, n, m); m += 2; break;
+        case 3: tile<3>(b, group, n, m); m += 3; break;
+        default: tile<4>(b, group, n, m); m += 4; break;
+      }
+    }
+  }
+}
+
+}  // namespace specdec
