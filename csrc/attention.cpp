@@ -119,8 +119,8 @@ void check_pool(const at::Tensor& pool, const char* name) {
 }
 
 AttnDtype attn_dtype(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
-                   "argument '", name, "' must be float32 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "argument '",
+                   name, "' must be float32 or bfloat16, got ", t.scalar_type());
   return t.scalar_type() == at::kFloat ? AttnDtype::FLOAT32 : AttnDtype::BFLOAT16;
 }
 
@@ -131,8 +131,9 @@ const uint8_t* tree_visibility(const at::Tensor& tree_mask, int64_t bs, int64_t 
   check_cpu(tree_mask, "tree_mask");
   const at::ScalarType st = tree_mask.scalar_type();
   if (st == at::kBool) {
-    TORCH_CHECK_VALUE(tree_mask.numel() == bs * T * T, "argument 'tree_mask' (bool QLEN_ONLY) "
-                      "must have B*T*T = ", bs * T * T, " elements, got shape ", tree_mask.sizes());
+    TORCH_CHECK_VALUE(tree_mask.numel() == bs * T * T,
+                      "argument 'tree_mask' (bool QLEN_ONLY) must have B*T*T = ", bs * T * T,
+                      " elements, got shape ", tree_mask.sizes());
     holder = tree_mask.contiguous();
     return reinterpret_cast<const uint8_t*>(holder.const_data_ptr<bool>());
   }
@@ -143,13 +144,16 @@ const uint8_t* tree_visibility(const at::Tensor& tree_mask, int64_t bs, int64_t 
     case at::kInt: bits = 32; break;
     case at::kLong: bits = 64; break;
     default:
-      TORCH_CHECK_TYPE(false, "argument 'tree_mask' must be bool (QLEN_ONLY) or a bit-packed "
-                       "uint8/int16/int32/int64, got ", st);
+      TORCH_CHECK_TYPE(
+          false,
+          "argument 'tree_mask' must be bool (QLEN_ONLY) or a bit-packed uint8/int16/int32/int64, got ",
+          st);
   }
-  TORCH_CHECK_VALUE(tree_mask.numel() == bs * T, "argument 'tree_mask' (bit-packed) must have "
-                    "B*T = ", bs * T, " elements, got shape ", tree_mask.sizes());
-  TORCH_CHECK_VALUE(T <= bits, "argument 'tree_mask' is bit-packed in ", bits, "-bit integers, "
-                    "which hold at most ", bits, " new tokens, but q has T = ", T);
+  TORCH_CHECK_VALUE(tree_mask.numel() == bs * T,
+                    "argument 'tree_mask' (bit-packed) must have B*T = ", bs * T,
+                    " elements, got shape ", tree_mask.sizes());
+  TORCH_CHECK_VALUE(T <= bits, "argument 'tree_mask' is bit-packed in ", bits,
+                    "-bit integers, which hold at most ", bits, " new tokens, but q has T = ", T);
   const at::Tensor flat = tree_mask.to(at::kLong).contiguous();  // [B*T], sign extension keeps bits
   const int64_t* w = flat.const_data_ptr<int64_t>();
   storage.assign(bs * T * T, 0);
@@ -208,24 +212,26 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_pool, const
                             double scale, double logit_cap) {
   check_pool(k_pool, "k_pool");
   check_pool(v_pool, "v_pool");
-  TORCH_CHECK_TYPE(k_pool.scalar_type() == q.scalar_type(), "argument 'k_pool' must have q's "
-                   "dtype ", q.scalar_type(), ", got ", k_pool.scalar_type());
-  TORCH_CHECK_TYPE(v_pool.scalar_type() == q.scalar_type(), "argument 'v_pool' must have q's "
-                   "dtype ", q.scalar_type(), ", got ", v_pool.scalar_type());
+  TORCH_CHECK_TYPE(k_pool.scalar_type() == q.scalar_type(),
+                   "argument 'k_pool' must have q's dtype ", q.scalar_type(), ", got ",
+                   k_pool.scalar_type());
+  TORCH_CHECK_TYPE(v_pool.scalar_type() == q.scalar_type(),
+                   "argument 'v_pool' must have q's dtype ", q.scalar_type(), ", got ",
+                   v_pool.scalar_type());
   TORCH_CHECK_VALUE(v_pool.sizes() == k_pool.sizes(), "argument 'v_pool' must have k_pool's shape ",
                     k_pool.sizes(), ", got ", v_pool.sizes());
   const int64_t B = q.size(0), H = q.size(2), D = q.size(3);
   const int64_t num_slots = k_pool.size(0), Hkv = k_pool.size(1);
   TORCH_CHECK_VALUE(k_pool.size(2) == D, "argument 'k_pool' must have head_dim ", D,
                     " (q's last dimension), got shape ", k_pool.sizes());
-  TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "argument 'q' has ", H, " heads, which is not a "
-                    "multiple of k_pool's ", Hkv, " KV heads");
+  TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "argument 'q' has ", H,
+                    " heads, which is not a multiple of k_pool's ", Hkv, " KV heads");
   TORCH_CHECK_VALUE(D >= 1, "argument 'q' must have head_dim >= 1, got shape ", q.sizes());
   check_dtype(req_to_token, at::kInt, "req_to_token");
   check_dim(req_to_token, 2, "req_to_token");
   TORCH_CHECK_VALUE(std::isfinite(scale), "argument 'scale' must be finite, got ", scale);
-  TORCH_CHECK_VALUE(std::isfinite(logit_cap) && logit_cap >= 0, "argument 'logit_cap' must be "
-                    ">= 0 (0 disables the soft cap), got ", logit_cap);
+  TORCH_CHECK_VALUE(std::isfinite(logit_cap) && logit_cap >= 0,
+                    "argument 'logit_cap' must be >= 0 (0 disables the soft cap), got ", logit_cap);
   const int64_t R = req_to_token.size(0), L = req_to_token.size(1);
   const int32_t* table = req_to_token.const_data_ptr<int32_t>();
   const int64_t ts0 = req_to_token.stride(0), ts1 = req_to_token.stride(1);
@@ -267,7 +273,8 @@ ChunkKernel choose_kernel(AttnDtype dtype, int64_t T, int64_t H, int64_t Hkv, in
   // AMX pads each chunk's queries to 16 tile rows; below kAmxMinQueries per chunk (decode:
   // one row times the GQA group) the AVX-512 kernel is faster.
   if (isa == Isa::AMX && dtype == AttnDtype::BFLOAT16 && D % 32 == 0 &&
-      std::min(T, std::max<int64_t>(1, kMaxQueriesPerChunk / (H / Hkv))) * (H / Hkv) >= kAmxMinQueries) {
+      std::min(T, std::max<int64_t>(1, kMaxQueriesPerChunk / (H / Hkv))) * (H / Hkv) >=
+          kAmxMinQueries) {
     kernel = attention_chunk_amx;
     *ran = Isa::AMX;
   }
@@ -297,8 +304,8 @@ std::vector<WorkItem> plan_items(int64_t B, int64_t T, int64_t Hkv, int64_t hpg,
           first_pos = prefix[b] + *std::min_element(depth.begin() + b * T + r0,
                                                     depth.begin() + b * T + r0 + nr);
         }
-        const int64_t kbeg = sliding_window > 0
-            ? std::max<int64_t>(0, first_pos - sliding_window + 1) : 0;
+        const int64_t kbeg =
+            sliding_window > 0 ? std::max<int64_t>(0, first_pos - sliding_window + 1) : 0;
         items.push_back({b, g, r0, nr, kbeg, kend, 1, 0});
       }
     }
@@ -445,10 +452,12 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
   at::Tensor tree_holder;
   std::vector<uint8_t> tree_storage;
   const uint8_t* tree = tree_mask.has_value()
-      ? tree_visibility(*tree_mask, B, T, tree_holder, tree_storage) : nullptr;
+                            ? tree_visibility(*tree_mask, B, T, tree_holder, tree_storage)
+                            : nullptr;
   // With a window, a tree draft's token position is prefix + its depth (kernels.md section 6).
-  const std::vector<int32_t> depth =
-      tree != nullptr && sliding_window > 0 ? tree_depths(tree, B, T, extend) : std::vector<int32_t>();
+  const std::vector<int32_t> depth = tree != nullptr && sliding_window > 0
+                                         ? tree_depths(tree, B, T, extend)
+                                         : std::vector<int32_t>();
 
   // q rows must be dense in D for the kernels; any other strides are read in place.
   const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
@@ -460,9 +469,21 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
       plan_items(B, T, Hkv, hpg, prefix, extend, tree != nullptr, depth, sliding_window);
   const TaskPlan plan = split_key_ranges(items, hpg, D);
   std::vector<float> workspace(plan.split_floats);
-  const AttnCall call{dtype, q, k_pool, v_pool, req_to_token.const_data_ptr<int32_t>(),
-                      req_to_token.stride(0), req_to_token.stride(1), T, hpg, rows, prefix, tree,
-                      depth, sliding_window, static_cast<float>(scale),
+  const AttnCall call{dtype,
+                      q,
+                      k_pool,
+                      v_pool,
+                      req_to_token.const_data_ptr<int32_t>(),
+                      req_to_token.stride(0),
+                      req_to_token.stride(1),
+                      T,
+                      hpg,
+                      rows,
+                      prefix,
+                      tree,
+                      depth,
+                      sliding_window,
+                      static_cast<float>(scale),
                       static_cast<float>(logit_cap)};
   at::parallel_for(0, static_cast<int64_t>(plan.tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> local;
@@ -535,9 +556,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   }
   const std::vector<int64_t> extend(B, 1);
   Isa ran = Isa::PORTABLE;
-  at::Tensor out = attention_forward(&ran, q.unsqueeze(1), k_pool, v_pool, req_to_token, rows,
-                                     prefix, extend, std::nullopt, scale, sliding_window,
-                                     logit_cap);
+  at::Tensor out =
+      attention_forward(&ran, q.unsqueeze(1), k_pool, v_pool, req_to_token, rows, prefix, extend,
+                        std::nullopt, scale, sliding_window, logit_cap);
   SPECDEC_RECORD_PATH("decode_attention", ran);
   return out.squeeze(1);  // [B, H, D]
 }
@@ -565,14 +586,16 @@ void copy_rows(const at::Tensor& src, at::Tensor& pool, const IndexView& slots, 
             continue;
           }
         }
-        for (int64_t d = 0; d < D; ++d) o[d * p2] = static_cast<Dst>(static_cast<float>(in[d * s3]));
+        for (int64_t d = 0; d < D; ++d)
+          o[d * p2] = static_cast<Dst>(static_cast<float>(in[d * s3]));
       }
     }
   });
 }
 
 template <typename Dst>
-void copy_into(const at::Tensor& src, at::Tensor& pool, const IndexView& slots, int64_t B, int64_t T) {
+void copy_into(const at::Tensor& src, at::Tensor& pool, const IndexView& slots, int64_t B,
+               int64_t T) {
   switch (src.scalar_type()) {
     case at::kFloat: copy_rows<float, Dst>(src, pool, slots, B, T); break;
     case at::kBFloat16: copy_rows<at::BFloat16, Dst>(src, pool, slots, B, T); break;
@@ -581,7 +604,8 @@ void copy_into(const at::Tensor& src, at::Tensor& pool, const IndexView& slots, 
   }
 }
 
-void store_one(const at::Tensor& src, at::Tensor& pool, const IndexView& slots, int64_t B, int64_t T) {
+void store_one(const at::Tensor& src, at::Tensor& pool, const IndexView& slots, int64_t B,
+               int64_t T) {
   switch (pool.scalar_type()) {
     case at::kFloat: copy_into<float>(src, pool, slots, B, T); break;
     case at::kBFloat16: copy_into<at::BFloat16>(src, pool, slots, B, T); break;

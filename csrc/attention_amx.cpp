@@ -40,7 +40,8 @@ void block_visibility(const AttnChunk& c, int64_t M, int64_t g, int64_t kb0, int
       bits = visible_bits(c, t, kb0, nk);
       last_t = t;
     }
-    for (uint64_t b = bits; b != 0; b &= b - 1) vis[__builtin_ctzll(b)] |= static_cast<uint16_t>(1u << l);
+    for (uint64_t b = bits; b != 0; b &= b - 1)
+      vis[__builtin_ctzll(b)] |= static_cast<uint16_t>(1u << l);
   }
 }
 
@@ -64,11 +65,13 @@ void attention_chunk_amx(const AttnChunk& c) {
     for (int64_t cc = 0; cc < CW; ++cc) {
       __m512 r[16];
       for (int i = 0; i < 16; ++i) {
-        r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(s.qw.data() + (16 * g + i) * W + 16 * cc));
+        r[i] = _mm512_loadu_ps(
+            reinterpret_cast<const float*>(s.qw.data() + (16 * g + i) * W + 16 * cc));
       }
       transpose16(r);
       for (int i = 0; i < 16; ++i) {
-        _mm512_storeu_ps(reinterpret_cast<float*>(s.qt.data() + ((cc * G + g) * 16 + i) * 16), r[i]);
+        _mm512_storeu_ps(reinterpret_cast<float*>(s.qt.data() + ((cc * G + g) * 16 + i) * 16),
+                         r[i]);
       }
     }
   }
@@ -103,9 +106,9 @@ void attention_chunk_amx(const AttnChunk& c) {
   const char* vbase = static_cast<const char*>(c.v);
   const int64_t kstride = c.k_stride_slot * 2, vstride = c.v_stride_slot * 2;  // bytes per slot
   const int64_t row_bytes = D * 2;
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                              24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
-                                              1, 16, 0);
+  const __m512i interleave =
+      _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512 scale = _mm512_set1_ps(c.scale);
   const bool raw_max = cap <= 0 && c.scale > 0;
   const __m512 log2e = _mm512_set1_ps(kLog2e);
@@ -139,8 +142,7 @@ void attention_chunk_amx(const AttnChunk& c) {
       for (int64_t j = 0; j < nk; ++j) {
         const char* src = kbase + sl[j * c.slot_stride] * kstride;
         for (int64_t o = 0; o < row_bytes; o += 64) {
-          _mm512_storeu_si512(reinterpret_cast<char*>(kb + j * D) + o,
-                              _mm512_loadu_si512(src + o));
+          _mm512_storeu_si512(reinterpret_cast<char*>(kb + j * D) + o, _mm512_loadu_si512(src + o));
         }
       }
       if (nk < kKeyBlock) std::memset(kb + nk * D, 0, (kKeyBlock - nk) * row_bytes);
@@ -154,8 +156,8 @@ void attention_chunk_amx(const AttnChunk& c) {
 #undef SPECDEC_ZERO
       for (int64_t cc = 0; cc < CW; ++cc) {
         _tile_loadd(5, s.qt.data() + (cc * G + g) * 256, 64);
-#define SPECDEC_QK(t)                                            \
-  _tile_loadd(4, kptr + 16 * (t) * kld + 64 * cc, kld);          \
+#define SPECDEC_QK(t)                                   \
+  _tile_loadd(4, kptr + 16 * (t) * kld + 64 * cc, kld); \
   _tile_dpbf16ps(t, 4, 5);
         SPECDEC_FOR_4_TILES(SPECDEC_QK)
 #undef SPECDEC_QK
@@ -189,7 +191,8 @@ void attention_chunk_amx(const AttnChunk& c) {
     // products of one group overlap the vector work of the next.
     const bool all_visible = kb0 + nk <= c.prefix && c.window <= 0;
     for (int64_t g = 0; g < G; ++g) {
-      const uint16_t lanes = M - 16 * g >= 16 ? 0xFFFF : static_cast<uint16_t>((1u << (M - 16 * g)) - 1);
+      const uint16_t lanes =
+          M - 16 * g >= 16 ? 0xFFFF : static_cast<uint16_t>((1u << (M - 16 * g)) - 1);
       if (!all_visible) block_visibility(c, M, g, kb0, nk, visb);
       float* sg = st + 16 * g;
       // The block max: uncapped scores with a positive scale take it over the raw products
@@ -197,7 +200,8 @@ void attention_chunk_amx(const AttnChunk& c) {
       __m512 mx = neg_inf;
       if (raw_max) {
         for (int64_t j = 0; j < nk; ++j) {
-          mx = _mm512_mask_max_ps(mx, all_visible ? lanes : visb[j], mx, _mm512_loadu_ps(sg + j * Mp));
+          mx = _mm512_mask_max_ps(mx, all_visible ? lanes : visb[j], mx,
+                                  _mm512_loadu_ps(sg + j * Mp));
         }
         mx = _mm512_mul_ps(mx, scale);
       } else {
@@ -211,28 +215,30 @@ void attention_chunk_amx(const AttnChunk& c) {
       const __m512 m_old = _mm512_loadu_ps(mref + 16 * g);
       // Lanes whose block max passes the reference by more than the margin move it (a lane with
       // no key yet moves at its first visible one).
-      const __mmask16 move = _mm512_cmp_ps_mask(mx, _mm512_add_ps(m_old, _mm512_set1_ps(kLazyMargin)),
-                                                _CMP_GT_OQ);
+      const __mmask16 move =
+          _mm512_cmp_ps_mask(mx, _mm512_add_ps(m_old, _mm512_set1_ps(kLazyMargin)), _CMP_GT_OQ);
       const __m512 m_new = _mm512_mask_mov_ps(m_old, move, mx);
       __m512 lsum = _mm512_loadu_ps(lsb + 16 * g);
       if (move) {
         // alpha = exp(m_old - m_new): 0 for a lane with no key yet (its acc and sum are 0).
-        const __m512 alpha = _mm512_maskz_mov_ps(
-            _mm512_cmp_ps_mask(m_old, neg_inf, _CMP_NEQ_OQ) & move,
-            exp512(_mm512_sub_ps(m_old, m_new)));
+        const __m512 alpha =
+            _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, neg_inf, _CMP_NEQ_OQ) & move,
+                                exp512(_mm512_sub_ps(m_old, m_new)));
         alignas(64) float al[16];
         _mm512_store_ps(al, alpha);
         for (int l = 0; l < 16; ++l) {
           if (!((move >> l) & 1)) continue;
           float* row = acc + (16 * g + l) * D;
           const __m512 a = _mm512_set1_ps(al[l]);
-          for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(row + d, _mm512_mul_ps(a, _mm512_loadu_ps(row + d)));
+          for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(row + d, _mm512_mul_ps(a, _mm512_loadu_ps(row + d)));
         }
         lsum = _mm512_mask_mul_ps(lsum, move, lsum, alpha);
         _mm512_storeu_ps(mref + 16 * g, m_new);
       }
       // Lanes that have seen no key keep -inf; subtract 0 there (their probabilities are masked).
-      const __m512 msub = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_NEQ_OQ), m_new);
+      const __m512 msub =
+          _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_NEQ_OQ), m_new);
       // p = exp(x - m) = 2^(stored * kx - m log2 e), stored = raw products (kx = scale log2 e)
       // or scaled, capped scores (kx = log2 e).
       const __m512 mb = _mm512_mul_ps(msub, log2e);
@@ -240,28 +246,34 @@ void attention_chunk_amx(const AttnChunk& c) {
         const int64_t j = 2 * j2;
         __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
         if (j < nk) {
-          p0 = _mm512_maskz_mov_ps(all_visible ? lanes : visb[j],
-                                   exp2_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(sg + j * Mp), kx, mb)));
+          p0 =
+              _mm512_maskz_mov_ps(all_visible ? lanes : visb[j],
+                                  exp2_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(sg + j * Mp), kx, mb)));
         }
         if (j + 1 < nk) {
-          p1 = _mm512_maskz_mov_ps(all_visible ? lanes : visb[j + 1],
-                                   exp2_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(sg + (j + 1) * Mp), kx, mb)));
+          p1 = _mm512_maskz_mov_ps(
+              all_visible ? lanes : visb[j + 1],
+              exp2_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(sg + (j + 1) * Mp), kx, mb)));
         }
         // Word l = (bf16 p0[l], bf16 p1[l]): the key pair of query l.
-        const __m512i w = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        const __m512i w =
+            _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         _mm512_storeu_si512(ptb + j2 * 16, w);
         // The sum uses the same rounded values as P . V.
         lsum = _mm512_add_ps(lsum, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-        lsum = _mm512_add_ps(lsum, _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536))));
+        lsum = _mm512_add_ps(lsum,
+                             _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536))));
       }
       _mm512_storeu_ps(lsb + 16 * g, lsum);
       // P^T pair rows [32, 16 lanes] -> P rows [16 queries, 32 pair words] (the A operand).
       uint32_t* const pg = pbb + 16 * g * kPairs;
       for (int64_t half = 0; half < 2; ++half) {
         __m512 r[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(ptb + (16 * half + i) * 16));
+        for (int i = 0; i < 16; ++i)
+          r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(ptb + (16 * half + i) * 16));
         transpose16(r);
-        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(pg + i * kPairs + 16 * half), r[i]);
+        for (int i = 0; i < 16; ++i)
+          _mm512_storeu_ps(reinterpret_cast<float*>(pg + i * kPairs + 16 * half), r[i]);
       }
 
       // acc [16 g .. 16 g + 16, D] += P [16 queries, 32 pairs] . V pairs [32, D].
@@ -273,8 +285,8 @@ void attention_chunk_amx(const AttnChunk& c) {
 #undef SPECDEC_LOAD_ACC
         for (int64_t k0 = 0; k0 < kPairs; k0 += 16) {
           _tile_loadd(4, pg + k0, kPairs * 4);
-#define SPECDEC_PV(t)                                   \
-  _tile_loadd(5, vpb + k0 * D + dc + 16 * (t), D * 4);  \
+#define SPECDEC_PV(t)                                  \
+  _tile_loadd(5, vpb + k0 * D + dc + 16 * (t), D * 4); \
   _tile_dpbf16ps(t, 4, 5);
           SPECDEC_FOR_4_TILES(SPECDEC_PV)
 #undef SPECDEC_PV

@@ -52,7 +52,8 @@ inline __m256 exp256(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
@@ -79,7 +80,8 @@ inline void scores(const float* q, const float* const* krow, int64_t D, float* s
     for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       const __m256 qv = _mm256_loadu_ps(q + d);
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[j0 + i] + d), a[i]);
+      for (int i = 0; i < 8; ++i)
+        a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[j0 + i] + d), a[i]);
     }
     _mm256_store_ps(s + j0, reduce8(a));
   }
@@ -110,7 +112,8 @@ inline void scores2(const float* q0, const float* q1, const float* const* krow, 
 }
 
 // acc[0:D] = alpha * acc + sum_j p[j] * v_j over the block's nk keys.
-inline void pv(const float* p, const float* const* vrow, int64_t nk, float alpha, float* acc, int64_t D) {
+inline void pv(const float* p, const float* const* vrow, int64_t nk, float alpha, float* acc,
+               int64_t D) {
   const __m256 av = _mm256_set1_ps(alpha);
   int64_t d0 = 0;
   for (; d0 + 32 <= D; d0 += 32) {
@@ -171,8 +174,9 @@ inline void transpose_keys(const float* const* krow, int64_t D, float* kt) {
 // loaded feeds MT FMAs). always_inline: GCC keeps the accumulators of an inlined tile in
 // registers.
 template <int MT, int W>
-__attribute__((always_inline)) inline void tile_fma(const float* a, int64_t a_stride, const float* b,
-                                                    int64_t b_stride, int64_t steps, __m256 o[MT][W]) {
+__attribute__((always_inline)) inline void tile_fma(const float* a, int64_t a_stride,
+                                                    const float* b, int64_t b_stride, int64_t steps,
+                                                    __m256 o[MT][W]) {
   for (int64_t t = 0; t < steps; ++t) {
     __m256 bv[W];
     for (int h = 0; h < W; ++h) bv[h] = _mm256_loadu_ps(b + t * b_stride + 8 * h);
@@ -205,7 +209,8 @@ inline void pv_dims(const float* p, const float* v, int64_t nk, const float* alp
   __m256 o[MT][W];
   for (int i = 0; i < MT; ++i) {
     const __m256 al = _mm256_set1_ps(alpha[i]);
-    for (int h = 0; h < W; ++h) o[i][h] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d0 + 8 * h), al);
+    for (int h = 0; h < W; ++h)
+      o[i][h] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d0 + 8 * h), al);
   }
   tile_fma<MT, W>(p, kKeyBlock, v + d0, D, nk, o);
   for (int i = 0; i < MT; ++i)
@@ -274,7 +279,8 @@ inline bool softmax_step(const AttnChunk& c, int64_t m, int64_t kb0, int64_t nk,
   for (int64_t j = 0; j < kKeyBlock; j += 8) {
     const __m256 x = _mm256_load_ps(s + j);
     // exp clamps its input, so an invisible key (-inf) is zeroed explicitly.
-    const __m256 p = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(x, mn)));
+    const __m256 p =
+        _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(x, mn)));
     sum = _mm256_add_ps(sum, p);
     _mm256_store_ps(s + j, p);
   }
@@ -294,7 +300,8 @@ inline void query_tile(const AttnChunk& c, const float* q, const float* kt, cons
   const int64_t D = c.head_dim;
   scores_tile<MT>(q + m0 * D, kt, D, s);
   float alpha[MT];
-  for (int i = 0; i < MT; ++i) softmax_step(c, m0 + i, kb0, nk, all_visible, s + i * kKeyBlock, alpha + i);
+  for (int i = 0; i < MT; ++i)
+    softmax_step(c, m0 + i, kb0, nk, all_visible, s + i * kKeyBlock, alpha + i);
   pv_tile<MT>(s, v, nk, alpha, c.acc + m0 * D, D);
 }
 
@@ -319,8 +326,10 @@ void attention_chunk_avx2(const AttnChunk& c) {
   for (int64_t m = 0; m < M; ++m) {
     const char* src = static_cast<const char*>(c.q) +
                       ((m / c.heads) * c.q_stride_row + (m % c.heads) * c.q_stride_head) * elem;
-    if (bf16) widen_row(reinterpret_cast<const uint16_t*>(src), D, q + m * D);
-    else std::memcpy(q + m * D, src, D * sizeof(float));
+    if (bf16)
+      widen_row(reinterpret_cast<const uint16_t*>(src), D, q + m * D);
+    else
+      std::memcpy(q + m * D, src, D * sizeof(float));
     c.max[m] = kNegInf;
     c.sum[m] = 0.0f;
   }
@@ -383,11 +392,14 @@ void attention_chunk_avx2(const AttnChunk& c) {
     for (int64_t m = 0; m < M; ++m) {
       float* s = sc + (m % 2) * kKeyBlock;
       if (m % 2 == 0) {  // this query's scores and, when there is one, the next one's
-        if (m + 1 < M) scores2(q + m * D, q + (m + 1) * D, krow, D, sc, sc + kKeyBlock);
-        else scores(q + m * D, krow, D, sc);
+        if (m + 1 < M)
+          scores2(q + m * D, q + (m + 1) * D, krow, D, sc, sc + kKeyBlock);
+        else
+          scores(q + m * D, krow, D, sc);
       }
       float alpha;
-      if (softmax_step(c, m, kb0, nk, all_visible, s, &alpha)) pv(s, vrow, nk, alpha, c.acc + m * D, D);
+      if (softmax_step(c, m, kb0, nk, all_visible, s, &alpha))
+        pv(s, vrow, nk, alpha, c.acc + m * D, D);
     }
   }
 }

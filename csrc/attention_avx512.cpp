@@ -27,12 +27,14 @@ void qk_tile(const uint32_t* q, int64_t W, const uint32_t* kt, float* s) {
   for (int64_t w = 0; w < W; ++w) {
     const uint32_t* kr = kt + w * kKeyBlock;
     __m512 kv[4];
-    for (int c = 0; c < 4; ++c) kv[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(kr + 16 * c));
+    for (int c = 0; c < 4; ++c)
+      kv[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(kr + 16 * c));
     for (int r = 0; r < R; ++r) {
       const __m512i qb = _mm512_set1_epi32(static_cast<int>(q[r * W + w]));
       for (int c = 0; c < 4; ++c) {
         if constexpr (kBf16) {
-          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)qb, (__m512bh)_mm512_castps_si512(kv[c]));
+          acc[r][c] =
+              _mm512_dpbf16_ps(acc[r][c], (__m512bh)qb, (__m512bh)_mm512_castps_si512(kv[c]));
         } else {
           acc[r][c] = _mm512_fmadd_ps(_mm512_castsi512_ps(qb), kv[c], acc[r][c]);
         }
@@ -64,7 +66,8 @@ void pv_tile(const float* p, const float* alpha, const float* const* vrow, int64
   __m512 a[R][C];
   for (int r = 0; r < R; ++r) {
     const __m512 al = _mm512_set1_ps(alpha[r]);
-    for (int c = 0; c < C; ++c) a[r][c] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + r * D + dc + 16 * c));
+    for (int c = 0; c < C; ++c)
+      a[r][c] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + r * D + dc + 16 * c));
   }
   for (int64_t j = 0; j < nk; ++j) {
     __m512 v[C];
@@ -87,7 +90,8 @@ void pv_tile_bf16(const uint32_t* p, const float* alpha, const uint32_t* vp, int
   __m512 a[R][C];
   for (int r = 0; r < R; ++r) {
     const __m512 al = _mm512_set1_ps(alpha[r]);
-    for (int c = 0; c < C; ++c) a[r][c] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + r * D + dc + 16 * c));
+    for (int c = 0; c < C; ++c)
+      a[r][c] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + r * D + dc + 16 * c));
   }
   for (int64_t j2 = 0; j2 < npairs; ++j2) {
     __m512i v[C];
@@ -227,7 +231,8 @@ void attention_chunk_avx512(const AttnChunk& c) {
       }
       for (int64_t w0 = 0; w0 < W; w0 += 16) {
         __m512 r[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(krow[jt + i] + w0));
+        for (int i = 0; i < 16; ++i)
+          r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(krow[jt + i] + w0));
         transpose16(r);
         for (int i = 0; i < 16; ++i) {
           _mm512_storeu_ps(reinterpret_cast<float*>(s.kt.data() + (w0 + i) * kKeyBlock + jt), r[i]);
@@ -259,7 +264,8 @@ void attention_chunk_avx512(const AttnChunk& c) {
         }
         if (bits == 0) {
           std::memset(sr, 0, kKeyBlock * sizeof(float));
-          if (bf16) std::memset(s.pb.data() + m * (kKeyBlock / 2), 0, kKeyBlock / 2 * sizeof(uint32_t));
+          if (bf16)
+            std::memset(s.pb.data() + m * (kKeyBlock / 2), 0, kKeyBlock / 2 * sizeof(uint32_t));
           s.alpha[m] = 1.0f;
           continue;
         }
@@ -277,7 +283,8 @@ void attention_chunk_avx512(const AttnChunk& c) {
         mx = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
       } else {
         mx = neg_inf;
-        for (int k = 0; k < 4; ++k) mx = _mm512_mask_max_ps(mx, static_cast<__mmask16>(bits >> (16 * k)), mx, x[k]);
+        for (int k = 0; k < 4; ++k)
+          mx = _mm512_mask_max_ps(mx, static_cast<__mmask16>(bits >> (16 * k)), mx, x[k]);
       }
       __m512 sum = _mm512_loadu_ps(s.sumv.data() + 16 * m);
       float alpha = 1.0f;
@@ -295,7 +302,8 @@ void attention_chunk_avx512(const AttnChunk& c) {
       for (int k = 0; k < 4; ++k) {
         const __m512 t = _mm512_fmsub_ps(x[k], kx, mb);
         p[k] = bf16 ? exp2_bf16(t) : exp2_fp32(t);
-        if (!all_visible) p[k] = _mm512_maskz_mov_ps(static_cast<__mmask16>(bits >> (16 * k)), p[k]);
+        if (!all_visible)
+          p[k] = _mm512_maskz_mov_ps(static_cast<__mmask16>(bits >> (16 * k)), p[k]);
       }
       if (bf16) {  // P.V runs on bf16 probabilities; the row sum uses the same rounded values
         uint32_t* pr = s.pb.data() + m * (kKeyBlock / 2);
@@ -303,34 +311,36 @@ void attention_chunk_avx512(const AttnChunk& c) {
           const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p[k + 1], p[k]);  // bf16 p[16k .. 16k+31]
           _mm512_storeu_si512(pr + 8 * k, h);
           sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));  // even keys
-          sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(-65536))));  // odd keys
+          sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(
+                                       h, _mm512_set1_epi32(-65536))));  // odd keys
         }
       } else {
         for (int k = 0; k < 4; ++k) _mm512_storeu_ps(sr + 16 * k, p[k]);
-        sum = _mm512_add_ps(sum, _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])));
+        sum =
+            _mm512_add_ps(sum, _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])));
       }
       _mm512_storeu_ps(s.sumv.data() + 16 * m, sum);
     }
 
     if (!bf16) {  // fp32 V rows straight from the pool
       for (int64_t j = 0; j < nk; ++j) {
-        vrow[j] = reinterpret_cast<const float*>(
-            vbase + c.slots[(kb0 + j) * c.slot_stride] * c.v_stride_slot * elem);
+        vrow[j] = reinterpret_cast<const float*>(vbase + c.slots[(kb0 + j) * c.slot_stride] *
+                                                             c.v_stride_slot * elem);
       }
       pv_rows(s.s.data(), s.alpha.data(), vrow, nk, M, acc, D);
       continue;
     }
     // bf16: interleave V rows j, j+1 into key-pair words once for the whole group (an odd last
     // key pairs with zeros; its probability is zero too).
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                                24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
-                                                1, 16, 0);
+    const __m512i interleave =
+        _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const int64_t npairs = (nk + 1) / 2;
     for (int64_t j2 = 0; j2 < npairs; ++j2) {
       const char* r0 = vbase + c.slots[(kb0 + 2 * j2) * c.slot_stride] * c.v_stride_slot * elem;
-      const char* r1 = 2 * j2 + 1 < nk
-          ? vbase + c.slots[(kb0 + 2 * j2 + 1) * c.slot_stride] * c.v_stride_slot * elem
-          : reinterpret_cast<const char*>(s.zero.data());
+      const char* r1 = 2 * j2 + 1 < nk ? vbase + c.slots[(kb0 + 2 * j2 + 1) * c.slot_stride] *
+                                                     c.v_stride_slot * elem
+                                       : reinterpret_cast<const char*>(s.zero.data());
       uint32_t* dst = s.vp.data() + j2 * D;
       for (int64_t d = 0; d < D; d += 16) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d * 2));
@@ -344,8 +354,8 @@ void attention_chunk_avx512(const AttnChunk& c) {
     std::memset(s.vp.data() + npairs * D, 0, (kKeyBlock / 2 - npairs) * D * sizeof(uint32_t));
     pv_rows_bf16(s.pb.data(), s.alpha.data(), s.vp.data(), npairs, M, acc, D);
   }
-  for (int64_t m = 0; m < M; ++m) c.sum[m] = _mm512_reduce_add_ps(_mm512_loadu_ps(s.sumv.data() + 16 * m));
+  for (int64_t m = 0; m < M; ++m)
+    c.sum[m] = _mm512_reduce_add_ps(_mm512_loadu_ps(s.sumv.data() + 16 * m));
 }
-
 
 }  // namespace specdec

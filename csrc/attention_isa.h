@@ -22,12 +22,12 @@ enum class AttnDtype : int { FLOAT32 = 0, BFLOAT16 = 1 };
 // query_pos / key_pos below are the definitions every kernel uses.
 struct AttnChunk {
   AttnDtype dtype;
-  int64_t head_dim;  // D
-  const void* q;     // &q[b, row0, g * heads, 0]
+  int64_t head_dim;                     // D
+  const void* q;                        // &q[b, row0, g * heads, 0]
   int64_t q_stride_row, q_stride_head;  // elements; q's last dimension is dense
   int64_t rows, heads, row0;
-  const void* k;  // &k_pool[0, g, 0]
-  const void* v;  // &v_pool[0, g, 0]
+  const void* k;                         // &k_pool[0, g, 0]
+  const void* v;                         // &v_pool[0, g, 0]
   int64_t k_stride_slot, v_stride_slot;  // elements; rows of D are dense
   const int32_t* slots;
   int64_t slot_stride;
@@ -35,9 +35,9 @@ struct AttnChunk {
   const uint8_t* tree;  // [T, T] visibility of new keys for this request, or nullptr (causal)
   int64_t tree_stride;
   const int32_t* depth;  // [T] token-position offsets of this request's new tokens, or nullptr
-  int64_t window;   // <= 0: none
-  float scale;      // applied to q.k before the cap
-  float logit_cap;  // <= 0: none; else s = cap * tanh(s / cap)
+  int64_t window;        // <= 0: none
+  float scale;           // applied to q.k before the cap
+  float logit_cap;       // <= 0: none; else s = cap * tanh(s / cap)
   // Outputs, fp32: acc [M, D] = sum_j exp(s_mj - max_m) v_j (unnormalized), max [M], sum [M] =
   // sum_j exp(s_mj - max_m). A row that sees no key gets max = -inf, sum = 0, acc = 0.
   float* acc;

@@ -66,8 +66,9 @@ inline __m512 exp512(__m512 x) {
 // cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1) (saturates to +-1 through the clamp).
 inline __m512 soft_cap512(__m512 x, float cap) {
   const __m512 e = exp512(_mm512_mul_ps(x, _mm512_set1_ps(2.0f / cap)));
-  const __m512 th = _mm512_sub_ps(
-      _mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+  const __m512 th =
+      _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                    _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
   return _mm512_mul_ps(th, _mm512_set1_ps(cap));
 }
 
@@ -85,7 +86,7 @@ inline __m512 exp2_fp32(__m512 t) {
   t = _mm512_max_ps(t, _mm512_set1_ps(-144.0f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5252734e-05f);               // ln2^7 / 5040
+  __m512 p = _mm512_set1_ps(1.5252734e-05f);                  // ln2^7 / 5040
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-04f));  // ln2^6 / 720
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-03f));  // ln2^5 / 120
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-03f));  // ln2^4 / 24
@@ -100,7 +101,7 @@ inline __m512 exp2_bf16(__m512 t) {
   t = _mm512_max_ps(t, _mm512_set1_ps(-144.0f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(0.009618129f);                  // ln2^4 / 24
+  __m512 p = _mm512_set1_ps(0.009618129f);                 // ln2^4 / 24
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550411f));  // ln2^3 / 6
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265f));   // ln2^2 / 2
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931472f));   // ln2

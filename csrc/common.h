@@ -29,8 +29,8 @@ inline void check_size(const at::Tensor& t, int64_t d, int64_t size, const char*
 // Index tensors are int32 or int64; kernels are templated on the type, so no conversion copy.
 inline void check_index(const at::Tensor& t, int64_t dim, const char* name) {
   check_cpu(t, name);
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "argument '",
-                   name, "' must be int32 or int64, got ", t.scalar_type());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "argument '", name,
+                   "' must be int32 or int64, got ", t.scalar_type());
   check_dim(t, dim, name);
 }
 
@@ -73,4 +73,3 @@ inline int64_t grain_for(int64_t work_per_item) {
 }
 
 }  // namespace specdec
-

@@ -69,7 +69,7 @@ Isa detect() {
   const uint64_t xcr0 = read_xcr0();
   if ((xcr0 & 0x6) != 0x6) return Isa::PORTABLE;  // the OS saves SSE and AVX state
   __cpuid_count(7, 0, a, b, c, d);
-  if (!(b & (1u << 5))) return Isa::PORTABLE;  // avx2
+  if (!(b & (1u << 5))) return Isa::PORTABLE;    // avx2
   const bool os_avx512 = (xcr0 & 0xE6) == 0xE6;  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM
   if (!os_avx512) return Isa::AVX2;
   const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
@@ -192,7 +192,8 @@ std::map<std::string, int64_t> kernel_path_counts() {
 
 void reset_kernel_path_counts() {
   std::lock_guard<std::mutex> lock(g_counters_mutex);
-  for (PathCounter* c : counters()) for (auto& n : c->calls) n.store(0);
+  for (PathCounter* c : counters())
+    for (auto& n : c->calls) n.store(0);
 }
 
 }  // namespace specdec

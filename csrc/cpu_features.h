@@ -2,10 +2,10 @@
 // Paths: PORTABLE (plain C++, always built), AVX2 (avx2 + fma + f16c: most x86-64 CPUs of the
 // last decade, AMD Zen 1-3 included), AVX512 (avx512f/bw/vl/dq + avx512_bf16 + fma), AMX (AVX512
 // plus amx-tile/amx-bf16, with the OS permission to use tile data). Each path implies the ones
-// below it; an op without a kernel of the active path runs the best lower one it has. The active path
-// is the best one the CPU, the OS and this build support, or the one forced by the environment
-// variable SPECDEC_ISA=portable|avx2|avx512|amx (forcing a path the machine cannot run is an error).
-// Every kernel records which path ran, so tests can assert it (kernel_path_counts()).
+// below it; an op without a kernel of the active path runs the best lower one it has. The active
+// path is the best one the CPU, the OS and this build support, or the one forced by the environment
+// variable SPECDEC_ISA=portable|avx2|avx512|amx (forcing a path the machine cannot run is an
+// error). Every kernel records which path ran, so tests can assert it (kernel_path_counts()).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -42,11 +42,10 @@ struct PathCounter {
   const char* op;
   std::atomic<int64_t> calls[kIsaCount];
 };
-#define SPECDEC_RECORD_PATH(op, isa)                                            \
-  do {                                                                          \
-    static ::specdec::PathCounter specdec_path_counter_(op);                    \
-    specdec_path_counter_.calls[static_cast<int>(isa)].fetch_add(               \
-        1, std::memory_order_relaxed);                                          \
+#define SPECDEC_RECORD_PATH(op, isa)                                                            \
+  do {                                                                                          \
+    static ::specdec::PathCounter specdec_path_counter_(op);                                    \
+    specdec_path_counter_.calls[static_cast<int>(isa)].fetch_add(1, std::memory_order_relaxed); \
   } while (0)
 
 std::map<std::string, int64_t> kernel_path_counts();

@@ -38,8 +38,8 @@ std::vector<int64_t> check_ranges(const IndexView& start, const IndexView& end, 
   std::vector<int64_t> offset(bs + 1, 0);
   for (int64_t i = 0; i < bs; ++i) {
     const int64_t s = start(i), e = end(i);
-    TORCH_CHECK_INDEX(s >= 0 && s <= e && e <= max_len, "arguments 'start'/'end' [", i,
-                      "] = [", s, ", ", e, ") must satisfy 0 <= start <= end <= ", max_len,
+    TORCH_CHECK_INDEX(s >= 0 && s <= e && e <= max_len, "arguments 'start'/'end' [", i, "] = [", s,
+                      ", ", e, ") must satisfy 0 <= start <= end <= ", max_len,
                       " (req_to_token width)");
     offset[i + 1] = offset[i] + (e - s);
   }
@@ -61,8 +61,8 @@ void assign_req_to_token(at::Tensor& req_to_token, const at::Tensor& req_rows,
   const IndexView rows(req_rows), st(start), en(end), loc(cache_loc);
   check_rows(rows, bs, R, "req_rows");
   const std::vector<int64_t> offset = check_ranges(st, en, bs, L);
-  TORCH_CHECK_VALUE(offset[bs] == cache_loc.size(0), "argument 'cache_loc' has ",
-                    cache_loc.size(0), " slots but the ranges end - start need ", offset[bs]);
+  TORCH_CHECK_VALUE(offset[bs] == cache_loc.size(0), "argument 'cache_loc' has ", cache_loc.size(0),
+                    " slots but the ranges end - start need ", offset[bs]);
   for (int64_t k = 0; k < offset[bs]; ++k) {
     const int64_t slot = loc(k);
     TORCH_CHECK_INDEX(slot >= 0 && slot <= INT32_MAX, "argument 'cache_loc' [", k, "] = ", slot,
@@ -70,7 +70,8 @@ void assign_req_to_token(at::Tensor& req_to_token, const at::Tensor& req_rows,
   }
   int32_t* table = req_to_token.data_ptr<int32_t>();
   const int64_t ts0 = req_to_token.stride(0), ts1 = req_to_token.stride(1);
-  at::parallel_for(0, bs, grain_for(offset[bs] / std::max<int64_t>(1, bs)), [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, bs, grain_for(offset[bs] / std::max<int64_t>(1, bs)),
+                   [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       int32_t* row = table + rows(i) * ts0;
       const int64_t s = st(i), n = offset[i + 1] - offset[i];
@@ -98,8 +99,8 @@ at::Tensor assign_draft_cache_locs(const at::Tensor& req_to_token, const at::Ten
   for (int64_t b = 0; b < bs; ++b) {
     // lens(b) <= L - per_req, not lens(b) + per_req <= L: the sum may overflow.
     TORCH_CHECK_INDEX(lens(b) >= 0 && lens(b) <= L - per_req, "argument 'seq_lens' [", b,
-                      "] = ", lens(b), ": the ", per_req, " draft slots after it exceed "
-                      "req_to_token's width ", L);
+                      "] = ", lens(b), ": the ", per_req,
+                      " draft slots after it exceed req_to_token's width ", L);
   }
   const int64_t total = checked_mul(bs, per_req, "batch * topk * steps");
   check_alloc(total, "the draft cache locations");
@@ -131,13 +132,15 @@ at::Tensor gather_extend_cache_locs(const at::Tensor& req_to_token, const at::Te
   const IndexView rows(req_rows), st(start), en(end);
   check_rows(rows, bs, R, "req_rows");
   const std::vector<int64_t> offset = check_ranges(st, en, bs, L);
-  TORCH_CHECK_VALUE(!total.has_value() || *total == offset[bs], "argument 'total' = ",
-                    total.value_or(-1), " but the ranges end - start add up to ", offset[bs]);
+  TORCH_CHECK_VALUE(!total.has_value() || *total == offset[bs],
+                    "argument 'total' = ", total.value_or(-1),
+                    " but the ranges end - start add up to ", offset[bs]);
   at::Tensor out = at::empty({offset[bs]}, at::kLong);  // [sum(end - start)]
   int64_t* o = out.data_ptr<int64_t>();
   const int32_t* table = req_to_token.const_data_ptr<int32_t>();
   const int64_t ts0 = req_to_token.stride(0), ts1 = req_to_token.stride(1);
-  at::parallel_for(0, bs, grain_for(offset[bs] / std::max<int64_t>(1, bs)), [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, bs, grain_for(offset[bs] / std::max<int64_t>(1, bs)),
+                   [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int32_t* row = table + rows(i) * ts0;
       for (int64_t k = 0, s = st(i); k < offset[i + 1] - offset[i]; ++k) {
@@ -167,8 +170,8 @@ at::Tensor build_draft_decode_table(const at::Tensor& req_to_token, const at::Te
   for (int64_t b = 0; b < bs; ++b) {
     // lens(b) <= L - per_req, not lens(b) + per_req <= L: the sum may overflow.
     TORCH_CHECK_INDEX(lens(b) >= 0 && lens(b) <= L - per_req, "argument 'seq_lens' [", b,
-                      "] = ", lens(b), ": the ", per_req, " draft slots after it exceed "
-                      "req_to_token's width ", L);
+                      "] = ", lens(b), ": the ", per_req,
+                      " draft slots after it exceed req_to_token's width ", L);
   }
   const int64_t rows_out = checked_mul(bs, topk, "batch * argument 'topk'");
   check_alloc(checked_mul(rows_out, L, "batch * topk * req_to_token's width"),
@@ -204,8 +207,8 @@ at::Tensor fill_bonus_tokens(const at::Tensor& accept_tokens, const at::Tensor& 
   check_size(accept_lens, 0, bs, "accept_lens");
   const IndexView tokens(accept_tokens), lens(accept_lens);
   for (int64_t b = 0; b < bs; ++b) {
-    TORCH_CHECK_INDEX(lens(b) >= 1 && lens(b) <= S, "argument 'accept_lens' [", b, "] = ",
-                      lens(b), " must be in [1, ", S, "] (it counts the bonus token)");
+    TORCH_CHECK_INDEX(lens(b) >= 1 && lens(b) <= S, "argument 'accept_lens' [", b, "] = ", lens(b),
+                      " must be in [1, ", S, "] (it counts the bonus token)");
   }
   at::Tensor bonus = at::empty({bs}, accept_tokens.scalar_type());  // [B]
   if (bonus.scalar_type() == at::kLong) {
@@ -235,14 +238,14 @@ std::tuple<at::Tensor, at::Tensor> compact_accepted_cache_locs(const at::Tensor&
 #ifdef SPECDEC_BUILT_AVX512
   if (dense && active_isa() >= Isa::AVX512) {
     const int64_t bad = accept_index.scalar_type() == at::kInt
-        ? compact_locs_i32_avx512(accept_index.const_data_ptr<int32_t>(), n,
-                                  cache_loc.const_data_ptr<int64_t>(), num_slots, o,
-                                  count.data_ptr<int64_t>())
-        : compact_locs_i64_avx512(accept_index.const_data_ptr<int64_t>(), n,
-                                  cache_loc.const_data_ptr<int64_t>(), num_slots, o,
-                                  count.data_ptr<int64_t>());
-    TORCH_CHECK_INDEX(bad < 0, "argument 'accept_index' (flat) [", bad, "] = ",
-                      accept_index.reshape({-1})[bad].item<int64_t>(),
+                            ? compact_locs_i32_avx512(accept_index.const_data_ptr<int32_t>(), n,
+                                                      cache_loc.const_data_ptr<int64_t>(),
+                                                      num_slots, o, count.data_ptr<int64_t>())
+                            : compact_locs_i64_avx512(accept_index.const_data_ptr<int64_t>(), n,
+                                                      cache_loc.const_data_ptr<int64_t>(),
+                                                      num_slots, o, count.data_ptr<int64_t>());
+    TORCH_CHECK_INDEX(bad < 0, "argument 'accept_index' (flat) [", bad,
+                      "] = ", accept_index.reshape({-1})[bad].item<int64_t>(),
                       " is outside cache_loc's ", num_slots, " entries");
     SPECDEC_RECORD_PATH("compact_accepted_cache_locs", Isa::AVX512);
     return {out, count};
@@ -270,8 +273,8 @@ int64_t row_bytes(const at::Tensor& buf, const char* name, int64_t i) {
   TORCH_CHECK_VALUE(buf.dim() >= 1, "argument '", name, "' [", i, "] must have a slot dimension");
   int64_t expected = 1;
   for (int64_t d = buf.dim() - 1; d >= 1; --d) {
-    TORCH_CHECK_VALUE(buf.size(d) == 1 || buf.stride(d) == expected, "argument '", name, "' [",
-                      i, "] must have dense slot rows (dims 1.. contiguous), got strides ",
+    TORCH_CHECK_VALUE(buf.size(d) == 1 || buf.stride(d) == expected, "argument '", name, "' [", i,
+                      "] must have dense slot rows (dims 1.. contiguous), got strides ",
                       buf.strides());
     expected *= buf.size(d);
   }
@@ -280,13 +283,15 @@ int64_t row_bytes(const at::Tensor& buf, const char* name, int64_t i) {
 
 void move_kv_slots(at::TensorList k_buffers, at::TensorList v_buffers, const at::Tensor& src,
                    const at::Tensor& dst) {
-  TORCH_CHECK_VALUE(k_buffers.size() == v_buffers.size(), "arguments 'k_buffers' and "
-                    "'v_buffers' must have the same number of layers, got ", k_buffers.size(),
-                    " and ", v_buffers.size());
+  TORCH_CHECK_VALUE(
+      k_buffers.size() == v_buffers.size(),
+      "arguments 'k_buffers' and 'v_buffers' must have the same number of layers, got ",
+      k_buffers.size(), " and ", v_buffers.size());
   check_index(src, 1, "src");
   check_index(dst, 1, "dst");
-  TORCH_CHECK_VALUE(src.size(0) == dst.size(0), "arguments 'src' and 'dst' must have the same "
-                    "length, got ", src.size(0), " and ", dst.size(0));
+  TORCH_CHECK_VALUE(src.size(0) == dst.size(0),
+                    "arguments 'src' and 'dst' must have the same length, got ", src.size(0),
+                    " and ", dst.size(0));
   const int64_t n = src.size(0);
   std::vector<at::Tensor> bufs;
   std::vector<int64_t> bytes;
@@ -326,16 +331,18 @@ void move_kv_slots(at::TensorList k_buffers, at::TensorList v_buffers, const at:
     return;
   }
   // Work per buffer in bytes/8 (a memcpy step moves about 8 bytes per element-op).
-  at::parallel_for(0, static_cast<int64_t>(bufs.size()), grain_for(n * bytes[0] / 8 * (overlap ? 2 : 1)),
-                   [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, static_cast<int64_t>(bufs.size()),
+                   grain_for(n * bytes[0] / 8 * (overlap ? 2 : 1)), [&](int64_t b0, int64_t b1) {
     std::vector<char> staging;
     for (int64_t bi = b0; bi < b1; ++bi) {
       char* base = static_cast<char*>(bufs[bi].data_ptr());
       const int64_t row = bytes[bi], stride = bufs[bi].stride(0) * bufs[bi].element_size();
       if (overlap) {
         staging.resize(n * row);
-        for (int64_t i = 0; i < n; ++i) std::memcpy(staging.data() + i * row, base + s(i) * stride, row);
-        for (int64_t i = 0; i < n; ++i) std::memcpy(base + d(i) * stride, staging.data() + i * row, row);
+        for (int64_t i = 0; i < n; ++i)
+          std::memcpy(staging.data() + i * row, base + s(i) * stride, row);
+        for (int64_t i = 0; i < n; ++i)
+          std::memcpy(base + d(i) * stride, staging.data() + i * row, row);
       } else {
         for (int64_t i = 0; i < n; ++i) {
           if (s(i) != d(i)) std::memcpy(base + d(i) * stride, base + s(i) * stride, row);
@@ -350,24 +357,18 @@ void move_kv_slots(at::TensorList k_buffers, at::TensorList v_buffers, const at:
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def(
-      "assign_req_to_token(Tensor(a!) req_to_token, Tensor req_rows, Tensor start, Tensor end, "
-      "Tensor cache_loc) -> ()");
+      "assign_req_to_token(Tensor(a!) req_to_token, Tensor req_rows, Tensor start, Tensor end, Tensor cache_loc) -> ()");
   m.def(
-      "assign_draft_cache_locs(Tensor req_to_token, Tensor req_rows, Tensor seq_lens, int topk, "
-      "int steps) -> Tensor");
+      "assign_draft_cache_locs(Tensor req_to_token, Tensor req_rows, Tensor seq_lens, int topk, int steps) -> Tensor");
   m.def(
-      "gather_extend_cache_locs(Tensor req_to_token, Tensor req_rows, Tensor start, Tensor end, "
-      "SymInt? total=None) -> Tensor");
+      "gather_extend_cache_locs(Tensor req_to_token, Tensor req_rows, Tensor start, Tensor end, SymInt? total=None) -> Tensor");
   m.def(
-      "build_draft_decode_table(Tensor req_to_token, Tensor req_rows, Tensor seq_lens, int topk, "
-      "int steps) -> Tensor");
+      "build_draft_decode_table(Tensor req_to_token, Tensor req_rows, Tensor seq_lens, int topk, int steps) -> Tensor");
   m.def("fill_bonus_tokens(Tensor accept_tokens, Tensor accept_lens) -> Tensor");
   m.def(
-      "compact_accepted_cache_locs(Tensor cache_loc, Tensor accept_index) -> "
-      "(Tensor out, Tensor count)");
+      "compact_accepted_cache_locs(Tensor cache_loc, Tensor accept_index) -> (Tensor out, Tensor count)");
   m.def(
-      "move_kv_slots(Tensor(a!)[] k_buffers, Tensor(b!)[] v_buffers, Tensor src, Tensor dst) "
-      "-> ()");
+      "move_kv_slots(Tensor(a!)[] k_buffers, Tensor(b!)[] v_buffers, Tensor src, Tensor dst) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

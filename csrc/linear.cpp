@@ -9,8 +9,8 @@
 //
 // Packed weights: a weight registered with linear_pack_register (the specdec backend registers
 // the parameters of the graphs it compiles) is copied once, on its first skinny_linear call,
-// into the blocked layout of linear_isa.h, and later calls on the AVX-512 and AVX2 paths read that copy
-// instead ("skinny_linear_packed" in kernel_path_counts()): no horizontal sums, x broadcast
+// into the blocked layout of linear_isa.h, and later calls on the AVX-512 and AVX2 paths read that
+// copy instead ("skinny_linear_packed" in kernel_path_counts()): no horizontal sums, x broadcast
 // against 16 outputs, one contiguous stream per block -- at M = 8 it runs at the memory
 // bandwidth where the row kernel is compute-bound (benchmarks/bench_linear.py). The copy costs
 // the weight's size again in memory. The registry keys on the weight's storage (held weakly:
@@ -47,8 +47,10 @@ void skinny_linear_portable(const LinearBlock& b) {
       }
       if (b.bias) acc += load(b.bias, n);
       const float out = static_cast<float>(acc);
-      if (f32) static_cast<float*>(b.y)[m * b.y_stride + n] = out;
-      else static_cast<c10::BFloat16*>(b.y)[m * b.y_stride + n] = c10::BFloat16(out);
+      if (f32)
+        static_cast<float*>(b.y)[m * b.y_stride + n] = out;
+      else
+        static_cast<c10::BFloat16*>(b.y)[m * b.y_stride + n] = c10::BFloat16(out);
     }
   }
 }
@@ -64,8 +66,11 @@ constexpr int64_t kRowKernelMaxRows = 16;
 
 struct PackEntry {
   explicit PackEntry(const at::Tensor& w)
-      : storage(w.storage().getWeakStorageImpl()), sizes(w.sizes().vec()),
-        strides(w.strides().vec()), offset(w.storage_offset()), dtype(w.scalar_type()) {}
+      : storage(w.storage().getWeakStorageImpl()),
+        sizes(w.sizes().vec()),
+        strides(w.strides().vec()),
+        offset(w.storage_offset()),
+        dtype(w.scalar_type()) {}
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   std::vector<int64_t> sizes, strides;
   int64_t offset = 0;
@@ -82,13 +87,14 @@ int64_t version_of(const at::Tensor& w) { return w.is_inference() ? -1 : w._vers
 bool describes(const PackEntry& e, const at::Tensor& w) {
   const c10::intrusive_ptr<c10::StorageImpl> live = e.storage.lock();  // null once freed
   return live && live.get() == w.storage().unsafeGetStorageImpl() && e.dtype == w.scalar_type() &&
-         e.offset == w.storage_offset() && w.sizes().equals(e.sizes) && w.strides().equals(e.strides);
+         e.offset == w.storage_offset() && w.sizes().equals(e.sizes) &&
+         w.strides().equals(e.strides);
 }
 
 void check_packable(const at::Tensor& w, const char* name) {
   check_cpu(w, name);
-  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
-                   "argument '", name, "' must be float32 or bfloat16, got ", w.scalar_type());
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "argument '",
+                   name, "' must be float32 or bfloat16, got ", w.scalar_type());
   check_dim(w, 2, name);
 }
 
@@ -118,8 +124,11 @@ at::Tensor pack_weight(const at::Tensor& w, at::Tensor out) {
       }
     });
   };
-  if (f32) fill(out.data_ptr<float>(), w.const_data_ptr<float>());
-  else fill(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(w.const_data_ptr()));
+  if (f32)
+    fill(out.data_ptr<float>(), w.const_data_ptr<float>());
+  else
+    fill(reinterpret_cast<uint16_t*>(out.data_ptr()),
+         reinterpret_cast<const uint16_t*>(w.const_data_ptr()));
   return out;
 }
 
@@ -138,8 +147,10 @@ at::Tensor packed_for(const at::Tensor& w) {
   if (it == g_packs.end() || !describes(it->second, w)) return at::Tensor();
   PackEntry& e = it->second;
   if (!e.packed.defined() || e.version != version) {
-    if (e.packed.defined()) SPECDEC_RECORD_PATH("skinny_linear_repack", Isa::PORTABLE);
-    else SPECDEC_RECORD_PATH("skinny_linear_pack", Isa::PORTABLE);
+    if (e.packed.defined())
+      SPECDEC_RECORD_PATH("skinny_linear_repack", Isa::PORTABLE);
+    else
+      SPECDEC_RECORD_PATH("skinny_linear_pack", Isa::PORTABLE);
     e.packed = pack_weight(w, e.packed);
     e.version = version;
   }
@@ -189,8 +200,10 @@ at::Tensor packed_group_for(at::TensorList ws) {
   if (!registered()) return at::Tensor();
   auto it = g_groups.find(key);
   if (it != g_groups.end() && group_describes(it->second, ws)) return it->second.packed;
-  if (it == g_groups.end()) SPECDEC_RECORD_PATH("skinny_linear_cat_pack", Isa::PORTABLE);
-  else SPECDEC_RECORD_PATH("skinny_linear_cat_repack", Isa::PORTABLE);
+  if (it == g_groups.end())
+    SPECDEC_RECORD_PATH("skinny_linear_cat_pack", Isa::PORTABLE);
+  else
+    SPECDEC_RECORD_PATH("skinny_linear_cat_repack", Isa::PORTABLE);
   GroupEntry g;
   std::vector<at::Tensor> blocks;
   for (const at::Tensor& w : ws) {
@@ -214,19 +227,25 @@ bool group_expired(const GroupEntry& g) {
 // Drops the groups that hold data pointer `p` (a weight released or re-registered).
 void drop_groups_with_locked(const void* p) {
   for (auto it = g_groups.begin(); it != g_groups.end();) {
-    if (std::find(it->first.begin(), it->first.end(), p) != it->first.end()) it = g_groups.erase(it);
-    else ++it;
+    if (std::find(it->first.begin(), it->first.end(), p) != it->first.end())
+      it = g_groups.erase(it);
+    else
+      ++it;
   }
 }
 
 void sweep_expired_locked() {
   for (auto it = g_packs.begin(); it != g_packs.end();) {
-    if (it->second.storage.expired()) it = g_packs.erase(it);
-    else ++it;
+    if (it->second.storage.expired())
+      it = g_packs.erase(it);
+    else
+      ++it;
   }
   for (auto it = g_groups.begin(); it != g_groups.end();) {
-    if (group_expired(it->second)) it = g_groups.erase(it);
-    else ++it;
+    if (group_expired(it->second))
+      it = g_groups.erase(it);
+    else
+      ++it;
   }
 }
 
@@ -255,8 +274,9 @@ void (*packed_kernel_for(Isa isa))(const PackedLinearBlock&) {
 }
 
 // The checks of one (weight, bias) pair against x; `w_name` / `b_name` name them in errors.
-void check_weight(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                  const std::string& w_name, const std::string& b_name) {
+void check_weight(const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias, const std::string& w_name,
+                  const std::string& b_name) {
   check_cpu(weight, w_name.c_str());
   TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "argument '", w_name,
                    "' must have x's dtype ", x.scalar_type(), ", got ", weight.scalar_type());
@@ -282,17 +302,26 @@ void check_x(const at::Tensor& x) {
 
 // y[:, col0 : col0 + N] = x2 wp^T (+ bias) through a packed kernel: x2 [M, K] dense, wp packed
 // ([NB, Kp, 16 P]), bias [N] dense or undefined, y [M, *] dense.
-void run_packed(void (*kernel)(const PackedLinearBlock&), const at::Tensor& x2, const at::Tensor& wp,
-                int64_t N, const at::Tensor& bias_c, at::Tensor& y, int64_t col0) {
+void run_packed(void (*kernel)(const PackedLinearBlock&), const at::Tensor& x2,
+                const at::Tensor& wp, int64_t N, const at::Tensor& bias_c, at::Tensor& y,
+                int64_t col0) {
   const int64_t M = x2.size(0), K = x2.size(1);
   const bool f32 = x2.scalar_type() == at::kFloat;
   const int64_t Kp = wp.size(1), P = f32 ? 1 : 2;
   // bf16 pairs: an odd K gets a zero column so the last pair reads no foreign memory.
   const at::Tensor xp = Kp * P == K ? x2 : at::constant_pad_nd(x2, {0, Kp * P - K});
-  PackedLinearBlock pb{f32 ? LinearDtype::FLOAT32 : LinearDtype::BFLOAT16, M, Kp, N,
-                       xp.const_data_ptr(), Kp * P, wp.const_data_ptr(),
+  PackedLinearBlock pb{f32 ? LinearDtype::FLOAT32 : LinearDtype::BFLOAT16,
+                       M,
+                       Kp,
+                       N,
+                       xp.const_data_ptr(),
+                       Kp * P,
+                       wp.const_data_ptr(),
                        bias_c.defined() ? bias_c.const_data_ptr() : nullptr,
-                       static_cast<char*>(y.data_ptr()) + col0 * y.element_size(), y.size(1), 0, 0};
+                       static_cast<char*>(y.data_ptr()) + col0 * y.element_size(),
+                       y.size(1),
+                       0,
+                       0};
   const int64_t groups = (wp.size(0) + kPackGroupBlocks - 1) / kPackGroupBlocks;
   const int64_t per_group = kPackGroupBlocks * kPackLanes * K * M;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, per_group));
@@ -312,8 +341,10 @@ void linear_into(const at::Tensor& x2, const at::Tensor& weight, const at::Tenso
   if (M == 0 || N == 0) return;
   if (K == 0) {
     at::Tensor part = y.narrow(1, col0, N);
-    if (bias_c.defined()) part.copy_(bias_c.unsqueeze(0).expand({M, N}));
-    else part.zero_();
+    if (bias_c.defined())
+      part.copy_(bias_c.unsqueeze(0).expand({M, N}));
+    else
+      part.zero_();
     return;
   }
   // The widest SIMD path that is built and active; a registered weight (any strides) runs on
@@ -332,8 +363,9 @@ void linear_into(const at::Tensor& x2, const at::Tensor& weight, const at::Tenso
   // an unpacked weight goes to aten's linear, counted as "skinny_linear_gemm".
   if (M > kRowKernelMaxRows) {
     SPECDEC_RECORD_PATH("skinny_linear_gemm", Isa::PORTABLE);
-    y.narrow(1, col0, N).copy_(
-        at::linear(x2, weight, bias_c.defined() ? std::optional<at::Tensor>(bias_c) : std::nullopt));
+    y.narrow(1, col0, N)
+        .copy_(at::linear(x2, weight,
+                          bias_c.defined() ? std::optional<at::Tensor>(bias_c) : std::nullopt));
     return;
   }
   // The fast path needs dense weight rows; any other layout is copied once (and counted, so a
@@ -344,13 +376,22 @@ void linear_into(const at::Tensor& x2, const at::Tensor& weight, const at::Tenso
     SPECDEC_RECORD_PATH("skinny_linear_weight_copy", Isa::PORTABLE);
   }
   LinearBlock blk{x2.scalar_type() == at::kFloat ? LinearDtype::FLOAT32 : LinearDtype::BFLOAT16,
-                  M, K, x2.const_data_ptr(), K, w.const_data_ptr(), w.stride(0),
+                  M,
+                  K,
+                  x2.const_data_ptr(),
+                  K,
+                  w.const_data_ptr(),
+                  w.stride(0),
                   bias_c.defined() ? bias_c.const_data_ptr() : nullptr,
-                  static_cast<char*>(y.data_ptr()) + col0 * y.element_size(), y.size(1), 0, 0};
+                  static_cast<char*>(y.data_ptr()) + col0 * y.element_size(),
+                  y.size(1),
+                  0,
+                  0};
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
   // A chunk gets at least ~64K multiply-adds: splitting a small layer costs more in the thread
   // pool's wake-up than it saves.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, kRowBlock * K * M));
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, kRowBlock * K * M));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     LinearBlock part = blk;
     part.n_begin = begin * kRowBlock;
@@ -386,7 +427,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight,
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = weight.size(0);
   int64_t M = 0;
-  const at::Tensor x2 = rows_of(x, &M);  // [M, K]
+  const at::Tensor x2 = rows_of(x, &M);                        // [M, K]
   at::Tensor y = at::empty({M, weight.size(0)}, x.options());  // [M, N]
   linear_into(x2, weight, bias.has_value() ? bias->contiguous() : at::Tensor(), y, 0);
   return y.view(out_shape);
@@ -403,8 +444,9 @@ at::Tensor skinny_linear_cat(const at::Tensor& x, at::TensorList weights,
                              const c10::List<std::optional<at::Tensor>>& biases) {
   check_x(x);
   TORCH_CHECK_VALUE(!weights.empty(), "argument 'weights' must hold at least one weight");
-  TORCH_CHECK_VALUE(biases.size() == weights.size(), "argument 'biases' must have one entry per "
-                    "weight (", weights.size(), "), got ", biases.size());
+  TORCH_CHECK_VALUE(biases.size() == weights.size(),
+                    "argument 'biases' must have one entry per weight (", weights.size(), "), got ",
+                    biases.size());
   std::vector<at::Tensor> bias_c(weights.size());
   int64_t n_total = 0;
   bool any_bias = false;
@@ -421,7 +463,7 @@ at::Tensor skinny_linear_cat(const at::Tensor& x, at::TensorList weights,
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n_total;
   int64_t M = 0;
-  const at::Tensor x2 = rows_of(x, &M);  // [M, K]
+  const at::Tensor x2 = rows_of(x, &M);                 // [M, K]
   at::Tensor y = at::empty({M, n_total}, x.options());  // [M, sum N]
   const Isa isa = linear_path();
   void (*packed_kernel)(const PackedLinearBlock&) = packed_kernel_for(isa);
@@ -432,7 +474,8 @@ at::Tensor skinny_linear_cat(const at::Tensor& x, at::TensorList weights,
       if (any_bias) {
         std::vector<at::Tensor> parts;
         for (size_t i = 0; i < weights.size(); ++i) {
-          parts.push_back(bias_c[i].defined() ? bias_c[i] : at::zeros({weights[i].size(0)}, x.options()));
+          parts.push_back(bias_c[i].defined() ? bias_c[i]
+                                              : at::zeros({weights[i].size(0)}, x.options()));
         }
         bias_all = at::cat(parts);
       }
@@ -453,7 +496,9 @@ at::Tensor skinny_linear_cat(const at::Tensor& x, at::TensorList weights,
 }  // namespace
 
 void bind_linear_pack(pybind11::module& m) {
-  m.def("linear_pack_register", [](const at::Tensor& w) {
+  m.def(
+      "linear_pack_register",
+      [](const at::Tensor& w) {
     check_packable(w, "weight");
     std::unique_lock<std::shared_mutex> lock(g_pack_mu);
     sweep_expired_locked();
@@ -465,8 +510,7 @@ void bind_linear_pack(pybind11::module& m) {
     }
     g_packs.emplace(w.const_data_ptr(), PackEntry(w));
   }, pybind11::arg("weight"),
-     "Let skinny_linear pack `weight` (2-D fp32/bf16) on its first call and read the packed copy "
-     "from then on (idempotent).");
+      "Let skinny_linear pack `weight` (2-D fp32/bf16) on its first call and read the packed copy from then on (idempotent).");
   m.def("linear_pack_release", [](const at::Tensor& w) {
     std::unique_lock<std::shared_mutex> lock(g_pack_mu);
     auto it = g_packs.find(w.const_data_ptr());
@@ -491,11 +535,11 @@ void bind_linear_pack(pybind11::module& m) {
       }
     }
     for (const auto& kv : g_groups) bytes += kv.second.packed.nbytes();
-    return std::map<std::string, int64_t>{
-        {"registered", static_cast<int64_t>(g_packs.size())}, {"packed", packed},
-        {"groups", static_cast<int64_t>(g_groups.size())}, {"bytes", bytes}};
-  }, "Registered weights, how many have a packed copy, how many weight groups (skinny_linear_cat) "
-     "have one, and all the copies' bytes (live weights only).");
+    return std::map<std::string, int64_t>{{"registered", static_cast<int64_t>(g_packs.size())},
+                                          {"packed", packed},
+                                          {"groups", static_cast<int64_t>(g_groups.size())},
+                                          {"bytes", bytes}};
+  }, "Registered weights, how many have a packed copy, how many weight groups (skinny_linear_cat) have one, and all the copies' bytes (live weights only).");
 }
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {

@@ -25,8 +25,10 @@ inline float load_scalar(LinearDtype dtype, const void* p, int64_t i) {
 inline void store(LinearDtype dtype, const void* bias, void* y, int64_t y_stride, int64_t m,
                   int64_t n, float v) {
   if (bias) v += load_scalar(dtype, bias, n);
-  if (dtype == LinearDtype::FLOAT32) static_cast<float*>(y)[m * y_stride + n] = v;
-  else static_cast<uint16_t*>(y)[m * y_stride + n] = round_to_bf16(v);
+  if (dtype == LinearDtype::FLOAT32)
+    static_cast<float*>(y)[m * y_stride + n] = v;
+  else
+    static_cast<uint16_t*>(y)[m * y_stride + n] = round_to_bf16(v);
 }
 
 thread_local ScratchBuffer t_x;
@@ -90,7 +92,8 @@ void row(const LinearBlock& b, const float* x, int64_t xs, int64_t n, int64_t m0
   }
   for (; k + L <= b.K; k += L) {
     const __m256 wv = Ops::load(wr + k);
-    for (int j = 0; j < MB; ++j) acc[j][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[j] + k), acc[j][0]);
+    for (int j = 0; j < MB; ++j)
+      acc[j][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr[j] + k), acc[j][0]);
   }
   for (int j = 0; j < MB; ++j) {
     __m256 s = acc[j][0];
@@ -194,7 +197,8 @@ void packed_tile(const PackedLinearBlock& b, const float* x, int64_t xs, int64_t
         for (int j = 0; j < MB; ++j) {
           const __m256 xb = _mm256_broadcast_ss(xr[j] + kk * P + p);
           for (int c = 0; c < C; ++c)
-            for (int h = 0; h < 2; ++h) acc[c][h][j] = _mm256_fmadd_ps(wv[c][h][p], xb, acc[c][h][j]);
+            for (int h = 0; h < 2; ++h)
+              acc[c][h][j] = _mm256_fmadd_ps(wv[c][h][p], xb, acc[c][h][j]);
         }
       }
     }
@@ -258,7 +262,8 @@ void packed_block_rows(const PackedLinearBlock& b, const float* x, int64_t xs, i
   for (int64_t k0 = 0; k0 < b.Kp; k0 += Ops::kChunk) {
     const int64_t k1 = std::min(b.Kp, k0 + Ops::kChunk);
     int64_t m = 0;
-    for (; m + 4 <= b.M; m += 4) packed_rows_chunk<Ops, 4>(w, x, xs, m, k0, k1, tot + m * kPackLanes);
+    for (; m + 4 <= b.M; m += 4)
+      packed_rows_chunk<Ops, 4>(w, x, xs, m, k0, k1, tot + m * kPackLanes);
     switch (b.M - m) {
       case 3: packed_rows_chunk<Ops, 3>(w, x, xs, m, k0, k1, tot + m * kPackLanes); break;
       case 2: packed_rows_chunk<Ops, 2>(w, x, xs, m, k0, k1, tot + m * kPackLanes); break;
@@ -279,10 +284,17 @@ template <class Ops, int C>
 void packed_group(const PackedLinearBlock& b, const float* x, int64_t xs, int64_t nb0) {
   switch (b.M) {
     case 1: packed_tile<Ops, C, 1>(b, x, xs, nb0, 0); return;
-    case 2: for (int c = 0; c < C; ++c) packed_tile<Ops, 1, 2>(b, x, xs, nb0 + c, 0); return;
-    case 3: for (int c = 0; c < C; ++c) packed_tile<Ops, 1, 3>(b, x, xs, nb0 + c, 0); return;
-    case 4: for (int c = 0; c < C; ++c) packed_tile<Ops, 1, 4>(b, x, xs, nb0 + c, 0); return;
-    default: for (int c = 0; c < C; ++c) packed_block_rows<Ops>(b, x, xs, nb0 + c);
+    case 2:
+      for (int c = 0; c < C; ++c) packed_tile<Ops, 1, 2>(b, x, xs, nb0 + c, 0);
+      return;
+    case 3:
+      for (int c = 0; c < C; ++c) packed_tile<Ops, 1, 3>(b, x, xs, nb0 + c, 0);
+      return;
+    case 4:
+      for (int c = 0; c < C; ++c) packed_tile<Ops, 1, 4>(b, x, xs, nb0 + c, 0);
+      return;
+    default:
+      for (int c = 0; c < C; ++c) packed_block_rows<Ops>(b, x, xs, nb0 + c);
   }
 }
 
@@ -305,16 +317,20 @@ void packed_groups(const PackedLinearBlock& b) {
 }  // namespace
 
 void packed_linear_avx2(const PackedLinearBlock& b) {
-  if (b.dtype == LinearDtype::FLOAT32) packed_groups<F32Packed>(b);
-  else packed_groups<Bf16Packed>(b);
+  if (b.dtype == LinearDtype::FLOAT32)
+    packed_groups<F32Packed>(b);
+  else
+    packed_groups<Bf16Packed>(b);
 }
 
 void skinny_linear_avx2(const LinearBlock& b) {
   int64_t xs = 0;
   const float* x = fp32_rows(b.dtype, b.x, b.x_stride, b.M, b.K, &xs);
   for (int64_t n = b.n_begin; n < b.n_end; ++n) {
-    if (b.dtype == LinearDtype::FLOAT32) all_rows<F32Row>(b, x, xs, n);
-    else all_rows<Bf16Row>(b, x, xs, n);
+    if (b.dtype == LinearDtype::FLOAT32)
+      all_rows<F32Row>(b, x, xs, n);
+    else
+      all_rows<Bf16Row>(b, x, xs, n);
   }
 }
 

@@ -68,14 +68,16 @@ void row(const LinearBlock& b, int64_t n, int64_t m0) {
   for (; k + L * U <= b.K; k += L * U) {
     for (int u = 0; u < U; ++u) {
       const typename Ops::Vec wv = Ops::load(wr + k + L * u);
-      for (int j = 0; j < MB; ++j) acc[j][u] = Ops::madd(acc[j][u], wv, Ops::load(xr[j] + k + L * u));
+      for (int j = 0; j < MB; ++j)
+        acc[j][u] = Ops::madd(acc[j][u], wv, Ops::load(xr[j] + k + L * u));
     }
   }
   for (; k < b.K; k += L) {
     const int64_t left = b.K - k;
     const typename Ops::Vec wv = left >= L ? Ops::load(wr + k) : Ops::load_tail(wr + k, left);
     for (int j = 0; j < MB; ++j) {
-      const typename Ops::Vec xv = left >= L ? Ops::load(xr[j] + k) : Ops::load_tail(xr[j] + k, left);
+      const typename Ops::Vec xv =
+          left >= L ? Ops::load(xr[j] + k) : Ops::load_tail(xr[j] + k, left);
       acc[j][0] = Ops::madd(acc[j][0], wv, xv);
     }
   }
@@ -88,8 +90,10 @@ void row(const LinearBlock& b, int64_t n, int64_t m0) {
 
 template <int MB, int U>
 void run_row(const LinearBlock& b, int64_t n, int64_t m0) {
-  if (b.dtype == LinearDtype::FLOAT32) row<F32Ops, MB, U>(b, n, m0);
-  else row<Bf16Ops, MB, U>(b, n, m0);
+  if (b.dtype == LinearDtype::FLOAT32)
+    row<F32Ops, MB, U>(b, n, m0);
+  else
+    row<Bf16Ops, MB, U>(b, n, m0);
 }
 
 // All M rows of x against weight row n: the first chunk of x rows streams the weight row from
@@ -104,7 +108,6 @@ void all_rows(const LinearBlock& b, int64_t n) {
     default: break;
   }
 }
-
 
 // ---- Packed weights (PackedLinearBlock in linear_isa.h) ----
 
@@ -128,7 +131,8 @@ struct Bf16Packed {
   }
   static __m512 load(const void* w) { return _mm512_castsi512_ps(_mm512_loadu_si512(w)); }
   static __m512 madd(__m512 acc, __m512 w, __m512 xb) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(w), (__m512bh)_mm512_castps_si512(xb));
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(w),
+                            (__m512bh)_mm512_castps_si512(xb));
   }
   static constexpr int64_t kStepBytes = kPackLanes * 4;  // 16 outputs x 2 bf16
 };
@@ -137,7 +141,8 @@ struct Bf16Packed {
 inline __m256i to_bf16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
   return _mm512_cvtepi32_epi16(r);
@@ -175,7 +180,8 @@ template <class Ops, int C, int MB>
 void packed_tile(const PackedLinearBlock& b, int64_t nb0, int64_t m0) {
   const int64_t esize = b.dtype == LinearDtype::FLOAT32 ? 4 : 2;
   const char* xr[MB];
-  for (int j = 0; j < MB; ++j) xr[j] = static_cast<const char*>(b.x) + (m0 + j) * b.x_stride * esize;
+  for (int j = 0; j < MB; ++j)
+    xr[j] = static_cast<const char*>(b.x) + (m0 + j) * b.x_stride * esize;
   const char* wb = static_cast<const char*>(b.wp) + nb0 * b.Kp * Ops::kStepBytes;
   const int64_t block_bytes = b.Kp * Ops::kStepBytes;
   __m512 total[C][MB];
@@ -250,8 +256,10 @@ void packed_groups(const PackedLinearBlock& b) {
 }  // namespace
 
 void packed_linear_avx512(const PackedLinearBlock& b) {
-  if (b.dtype == LinearDtype::FLOAT32) packed_groups<F32Packed>(b);
-  else packed_groups<Bf16Packed>(b);
+  if (b.dtype == LinearDtype::FLOAT32)
+    packed_groups<F32Packed>(b);
+  else
+    packed_groups<Bf16Packed>(b);
 }
 
 void skinny_linear_avx512(const LinearBlock& b) {

@@ -1,18 +1,17 @@
 // The Python module `specdec_inductor._C`: importing it runs every TORCH_LIBRARY registration
 // in this library (the op schemas live beside their kernels, one file per op family) and exposes
 // the ISA queries and kernel-path counters of cpu_features.h.
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
+#include <torch/extension.h>
 
 #include "cpu_features.h"
 #include "peak_isa.h"
 
 namespace specdec {
-void bind_ngram(pybind11::module& m);  // ngram.cpp
+void bind_ngram(pybind11::module& m);        // ngram.cpp
 void bind_linear_pack(pybind11::module& m);  // linear.cpp
-void bind_quant(pybind11::module& m);  // quant.cpp
-}
+void bind_quant(pybind11::module& m);        // quant.cpp
+}  // namespace specdec
 
 TORCH_LIBRARY(specdec, m) {
   // Op families add their schemas with TORCH_LIBRARY_FRAGMENT in their own files.
@@ -23,8 +22,8 @@ namespace {
 // The widest peak probe for the active path: AMX tiles for bf16 on the AMX path, else AVX-512 or
 // AVX2 FMAs; PORTABLE when there is none.
 specdec::Isa peak_probe_path(bool bf16) {
-  using specdec::Isa;
   using specdec::active_isa;
+  using specdec::Isa;
   Isa probe = Isa::PORTABLE;
 #ifdef SPECDEC_BUILT_AVX2
   if (active_isa() >= Isa::AVX2) probe = Isa::AVX2;

@@ -22,9 +22,9 @@ namespace {
 
 struct TrieNode {
   int64_t token;
-  int32_t depth;     // tokens from the root (the root has depth 0)
-  int64_t count;     // occurrences of the path root..this node
-  int64_t last_seen; // logical time of the latest occurrence (recency tie-break)
+  int32_t depth;      // tokens from the root (the root has depth 0)
+  int64_t count;      // occurrences of the path root..this node
+  int64_t last_seen;  // logical time of the latest occurrence (recency tie-break)
   std::vector<int32_t> children;
 };
 
@@ -127,8 +127,11 @@ class RequestTrie {
 
 class NgramIndex {
  public:
-  NgramIndex(int64_t min_window, int64_t max_window, int64_t max_depth, int64_t max_nodes_per_request)
-      : min_window_(min_window), max_window_(max_window), max_depth_(max_depth),
+  NgramIndex(int64_t min_window, int64_t max_window, int64_t max_depth,
+             int64_t max_nodes_per_request)
+      : min_window_(min_window),
+        max_window_(max_window),
+        max_depth_(max_depth),
         max_nodes_(max_nodes_per_request) {
     TORCH_CHECK_VALUE(min_window >= 1, "argument 'min_window' must be >= 1, got ", min_window);
     TORCH_CHECK_VALUE(max_window >= min_window, "argument 'max_window' must be >= min_window (",
@@ -138,8 +141,8 @@ class NgramIndex {
         64, checked_add(max_window, max_depth, "argument 'max_window' + argument 'max_depth'"),
         "64 * (max_window + max_depth)");
     TORCH_CHECK_VALUE(max_nodes_per_request >= min_nodes,
-                      "argument 'max_nodes_per_request' must be >= ", min_nodes,
-                      ", got ", max_nodes_per_request);
+                      "argument 'max_nodes_per_request' must be >= ", min_nodes, ", got ",
+                      max_nodes_per_request);
   }
 
   void add_request(int64_t rid) {
@@ -174,9 +177,9 @@ class NgramIndex {
   // root token; tree_mask [B*N*N] bool QLEN_ONLY ancestor mask; num_drafts [B] int32 real
   // drafts before padding; match_len [B] int32 length of the context suffix the drafts
   // continue, 0 without a match). breadth[l] bounds the children kept per node at draft level l+1.
-  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> propose(const std::vector<int64_t>& rids,
-                                                         int64_t num_draft_tokens,
-                                                         const std::vector<int64_t>& breadth) {
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> propose(
+      const std::vector<int64_t>& rids, int64_t num_draft_tokens,
+      const std::vector<int64_t>& breadth) {
     const int64_t N = num_draft_tokens, bs = static_cast<int64_t>(rids.size());
     TORCH_CHECK_VALUE(N >= 1, "argument 'num_draft_tokens' must be >= 1, got ", N);
     TORCH_CHECK_VALUE(!breadth.empty(), "argument 'breadth' must name at least one level");
@@ -184,13 +187,14 @@ class NgramIndex {
       TORCH_CHECK_VALUE(b >= 1, "argument 'breadth' entries must be >= 1, got ", b);
     }
     check_alloc(checked_mul(checked_mul(bs, N, "batch * argument 'num_draft_tokens'"), N,
-                            "batch * num_draft_tokens squared"), "the tree mask");
+                            "batch * num_draft_tokens squared"),
+                "the tree mask");
     std::vector<std::shared_ptr<RequestTrie>> tries;
     for (int64_t rid : rids) tries.push_back(get(rid));
-    at::Tensor tokens = at::empty({bs, N}, at::kLong);          // [B, N]
-    at::Tensor mask = at::zeros({bs * N * N}, at::kBool);       // [B*N*N]
-    at::Tensor num_drafts = at::empty({bs}, at::kInt);          // [B]
-    at::Tensor match_len = at::zeros({bs}, at::kInt);           // [B]
+    at::Tensor tokens = at::empty({bs, N}, at::kLong);     // [B, N]
+    at::Tensor mask = at::zeros({bs * N * N}, at::kBool);  // [B*N*N]
+    at::Tensor num_drafts = at::empty({bs}, at::kInt);     // [B]
+    at::Tensor match_len = at::zeros({bs}, at::kInt);      // [B]
     int64_t* tok = tokens.data_ptr<int64_t>();
     bool* m = mask.data_ptr<bool>();
     int32_t* nd = num_drafts.data_ptr<int32_t>();
@@ -200,14 +204,16 @@ class NgramIndex {
       RequestTrie& trie = *tries[b];
       std::lock_guard<std::mutex> lock(trie.mutex);
       const auto& hist = trie.history();
-      TORCH_CHECK_VALUE(!hist.empty(), "request ", rids[b], " has no tokens: append its prompt first");
+      TORCH_CHECK_VALUE(!hist.empty(), "request ", rids[b],
+                        " has no tokens: append its prompt first");
       int64_t* row_tok = tok + b * N;
       bool* block = m + b * N * N;
       row_tok[0] = hist.back();
       int64_t n = 1;
       // Longest matching suffix first.
       int32_t match = -1;
-      for (int64_t w = std::min<int64_t>(max_window_, hist.size()); w >= min_window_ && match < 0; --w) {
+      for (int64_t w = std::min<int64_t>(max_window_, hist.size()); w >= min_window_ && match < 0;
+           --w) {
         const int32_t found = trie.find(hist.data() + hist.size() - w, w);
         if (found >= 0 && !trie.node(found).children.empty()) {
           match = found;

@@ -9,7 +9,6 @@
 
 namespace specdec {
 
-
 float peak_probe_amx(int64_t iters) {
   configure_full_tiles(6);
   alignas(64) uint32_t ab[16 * 16];

@@ -13,7 +13,8 @@ float peak_probe_avx512(bool bf16, int64_t iters) {
   const __m512i bb = _mm512_set1_epi32(0x38d138d1);  // bf16 pairs (~1e-4, ~1e-4)
   if (bf16) {
     for (int64_t t = 0; t < iters; ++t) {
-      for (int i = 0; i < kPeakAccumulators; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)ab, (__m512bh)bb);
+      for (int i = 0; i < kPeakAccumulators; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)ab, (__m512bh)bb);
     }
   } else {
     for (int64_t t = 0; t < iters; ++t) {

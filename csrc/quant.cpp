@@ -13,9 +13,8 @@
 // AVX-512 VNNI ("quant_linear_int8:avx512"); else the K formats run the AVX2 kernel
 // (quant_avx2.cpp, "quant_linear_int8:avx2") when AVX2 or better is active; the portable
 // loops run the rest ("quant_linear_int8:portable").
-#include <torch/extension.h>
-
 #include <c10/util/Half.h>
+#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
@@ -87,7 +86,8 @@ void quant_dequantize_row_portable(QuantFmt fmt, const uint8_t* p, int64_t K, fl
     case QuantFmt::Q8_0:
       for (int64_t k = 0; k < K; k += 32, p += 34) {
         const float d = load_f16(p);
-        for (int j = 0; j < 32; ++j) out[k + j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
+        for (int j = 0; j < 32; ++j)
+          out[k + j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
       }
       break;
     case QuantFmt::Q4_K:
@@ -170,8 +170,10 @@ void int8_parts_portable(QuantFmt fmt, const uint8_t* p, int64_t K, int32_t* wq,
           if (fmt == QuantFmt::Q8_0) {
             q = static_cast<int8_t>(p[2 + j]);
           } else {
-            const uint8_t* qs = p + (fmt == QuantFmt::Q4_0 ? 2 : fmt == QuantFmt::Q4_1 ? 4
-                                     : fmt == QuantFmt::Q5_0 ? 6 : 8);
+            const uint8_t* qs = p + (fmt == QuantFmt::Q4_0   ? 2
+                                     : fmt == QuantFmt::Q4_1 ? 4
+                                     : fmt == QuantFmt::Q5_0 ? 6
+                                                             : 8);
             q = (qs[j % 16] >> (4 * (j / 16))) & 15;
             if (fmt == QuantFmt::Q4_0) q -= 8;
             if (fmt == QuantFmt::Q5_0 || fmt == QuantFmt::Q5_1) {
@@ -316,18 +318,19 @@ namespace {
 // Rows [m_begin, m_end) of x [M, K] fp32 quantized into X's buffers (quant_isa.h's definition;
 // the reference, quant_linear_ref(activation=INT8), rounds the same way).
 void quantize_x_rows(const float* x, int64_t K, int offset, int64_t Kp, int8_t* q, float* d,
-                     float* d_sum, int32_t* neg_offset_sum, int64_t m_begin,
-                     int64_t m_end) {
+                     float* d_sum, int32_t* neg_offset_sum, int64_t m_begin, int64_t m_end) {
   for (int64_t m = m_begin; m < m_end; ++m) {
     const float* xm = x + m * K;
     int8_t* qm = q + m * Kp;
     for (int64_t k = 0; k < Kp; k += 32) {
       float amax = 0.0f;
-      if (k < K) for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xm[k + j]));
+      if (k < K)
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xm[k + j]));
       const float dk = amax / 127.0f;
       for (int j = 0; j < 32; ++j) {
         float v = 0.0f;
-        if (k < K && dk != 0.0f) v = std::min(127.0f, std::max(-127.0f, std::nearbyint(xm[k + j] / dk)));
+        if (k < K && dk != 0.0f)
+          v = std::min(127.0f, std::max(-127.0f, std::nearbyint(xm[k + j] / dk)));
         qm[k + j] = static_cast<int8_t>(v);
       }
       for (int64_t l = k / 4; l < (k + 32) / 4; ++l) {
@@ -422,13 +425,13 @@ QuantFormatInfo check_fmt(int64_t fmt) {
 // dense (stride(1) == 1; any row stride), never written. Returns K implied by row_bytes.
 int64_t check_weight(const at::Tensor& weight, const QuantFormatInfo& info) {
   check_cpu(weight, "weight");
-  TORCH_CHECK_TYPE(weight.scalar_type() == at::kByte, "argument 'weight' must be uint8 (the GGUF "
-                   "tensor's bytes), got ", weight.scalar_type());
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kByte,
+                   "argument 'weight' must be uint8 (the GGUF tensor's bytes), got ",
+                   weight.scalar_type());
   check_dim(weight, 2, "weight");
   const int64_t unit = info.block_bytes * info.group_rows;
-  TORCH_CHECK_VALUE(weight.size(1) % unit == 0, "argument 'weight' must have a whole "
-                    "number of ", unit, "-byte blocks per row for this fmt, got shape ",
-                    weight.sizes());
+  TORCH_CHECK_VALUE(weight.size(1) % unit == 0, "argument 'weight' must have a whole number of ",
+                    unit, "-byte blocks per row for this fmt, got shape ", weight.sizes());
   TORCH_CHECK_VALUE(weight.size(1) <= 1 || weight.size(0) == 0 || weight.stride(1) == 1,
                     "argument 'weight' must have contiguous rows (stride(1) == 1), got strides ",
                     weight.strides());
@@ -443,7 +446,8 @@ int64_t check_weight(const at::Tensor& weight, const QuantFormatInfo& info) {
 // matrix stays on the calling thread: on a loaded machine an OpenMP barrier can wait a whole
 // scheduler slice (~10 ms) for a descheduled worker (see common.h).
 int64_t row_grain(int64_t item_bytes, int64_t M) {
-  return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, item_bytes * std::max<int64_t>(1, M)));
+  return std::max<int64_t>(
+      1, (int64_t{1} << 18) / std::max<int64_t>(1, item_bytes * std::max<int64_t>(1, M)));
 }
 
 // Output rows [0, N) in blocks of 8 (a repacked layout: its 16-row groups) across threads:
@@ -473,10 +477,10 @@ QuantizedX quantize_x(const at::Tensor& x2, QuantFmt fmt, Isa isa) {
   q_buf.resize(static_cast<size_t>(M * Kp));
   f_buf.resize(static_cast<size_t>(2 * lanes));
   neg_buf.resize(static_cast<size_t>(lanes));
-  int8_t* q = q_buf.data();                    // [M, Kp]
-  float* d = f_buf.data();                     // [M, Kp/4]
-  float* d_sum = d + lanes;                    // [M, Kp/4]
-  int32_t* neg_offset_sum = neg_buf.data();    // [M, Kp/4]
+  int8_t* q = q_buf.data();                  // [M, Kp]
+  float* d = f_buf.data();                   // [M, Kp/4]
+  float* d_sum = d + lanes;                  // [M, Kp/4]
+  int32_t* neg_offset_sum = neg_buf.data();  // [M, Kp/4]
   const float* x = x2.const_data_ptr<float>();
   at::parallel_for(0, M, quantize_grain(K), [&](int64_t begin, int64_t end) {
 #ifdef SPECDEC_BUILT_AVX512VNNI
@@ -526,19 +530,30 @@ Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fm
   const bool repacked = is_repacked(f);
   const int64_t M = x2.size(0), N = y.size(1);
   const Isa isa = quant_int8_path(f);
-  QuantLinearInt8Block blk{f, {}, {}, static_cast<const uint8_t*>(weight.const_data_ptr()),
-                           weight.size(0) > 1 ? weight.stride(0) : weight.size(1), bias,
-                           y.data_ptr<float>(), N, 0, 0};
-  if (is_k_format(file_format(f))) blk.xk = quantize_xk(x2, isa);
-  else blk.x = quantize_x(x2, f, isa);
+  QuantLinearInt8Block blk{f,
+                           {},
+                           {},
+                           static_cast<const uint8_t*>(weight.const_data_ptr()),
+                           weight.size(0) > 1 ? weight.stride(0) : weight.size(1),
+                           bias,
+                           y.data_ptr<float>(),
+                           N,
+                           0,
+                           0};
+  if (is_k_format(file_format(f)))
+    blk.xk = quantize_xk(x2, isa);
+  else
+    blk.x = quantize_x(x2, f, isa);
   for_row_blocks(N, row_bytes, M, [&](int64_t n_begin, int64_t n_end) {
     QuantLinearInt8Block part = blk;
     part.n_begin = n_begin;
     part.n_end = n_end;
 #ifdef SPECDEC_BUILT_AVX512VNNI
     if (isa == Isa::AVX512) {
-      if (repacked) quant_linear_int8_r16_avx512vnni(part);
-      else quant_linear_int8_avx512vnni(part);
+      if (repacked)
+        quant_linear_int8_r16_avx512vnni(part);
+      else
+        quant_linear_int8_avx512vnni(part);
       return;
     }
 #endif
@@ -560,24 +575,29 @@ Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fm
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fmt,
                         const std::optional<at::Tensor>& bias, int64_t activation) {
   const QuantFormatInfo info = check_fmt(fmt);
-  TORCH_CHECK_VALUE(activation == 0 || activation == 1, "argument 'activation' must be a "
-                    "QuantActivation (FLOAT=0, INT8=1), got ", activation);
+  TORCH_CHECK_VALUE(activation == 0 || activation == 1,
+                    "argument 'activation' must be a QuantActivation (FLOAT=0, INT8=1), got ",
+                    activation);
   check_cpu(x, "x");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                    "argument 'x' must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK_VALUE(x.dim() >= 1, "argument 'x' must have at least 1 dimension, got a scalar");
   const int64_t K = x.size(-1);
-  TORCH_CHECK_VALUE(K % info.block_size == 0, "argument 'x' must have a last dimension (K) that "
-                    "is a multiple of the fmt's block size ", info.block_size, ", got ", K);
+  TORCH_CHECK_VALUE(
+      K % info.block_size == 0,
+      "argument 'x' must have a last dimension (K) that is a multiple of the fmt's block size ",
+      info.block_size, ", got ", K);
   const int64_t row_bytes = K / info.block_size * info.block_bytes;  // of one weight row
   const int64_t G = info.group_rows;
   check_cpu(weight, "weight");
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == G * row_bytes, "argument 'weight' must have "
-                    "shape [", G > 1 ? "N / 16" : "N", ", ", G * row_bytes, "] (the bytes of K = ", K,
-                    " weights in this fmt), got ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == G * row_bytes,
+                    "argument 'weight' must have shape [", G > 1 ? "N / 16" : "N", ", ",
+                    G * row_bytes, "] (the bytes of K = ", K, " weights in this fmt), got ",
+                    weight.sizes());
   check_weight(weight, info);
-  TORCH_CHECK_VALUE(G == 1 || activation == 1, "argument 'activation' must be INT8 (1) for the "
-                    "repacked fmt ", fmt, " (its only kernel), got ", activation);
+  TORCH_CHECK_VALUE(G == 1 || activation == 1,
+                    "argument 'activation' must be INT8 (1) for the repacked fmt ", fmt,
+                    " (its only kernel), got ", activation);
   const int64_t N = weight.size(0) * G;
   if (bias.has_value()) {
     check_cpu(*bias, "bias");
@@ -591,23 +611,36 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t f
   int64_t rows = 1;  // M
   for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   const at::Tensor x2 = x.reshape({rows, K}).to(at::kFloat).contiguous();  // [M, K] fp32
-  const at::Tensor b32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();  // [N]
-  at::Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));  // [M, N] fp32
+  const at::Tensor b32 =
+      bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();  // [N]
+  at::Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));       // [M, N] fp32
   if (rows > 0 && N > 0) {
     if (K == 0) {
-      if (b32.defined()) y.copy_(b32.unsqueeze(0).expand({rows, N}));
-      else y.zero_();
+      if (b32.defined())
+        y.copy_(b32.unsqueeze(0).expand({rows, N}));
+      else
+        y.zero_();
     } else if (activation == 1) {
-      const Isa ran = quant_linear_int8(x2, weight, fmt, b32.defined() ? b32.const_data_ptr<float>() : nullptr,
-                                        y, row_bytes);
-      if (G > 1) SPECDEC_RECORD_PATH("quant_linear_int8_r16", ran);
-      else SPECDEC_RECORD_PATH("quant_linear_int8", ran);
+      const Isa ran = quant_linear_int8(
+          x2, weight, fmt, b32.defined() ? b32.const_data_ptr<float>() : nullptr, y, row_bytes);
+      if (G > 1)
+        SPECDEC_RECORD_PATH("quant_linear_int8_r16", ran);
+      else
+        SPECDEC_RECORD_PATH("quant_linear_int8", ran);
     } else {
       const Isa isa = quant_path();
-      QuantLinearBlock blk{static_cast<QuantFmt>(fmt), rows, K, x2.const_data_ptr<float>(), K,
-                           static_cast<const uint8_t*>(weight.const_data_ptr()), weight.stride(0),
+      QuantLinearBlock blk{static_cast<QuantFmt>(fmt),
+                           rows,
+                           K,
+                           x2.const_data_ptr<float>(),
+                           K,
+                           static_cast<const uint8_t*>(weight.const_data_ptr()),
+                           weight.stride(0),
                            b32.defined() ? b32.const_data_ptr<float>() : nullptr,
-                           y.data_ptr<float>(), N, 0, 0};
+                           y.data_ptr<float>(),
+                           N,
+                           0,
+                           0};
       for_row_blocks(N, row_bytes, rows, [&](int64_t n_begin, int64_t n_end) {
         QuantLinearBlock part = blk;
         part.n_begin = n_begin;
@@ -637,8 +670,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t f
 // Rows `ids` (all rows when ids is null) of the dequantized weight into out [R, K] fp32 (ids
 // already range-checked). Returns the path that ran.
 // A repacked layout gives each row back in the file's bytes first.
-Isa dequantize_rows(const at::Tensor& weight, int64_t fmt, int64_t K, const int64_t* ids,
-                    int64_t R, float* out) {
+Isa dequantize_rows(const at::Tensor& weight, int64_t fmt, int64_t K, const int64_t* ids, int64_t R,
+                    float* out) {
   const Isa isa = quant_path();
   const DequantizeRowFn fn = dequantize_row_for(isa);
   const QuantFmt f = static_cast<QuantFmt>(fmt), base = file_format(f);
@@ -666,7 +699,8 @@ at::Tensor quant_dequantize(const at::Tensor& weight, int64_t fmt) {
   const int64_t K = check_weight(weight, info), N = weight.size(0) * info.group_rows;
   at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kFloat));  // [N, K]
   if (N > 0 && K > 0) {
-    SPECDEC_RECORD_PATH("quant_dequantize", dequantize_rows(weight, fmt, K, nullptr, N, out.data_ptr<float>()));
+    SPECDEC_RECORD_PATH("quant_dequantize",
+                        dequantize_rows(weight, fmt, K, nullptr, N, out.data_ptr<float>()));
   }
   return out;
 }
@@ -692,7 +726,8 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& weight, int6
   out_shape.push_back(K);
   at::Tensor out = at::empty({R, K}, weight.options().dtype(at::kFloat));  // [R, K]
   if (R > 0 && K > 0) {
-    SPECDEC_RECORD_PATH("quant_embedding", dequantize_rows(weight, fmt, K, id, R, out.data_ptr<float>()));
+    SPECDEC_RECORD_PATH("quant_embedding",
+                        dequantize_rows(weight, fmt, K, id, R, out.data_ptr<float>()));
   }
   if (out_dtype != at::kFloat) out = out.to(out_dtype);
   return out.view(out_shape);
@@ -704,8 +739,9 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& weight, int6
 at::Tensor quant_repack(const at::Tensor& weight, int64_t fmt) {
   const QuantFormatInfo info = check_fmt(fmt);
   const QuantFmt f = static_cast<QuantFmt>(fmt), base = file_format(f);
-  TORCH_CHECK_VALUE(repacked_format(base) != base, "argument 'fmt' must be Q4_K (12), Q6_K (14), "
-                    "Q4_K_R16 (268) or Q6_K_R16 (270), got ", fmt);
+  TORCH_CHECK_VALUE(
+      repacked_format(base) != base,
+      "argument 'fmt' must be Q4_K (12), Q6_K (14), Q4_K_R16 (268) or Q6_K_R16 (270), got ", fmt);
   const int64_t K = check_weight(weight, info);
   const int64_t G = kRepackRows, rows = weight.size(0);
   TORCH_CHECK_VALUE(is_repacked(f) || rows % G == 0, "argument 'weight' must have a multiple of ",
@@ -715,12 +751,16 @@ at::Tensor quant_repack(const at::Tensor& weight, int64_t fmt) {
   QuantFormatInfo file_info{}, packed_info{};
   quant_format_info(static_cast<int>(base), &file_info);
   quant_format_info(static_cast<int>(repacked_format(base)), &packed_info);
-  const int64_t file_row = K / 256 * file_info.block_bytes, group_bytes = G * K / 256 * packed_info.block_bytes;
+  const int64_t file_row = K / 256 * file_info.block_bytes,
+                group_bytes = G * K / 256 * packed_info.block_bytes;
   const int64_t groups = is_repacked(f) ? rows : rows / G;
-  at::Tensor out = is_repacked(f) ? at::empty({rows * G, file_row}, weight.options())   // [N, row_bytes]
-                                  : at::empty({groups, group_bytes}, weight.options());  // [N / 16, 16 * row_bytes']
+  at::Tensor out =
+      is_repacked(f)
+          ? at::empty({rows * G, file_row}, weight.options())    // [N, row_bytes]
+          : at::empty({groups, group_bytes}, weight.options());  // [N / 16, 16 * row_bytes']
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, group_bytes)),
+  at::parallel_for(0, groups,
+                   std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, group_bytes)),
                    [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       if (is_repacked(f)) {
@@ -737,16 +777,18 @@ at::Tensor quant_repack(const at::Tensor& weight, int64_t fmt) {
 }  // namespace
 
 void bind_quant(pybind11::module& m) {
-  m.def("quant_int8_path", [](int64_t fmt) {
-          check_fmt(fmt);
-          return std::string(isa_name(quant_int8_path(static_cast<QuantFmt>(fmt))));
-        }, pybind11::arg("fmt"),
-        "Path of quant_linear with INT8 activations for ggml type `fmt` now: 'avx512' (VNNI), "
-        "'avx2' (K formats) or 'portable'.");
+  m.def(
+      "quant_int8_path",
+      [](int64_t fmt) {
+    check_fmt(fmt);
+    return std::string(isa_name(quant_int8_path(static_cast<QuantFmt>(fmt))));
+  }, pybind11::arg("fmt"),
+      "Path of quant_linear with INT8 activations for ggml type `fmt` now: 'avx512' (VNNI), 'avx2' (K formats) or 'portable'.");
 }
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
-  m.def("quant_linear(Tensor x, Tensor weight, int fmt, Tensor? bias=None, int activation=0) -> Tensor");
+  m.def(
+      "quant_linear(Tensor x, Tensor weight, int fmt, Tensor? bias=None, int activation=0) -> Tensor");
   m.def("quant_embedding(Tensor ids, Tensor weight, int fmt, ScalarType? dtype=None) -> Tensor");
   m.def("quant_dequantize(Tensor weight, int fmt) -> Tensor");
   m.def("quant_repack(Tensor weight, int fmt) -> Tensor");

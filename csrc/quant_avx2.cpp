@@ -35,7 +35,9 @@ inline __m256 to_f32(__m256i v) { return _mm256_cvtepi32_ps(v); }
 inline __m256i fifth_bits(uint32_t bits) {
   const __m256i shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i one = _mm256_set1_epi32(1);
-  return _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), shifts), one), 4);
+  return _mm256_slli_epi32(
+      _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), shifts), one),
+      4);
 }
 
 // Each format's row walker calls f(k, w0, w1, w2, w3) for the weights [k + 8i, k + 8i + 8) of a
@@ -146,7 +148,8 @@ struct QK45Rows {
             __m256i q = half ? _mm256_srli_epi32(v[i], 4) : _mm256_and_si256(v[i], nib);
             if (kFifthBit) {
               const __m256i h = bytes8(p + 16 + 8 * i);
-              q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, shift), one), 4));
+              q = _mm256_or_si256(
+                  q, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, shift), one), 4));
             }
             w[i] = _mm256_fmadd_ps(to_f32(q), ds, neg_dm);
           }
@@ -169,11 +172,16 @@ struct Q6_KRows {
       const float d = load_f16(p + 208);
       for (int g = 0; g < 8; ++g) {
         const int h = g / 4, t = g % 4;
-        const __m256i lbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * (t % 2)));
-        const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
-        const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(lbits, _mm_cvtsi32_si128(4 * (t / 2))), nib);
-        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * t)), three);
-        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), thirty_two);
+        const __m256i lbits =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * (t % 2)));
+        const __m256i hbits =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+        const __m256i lo =
+            _mm256_and_si256(_mm256_srl_epi16(lbits, _mm_cvtsi32_si128(4 * (t / 2))), nib);
+        const __m256i hi =
+            _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * t)), three);
+        const __m256i q =
+            _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), thirty_two);
         const __m128i q_lo = _mm256_castsi256_si128(q), q_hi = _mm256_extracti128_si256(q, 1);
         const __m256 s0 = _mm256_set1_ps(d * static_cast<float>(scales[2 * g]));
         const __m256 s1 = _mm256_set1_ps(d * static_cast<float>(scales[2 * g + 1]));
@@ -253,8 +261,10 @@ void linear_rows(const QuantLinearBlock& b) {
       const int mb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
       float out[4];
       const float* xm = b.x + m * b.x_stride;
-      if (buffered) dot_group<BufferRows>(mb, buf, b.K, xm, b.x_stride, out);
-      else dot_group<Rows>(mb, row, b.K, xm, b.x_stride, out);
+      if (buffered)
+        dot_group<BufferRows>(mb, buf, b.K, xm, b.x_stride, out);
+      else
+        dot_group<Rows>(mb, row, b.K, xm, b.x_stride, out);
       for (int i = 0; i < mb; ++i) {
         float v = out[i];
         if (b.bias) v += b.bias[n];
@@ -289,7 +299,6 @@ void quant_dequantize_row_avx2(QuantFmt fmt, const uint8_t* row, int64_t K, floa
 #undef SPECDEC_DEQUANTIZE_ROW
 }
 
-
 // ---- INT8 activations, K formats (Q4_K, Q5_K, Q6_K; quant_isa.h has the definition) ----
 // The AVX-512 VNNI kernel's scheme on 256-bit vectors without VNNI: per 32 weights and row of
 // x, vpmaddubsw multiplies the weight bytes into the quants as 16 int16 pairs and vpmaddwd
@@ -301,7 +310,9 @@ void quant_dequantize_row_avx2(QuantFmt fmt, const uint8_t* row, int64_t K, floa
 // portable loops run them.)
 namespace {
 
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
 
 // A weight block decoded for the integer dot: 8 sub-blocks of 32 unsigned bytes (u), each
 // sub-block's int16 scale of every vpmaddubsw pair (sc), the block's d, -dmin * mn per
@@ -355,13 +366,16 @@ struct KDecode6 {
     const __m256i nib = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
     for (int g = 0; g < 8; ++g) {
       const int h = g / 4, t = g % 4;
-      const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(load32(p + 64 * h + 32 * (t % 2)), 4 * (t / 2)), nib);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load32(p + 128 + 32 * h), 2 * t), three);
+      const __m256i lo =
+          _mm256_and_si256(_mm256_srli_epi16(load32(p + 64 * h + 32 * (t % 2)), 4 * (t / 2)), nib);
+      const __m256i hi =
+          _mm256_and_si256(_mm256_srli_epi16(load32(p + 128 + 32 * h), 2 * t), three);
       w.u[g] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
       // int16 lanes 0-7 (weights 0-15) take scale 2g, lanes 8-15 scale 2g + 1.
       w.sc[g] = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * g]), _mm_set1_epi16(scales[2 * g + 1]));
     }
-    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+    const __m256i s16 =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
     w.corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(s16, 5));  // -32 * sc
     w.mins = _mm256_setzero_ps();
     w.d = load_f16(p + 208);
@@ -375,11 +389,15 @@ inline __m256 block_dot(const KBlock2& w, const XRow& x, int64_t b, __m256 acc) 
   const int8_t* q = x.q + 256 * b;
   __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
   for (int s = 0; s < 8; s += 2) {
-    i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(w.u[s], load32(q + 32 * s)), w.sc[s]));
-    i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_maddubs_epi16(w.u[s + 1], load32(q + 32 * s + 32)), w.sc[s + 1]));
+    i0 = _mm256_add_epi32(
+        i0, _mm256_madd_epi16(_mm256_maddubs_epi16(w.u[s], load32(q + 32 * s)), w.sc[s]));
+    i1 = _mm256_add_epi32(
+        i1,
+        _mm256_madd_epi16(_mm256_maddubs_epi16(w.u[s + 1], load32(q + 32 * s + 32)), w.sc[s + 1]));
   }
   __m256i isum = _mm256_add_epi32(i0, i1);
-  if (!Dec::kMins) isum = _mm256_add_epi32(isum, _mm256_madd_epi16(load32(x.bsum16 + 16 * b), w.corr));
+  if (!Dec::kMins)
+    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(load32(x.bsum16 + 16 * b), w.corr));
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w.d * x.d[b]), acc);
   if (Dec::kMins) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x.d_bsum32 + 8 * b), w.mins, acc);
   return acc;
@@ -402,7 +420,9 @@ struct KVec256 {
   static Acc zero() { return _mm256_setzero_ps(); }
   static float reduce(Acc acc) { return reduce8(acc); }
   template <class Dec>
-  static Acc dot(const Block& w, const XRow& x, int64_t b, Acc acc) { return block_dot<Dec>(w, x, b, acc); }
+  static Acc dot(const Block& w, const XRow& x, int64_t b, Acc acc) {
+    return block_dot<Dec>(w, x, b, acc);
+  }
 };
 
 }  // namespace

@@ -57,7 +57,8 @@ struct Q4_1Rows {
     const __m512 iota = iota16();
     for (int64_t k = 0; k < K; k += 32, p += 20) {
       // d * q is exact, so the fused multiply-add rounds d * q + m once, as the file's fp32 does.
-      const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(load_f16(p)), _mm512_set1_ps(load_f16(p + 2)));
+      const __m512 table =
+          _mm512_fmadd_ps(iota, _mm512_set1_ps(load_f16(p)), _mm512_set1_ps(load_f16(p + 2)));
       const __m512i v = bytes16(p + 4);
       f(k, _mm512_permutexvar_ps(v, table), _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
     }
@@ -69,7 +70,7 @@ struct Q5_0Rows {
   static void row(const uint8_t* p, int64_t K, F&& f) {
     const __m512i nib = _mm512_set1_epi32(15), sixteen = _mm512_set1_epi32(16);
     const __m512 low = _mm512_sub_ps(iota16(), _mm512_set1_ps(16.0f));  // q - 16, q < 16
-    const __m512 high = iota16();                                        // q - 16, q >= 16
+    const __m512 high = iota16();                                       // q - 16, q >= 16
     for (int64_t k = 0; k < K; k += 32, p += 22) {
       const __m512 d = _mm512_set1_ps(load_f16(p));
       const __m512 t0 = _mm512_mul_ps(low, d), t1 = _mm512_mul_ps(high, d);
@@ -110,8 +111,10 @@ struct Q8_0Rows {
   static void row(const uint8_t* p, int64_t K, F&& f) {
     for (int64_t k = 0; k < K; k += 32, p += 34) {
       const __m512 d = _mm512_set1_ps(load_f16(p));
-      const __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2)));
-      const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18)));
+      const __m512i a =
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2)));
+      const __m512i b =
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18)));
       f(k, _mm512_mul_ps(to_f32(a), d), _mm512_mul_ps(to_f32(b), d));
     }
   }
@@ -181,16 +184,21 @@ struct Q6_KRows {
         const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
         for (int t = 0; t < 4; ++t) {
           const int g = 4 * h + t;
-          const __m256i lbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32 * (t % 2)));
-          const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(lbits, _mm_cvtsi32_si128(4 * (t / 2))), nib);
-          const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * t)), three);
+          const __m256i lbits =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32 * (t % 2)));
+          const __m256i lo =
+              _mm256_and_si256(_mm256_srl_epi16(lbits, _mm_cvtsi32_si128(4 * (t / 2))), nib);
+          const __m256i hi =
+              _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * t)), three);
           // q - 32 in signed bytes (-32..31), sign-extended: d * sc * (q - 32) as the file computes
           // it (exact, with the file's sign of zero).
-          const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), thirty_two);
+          const __m256i q =
+              _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), thirty_two);
           const __m512 w0 = _mm512_mul_ps(to_f32(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
                                           _mm512_set1_ps(d * static_cast<float>(scales[2 * g])));
-          const __m512 w1 = _mm512_mul_ps(to_f32(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
-                                          _mm512_set1_ps(d * static_cast<float>(scales[2 * g + 1])));
+          const __m512 w1 =
+              _mm512_mul_ps(to_f32(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
+                            _mm512_set1_ps(d * static_cast<float>(scales[2 * g + 1])));
           f(k + 32 * g, w0, w1);
         }
       }
@@ -267,7 +275,8 @@ inline void dot_group2(int mb, const float* w0, const float* w1, int64_t K, cons
 
 thread_local ScratchBuffer t_rows;
 
-inline void store_outputs(const QuantLinearBlock& b, int64_t m, int mb, int64_t n, const float* out) {
+inline void store_outputs(const QuantLinearBlock& b, int64_t m, int mb, int64_t n,
+                          const float* out) {
   for (int i = 0; i < mb; ++i) {
     float v = out[i];
     if (b.bias) v += b.bias[n];

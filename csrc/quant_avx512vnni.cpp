@@ -71,8 +71,11 @@ inline __m512i nibbles2(const uint8_t* a, const uint8_t* b) {
 // 32-weight-block formats: blocks in pairs.
 template <QuantFmt kFmt>
 struct SmallBlocks {
-  static constexpr int64_t kBytes = kFmt == QuantFmt::Q4_0 ? 18 : kFmt == QuantFmt::Q4_1 ? 20
-                                  : kFmt == QuantFmt::Q5_0 ? 22 : kFmt == QuantFmt::Q5_1 ? 24 : 34;
+  static constexpr int64_t kBytes = kFmt == QuantFmt::Q4_0   ? 18
+                                    : kFmt == QuantFmt::Q4_1 ? 20
+                                    : kFmt == QuantFmt::Q5_0 ? 22
+                                    : kFmt == QuantFmt::Q5_1 ? 24
+                                                             : 34;
   static constexpr bool kHasMin = kFmt == QuantFmt::Q4_1 || kFmt == QuantFmt::Q5_1;
   template <class F>
   static void row(const uint8_t* p, int64_t K, F&& f) {
@@ -126,11 +129,13 @@ inline void dot_rows(const uint8_t* row, const QuantizedX& X, int64_t m0, float*
   Rows::row(row, X.K, [&](int64_t k, __m512i u, __m512 scale, __m512 mn) {
     for (int i = 0; i < MB; ++i) {
       const __m512i qx = _mm512_loadu_si512(q + i * X.Kp + k);
-      const __m512i start = kOffset ? _mm512_loadu_si512(neg + i * lanes + k / 4) : _mm512_setzero_si512();
+      const __m512i start =
+          kOffset ? _mm512_loadu_si512(neg + i * lanes + k / 4) : _mm512_setzero_si512();
       const __m512i dot = _mm512_dpbusd_epi32(start, u, qx);
       const __m512 s = _mm512_mul_ps(scale, _mm512_loadu_ps(d + i * lanes + k / 4));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[i]);
-      if (Rows::kHasMin) acc_min[i] = _mm512_fmadd_ps(_mm512_loadu_ps(d_sum + i * lanes + k / 4), mn, acc_min[i]);
+      if (Rows::kHasMin)
+        acc_min[i] = _mm512_fmadd_ps(_mm512_loadu_ps(d_sum + i * lanes + k / 4), mn, acc_min[i]);
     }
   });
   for (int i = 0; i < MB; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc_min[i]));
@@ -159,7 +164,8 @@ inline void dot_rows_n(const Step* const* w, const QuantizedX& X, int64_t m0, fl
   const auto step = [&](int64_t k, int64_t c) {
     for (int i = 0; i < MB; ++i) {
       const __m512i qx = _mm512_loadu_si512(q + i * X.Kp + k);
-      const __m512i start = kOffset ? _mm512_loadu_si512(neg + i * lanes + k / 4) : _mm512_setzero_si512();
+      const __m512i start =
+          kOffset ? _mm512_loadu_si512(neg + i * lanes + k / 4) : _mm512_setzero_si512();
       const __m512 dx = _mm512_loadu_ps(d + i * lanes + k / 4);
       for (int j = 0; j < NB; ++j)
         acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[j][c].u, qx)),
@@ -172,12 +178,14 @@ inline void dot_rows_n(const Step* const* w, const QuantizedX& X, int64_t m0, fl
   };
   for (int64_t k = 0, c = 0; k < X.K; k += 64, ++c) step(k, c);
   for (int j = 0; j < NB; ++j)
-    for (int i = 0; i < MB; ++i) out[j * 4 + i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][i], mins[j][i]));
+    for (int i = 0; i < MB; ++i)
+      out[j * 4 + i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][i], mins[j][i]));
 }
 
 thread_local AlignedBuffer<Step> t_steps;
 
-inline void store_outputs(const QuantLinearInt8Block& b, int64_t m, int mb, int64_t n, const float* out) {
+inline void store_outputs(const QuantLinearInt8Block& b, int64_t m, int mb, int64_t n,
+                          const float* out) {
   for (int i = 0; i < mb; ++i) {
     float v = out[i];
     if (b.bias) v += b.bias[n];
@@ -268,17 +276,23 @@ struct KDecode45 {
     const __m512i a_index = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
     const __m512i c_index = _mm512_setr_epi32(0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7);
     const __m512i a_shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
-    const __m512i a_mask = _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
-    const __m512i c_mask = _mm512_setr_epi32(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48);
-    const __m512i mins_index = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
-    const __m512i a = _mm512_permutexvar_epi32(a_index, b), c = _mm512_permutexvar_epi32(c_index, b);
+    const __m512i a_mask =
+        _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+    const __m512i c_mask =
+        _mm512_setr_epi32(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48);
+    const __m512i mins_index =
+        _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i b =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
+    const __m512i a = _mm512_permutexvar_epi32(a_index, b),
+                  c = _mm512_permutexvar_epi32(c_index, b);
     const __m512i six_bit = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(a, a_shift), a_mask),
                                             _mm512_and_si512(_mm512_srli_epi32(c, 2), c_mask));
     w.d = load_f16(p);
     // -dmin * mn, exact (an fp16 times a 6-bit integer).
-    w.mins = _mm512_maskz_permutexvar_ps(0x00FF, mins_index,
-                                         _mm512_mul_ps(_mm512_cvtepi32_ps(six_bit), _mm512_set1_ps(-load_f16(p + 2))));
+    w.mins = _mm512_maskz_permutexvar_ps(
+        0x00FF, mins_index,
+        _mm512_mul_ps(_mm512_cvtepi32_ps(six_bit), _mm512_set1_ps(-load_f16(p + 2))));
     const uint8_t* qs = p + (kFifthBit ? 48 : 16);
     __m256i qh = _mm256_setzero_si256();
     if (kFifthBit) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
@@ -286,11 +300,14 @@ struct KDecode45 {
     for (int j = 0; j < 4; ++j) {
       // Sub-blocks 2j and 2j + 1 are the low and high nibbles of the same 32 bytes: the bytes
       // in both halves, the upper half shifted by 4.
-      const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)));
+      const __m512i v =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)));
       __m512i u = _mm512_and_si512(_mm512_srlv_epi16(v, high_shift), nib);
       if (kFifthBit) {
-        const __mmask32 lo = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * j))));
-        const __mmask32 hi = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * j + 1))));
+        const __mmask32 lo =
+            _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * j))));
+        const __mmask32 hi =
+            _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * j + 1))));
         const __mmask64 fifth = static_cast<__mmask64>(lo) | static_cast<__mmask64>(hi) << 32;
         u = _mm512_mask_add_epi8(u, fifth, u, _mm512_set1_epi8(16));
       }
@@ -310,12 +327,12 @@ struct KDecode6 {
   static inline void block(const uint8_t* p, KBlock& w) {
     const __m512i nib = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
     // High-bit shifts of groups (t, t + 1) in the two halves: 2t and 2t + 2, for t = 0 and 2.
-    const __m512i high_shift[2] = {
-        _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 2),
-        _mm512_mask_set1_epi16(_mm512_set1_epi16(4), 0xFFFF0000u, 6)};
+    const __m512i high_shift[2] = {_mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 2),
+                                   _mm512_mask_set1_epi16(_mm512_set1_epi16(4), 0xFFFF0000u, 6)};
     const uint8_t* ql = p;
     const uint8_t* qh = p + 128;
-    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+    const __m256i s16 =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
     w.d = load_f16(p + 208);
     w.mins = _mm512_setzero_ps();
     w.corr = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(s16, 5));  // -32 * sc
@@ -324,7 +341,8 @@ struct KDecode6 {
       // Low bits: the 64 bytes of ql half h (group t from the first 32, t + 1 from the next),
       // nibble t / 2; high bits: the 32 bytes of qh half h in both halves, bits 2t / 2t + 2.
       const __m512i lbits = _mm512_loadu_si512(ql + 64 * h);
-      const __m512i hbits = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
+      const __m512i hbits =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
       const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(lbits, 2 * t), nib);
       const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(hbits, high_shift[i % 2]), three);
       w.u[i] = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
@@ -345,8 +363,10 @@ template <class Dec>
 inline __m512 block_dot(const KBlock& w, const XRow& x, int64_t b, __m512 acc) {
   const int8_t* q = x.q + 256 * b;
   const __m512i zero = _mm512_setzero_si512();
-  __m512i i0 = _mm512_dpwssd_epi32(zero, _mm512_maddubs_epi16(w.u[0], _mm512_loadu_si512(q)), w.sc[0]);
-  __m512i i1 = _mm512_dpwssd_epi32(zero, _mm512_maddubs_epi16(w.u[1], _mm512_loadu_si512(q + 64)), w.sc[1]);
+  __m512i i0 =
+      _mm512_dpwssd_epi32(zero, _mm512_maddubs_epi16(w.u[0], _mm512_loadu_si512(q)), w.sc[0]);
+  __m512i i1 =
+      _mm512_dpwssd_epi32(zero, _mm512_maddubs_epi16(w.u[1], _mm512_loadu_si512(q + 64)), w.sc[1]);
   i0 = _mm512_dpwssd_epi32(i0, _mm512_maddubs_epi16(w.u[2], _mm512_loadu_si512(q + 128)), w.sc[2]);
   i1 = _mm512_dpwssd_epi32(i1, _mm512_maddubs_epi16(w.u[3], _mm512_loadu_si512(q + 192)), w.sc[3]);
   __m512i isum = _mm512_add_epi32(i0, i1);
@@ -355,7 +375,8 @@ inline __m512 block_dot(const KBlock& w, const XRow& x, int64_t b, __m512 acc) {
     isum = _mm512_add_epi32(isum, _mm512_zextsi256_si512(_mm256_madd_epi16(bsum, w.corr)));
   }
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w.d * x.d[b]), acc);
-  if (Dec::kMins) acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(0x00FF, x.d_bsum32 + 8 * b), w.mins, acc);
+  if (Dec::kMins)
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(0x00FF, x.d_bsum32 + 8 * b), w.mins, acc);
   return acc;
 }
 
@@ -368,19 +389,23 @@ struct KVec512 {
   static Acc zero() { return _mm512_setzero_ps(); }
   static float reduce(Acc acc) { return _mm512_reduce_add_ps(acc); }
   template <class Dec>
-  static Acc dot(const Block& w, const XRow& x, int64_t b, Acc acc) { return block_dot<Dec>(w, x, b, acc); }
+  static Acc dot(const Block& w, const XRow& x, int64_t b, Acc acc) {
+    return block_dot<Dec>(w, x, b, acc);
+  }
 };
 
 }  // namespace
 
 void quant_quantize_xk_avx512vnni(const float* x, int64_t K, int8_t* q, float* d, float* d_bsum32,
-                                  int16_t* bsum16, int16_t* bsum32, int64_t m_begin, int64_t m_end) {
+                                  int16_t* bsum16, int16_t* bsum32, int64_t m_begin,
+                                  int64_t m_end) {
   const __m512 zero = _mm512_setzero_ps(), lim = _mm512_set1_ps(127.0f);
   for (int64_t m = m_begin; m < m_end; ++m) {
     for (int64_t k = 0; k < K; k += 256) {
       const float* xb = x + m * K + k;
       __m512 amax = zero;
-      for (int t = 0; t < 16; ++t) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * t)));
+      for (int t = 0; t < 16; ++t)
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * t)));
       const float dk = _mm512_reduce_max_ps(amax) / 127.0f;
       d[m * (K / 256) + k / 256] = dk;
       // d == 0 only when every |x| < 127 * 2^-149: dividing by 1 gives quants 0 as well.
@@ -389,8 +414,10 @@ void quant_quantize_xk_avx512vnni(const float* x, int64_t K, int8_t* q, float* d
       for (int t = 0; t < 16; ++t) {
         const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(xb + 16 * t), div),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512i i = _mm512_cvttps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(zero, lim), r)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + k + 16 * t), _mm512_cvtsepi32_epi8(i));
+        const __m512i i =
+            _mm512_cvttps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(zero, lim), r)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + k + 16 * t),
+                         _mm512_cvtsepi32_epi8(i));
         sums[t] = static_cast<int16_t>(_mm512_reduce_add_epi32(i));
       }
       // 32-quant sums (exact integers) times d: one rounding, as the portable quantizer.
@@ -404,8 +431,8 @@ void quant_quantize_xk_avx512vnni(const float* x, int64_t K, int8_t* q, float* d
 }
 
 void quant_quantize_x_avx512vnni(const float* x, int64_t K, int offset, int64_t Kp, int8_t* q,
-                                 float* d, float* d_sum,
-                                 int32_t* neg_offset_sum, int64_t m_begin, int64_t m_end) {
+                                 float* d, float* d_sum, int32_t* neg_offset_sum, int64_t m_begin,
+                                 int64_t m_end) {
   const __m512 zero = _mm512_setzero_ps(), lim = _mm512_set1_ps(127.0f);
   const __m512i ones = _mm512_set1_epi8(1), neg_offset = _mm512_set1_epi32(-offset);
   const int64_t lanes = Kp / 4;
@@ -421,18 +448,24 @@ void quant_quantize_x_avx512vnni(const float* x, int64_t K, int offset, int64_t 
           v0 = _mm512_loadu_ps(xm + kb);
           v1 = _mm512_loadu_ps(xm + kb + 16);
         }
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         dk[h] = amax / 127.0f;
         // d == 0 only when every |x| < 127 * 2^-149: dividing by 1 gives quants 0 as well.
         const __m512 div = _mm512_set1_ps(dk[h] == 0.0f ? 1.0f : dk[h]);
-        const __m512 r0 = _mm512_roundscale_ps(_mm512_div_ps(v0, div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 r1 = _mm512_roundscale_ps(_mm512_div_ps(v1, div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512i i0 = _mm512_cvttps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(zero, lim), r0)));
-        const __m512i i1 = _mm512_cvttps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(zero, lim), r1)));
+        const __m512 r0 = _mm512_roundscale_ps(_mm512_div_ps(v0, div),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 r1 = _mm512_roundscale_ps(_mm512_div_ps(v1, div),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i i0 =
+            _mm512_cvttps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(zero, lim), r0)));
+        const __m512i i1 =
+            _mm512_cvttps_epi32(_mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(zero, lim), r1)));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qm + kb), _mm512_cvtsepi32_epi8(i0));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qm + kb + 16), _mm512_cvtsepi32_epi8(i1));
       }
-      const __m512i sum4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(qm + k));
+      const __m512i sum4 =
+          _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(qm + k));
       const __m512 dl = halves(dk[0], dk[1]);
       _mm512_storeu_ps(d + m * lanes + k / 4, dl);
       _mm512_storeu_ps(d_sum + m * lanes + k / 4, _mm512_mul_ps(dl, _mm512_cvtepi32_ps(sum4)));

@@ -9,17 +9,27 @@ namespace specdec {
 
 // ggml type ids (gguf.GGMLQuantizationType) of the supported block formats.
 // The *_R16 ids are our own layouts (csrc/quant_repack.h): 256 + the file format's id.
-enum class QuantFmt : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-                            Q4_K_R16 = 256 + 12, Q6_K_R16 = 256 + 14 };
+enum class QuantFmt : int {
+  Q4_0 = 2,
+  Q4_1 = 3,
+  Q5_0 = 6,
+  Q5_1 = 7,
+  Q8_0 = 8,
+  Q4_K = 12,
+  Q5_K = 13,
+  Q6_K = 14,
+  Q4_K_R16 = 256 + 12,
+  Q6_K_R16 = 256 + 14
+};
 
 // Block layouts, byte offsets as stored in a GGUF file (little-endian, no padding, blocks packed
 // back to back with no alignment: every field is read with unaligned loads / memcpy).
-//   Q4_0 (32 weights, 18 B): f16 d | u8 qs[16]             w[j] = d * ((qs[j%16] >> 4*(j/16) & 15) - 8)
-//   Q4_1 (32 weights, 20 B): f16 d | f16 m | u8 qs[16]     w[j] = d * (nibble j) + m
-//   Q5_0 (32 weights, 22 B): f16 d | u32 qh | u8 qs[16]    w[j] = d * ((nibble j | bit j of qh << 4) - 16)
-//   Q5_1 (32 weights, 24 B): f16 d | f16 m | u32 qh | u8 qs[16]   w[j] = d * (nibble j | bit j of qh << 4) + m
-//   Q8_0 (32 weights, 34 B): f16 d | i8 qs[32]             w[j] = d * qs[j]
-//   Q4_K (256, 144 B): f16 d | f16 dmin | u8 scales[12] (8 6-bit scales + 8 6-bit mins) | u8 qs[128]
+//   Q4_0 (32 weights, 18 B): f16 d | u8 qs[16]             w[j] = d * ((qs[j%16] >> 4*(j/16) & 15)
+//   - 8) Q4_1 (32 weights, 20 B): f16 d | f16 m | u8 qs[16]     w[j] = d * (nibble j) + m Q5_0 (32
+//   weights, 22 B): f16 d | u32 qh | u8 qs[16]    w[j] = d * ((nibble j | bit j of qh << 4) - 16)
+//   Q5_1 (32 weights, 24 B): f16 d | f16 m | u32 qh | u8 qs[16]   w[j] = d * (nibble j | bit j of
+//   qh << 4) + m Q8_0 (32 weights, 34 B): f16 d | i8 qs[32]             w[j] = d * qs[j] Q4_K (256,
+//   144 B): f16 d | f16 dmin | u8 scales[12] (8 6-bit scales + 8 6-bit mins) | u8 qs[128]
 //     sub-block s (32 weights): w = (d * sc[s]) * q - dmin * mn[s]; q = nibble (s % 2) of
 //     qs[32 * (s / 2) + l]
 //   Q5_K (256, 176 B): f16 d | f16 dmin | u8 scales[12] | u8 qh[32] | u8 qs[128]
@@ -35,8 +45,8 @@ enum class QuantFmt : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4
 namespace {
 
 struct QuantFormatInfo {
-  int64_t block_size;   // weights per block
-  int64_t block_bytes;  // bytes per block and weight row
+  int64_t block_size;      // weights per block
+  int64_t block_bytes;     // bytes per block and weight row
   int64_t group_rows = 1;  // weight rows per tensor row (16: rows interleaved, quant_repack.h)
 };
 inline bool quant_format_info(int fmt, QuantFormatInfo* info) {
@@ -121,9 +131,9 @@ void quant_dequantize_row_avx2(QuantFmt fmt, const uint8_t* row, int64_t K, floa
 // 64 (64 quants per VNNI step; "lane" = 4 consecutive quants, one int32 lane of vpdpbusd):
 struct QuantizedX {
   int64_t M, K, Kp;
-  const int8_t* q;          // [M, Kp] quants
-  const float* d;           // [M, Kp / 4] the block's d of each lane
-  const float* d_sum;       // [M, Kp / 4] d * (sum of the lane's 4 quants)
+  const int8_t* q;                // [M, Kp] quants
+  const float* d;                 // [M, Kp / 4] the block's d of each lane
+  const float* d_sum;             // [M, Kp / 4] d * (sum of the lane's 4 quants)
   const int32_t* neg_offset_sum;  // [M, Kp / 4] -offset * (sum of the lane's 4 quants), see below
 };
 // The VNNI kernel multiplies unsigned weight bytes by signed quants (vpdpbusd): a format whose
@@ -181,8 +191,8 @@ void quant_linear_int8k_avx2(const QuantLinearInt8Block& blk);
 // Rows [m_begin, m_end) of x [M, K] fp32 quantized into QuantizedX's buffers (offset: the
 // format's int8_weight_offset). The portable version (quant.cpp) is the same bit for bit.
 void quant_quantize_x_avx512vnni(const float* x, int64_t K, int offset, int64_t Kp, int8_t* q,
-                                 float* d, float* d_sum,
-                                 int32_t* neg_offset_sum, int64_t m_begin, int64_t m_end);
+                                 float* d, float* d_sum, int32_t* neg_offset_sum, int64_t m_begin,
+                                 int64_t m_end);
 // Rows [m_begin, m_end) of x [M, K] fp32 quantized in 256-value blocks into QuantizedXK's
 // buffers; the portable version (quant.cpp) is the same bit for bit.
 void quant_quantize_xk_avx512vnni(const float* x, int64_t K, int8_t* q, float* d, float* d_bsum32,
@@ -191,17 +201,17 @@ void quant_quantize_xk_avx512vnni(const float* x, int64_t K, int8_t* q, float* d
 // The FLOAT kernels' format dispatch, written once for the AVX2 and AVX-512 units: each unit
 // defines its own row types (Q4_0Rows ... Q6_KRows, QK45Rows<is_q5>) under these names and
 // calls CALL(RowsType) for `fmt`.
-#define SPECDEC_QUANT_FLOAT_DISPATCH(fmt, CALL)            \
-  switch (fmt) {                                           \
-    case QuantFmt::Q4_0: CALL(Q4_0Rows); break;            \
-    case QuantFmt::Q4_1: CALL(Q4_1Rows); break;            \
-    case QuantFmt::Q5_0: CALL(Q5_0Rows); break;            \
-    case QuantFmt::Q5_1: CALL(Q5_1Rows); break;            \
-    case QuantFmt::Q8_0: CALL(Q8_0Rows); break;            \
-    case QuantFmt::Q4_K: CALL(QK45Rows<false>); break;     \
-    case QuantFmt::Q5_K: CALL(QK45Rows<true>); break;      \
-    case QuantFmt::Q6_K: CALL(Q6_KRows); break;            \
-    default: break; /* repacked layouts: INT8 only */     \
+#define SPECDEC_QUANT_FLOAT_DISPATCH(fmt, CALL)        \
+  switch (fmt) {                                       \
+    case QuantFmt::Q4_0: CALL(Q4_0Rows); break;        \
+    case QuantFmt::Q4_1: CALL(Q4_1Rows); break;        \
+    case QuantFmt::Q5_0: CALL(Q5_0Rows); break;        \
+    case QuantFmt::Q5_1: CALL(Q5_1Rows); break;        \
+    case QuantFmt::Q8_0: CALL(Q8_0Rows); break;        \
+    case QuantFmt::Q4_K: CALL(QK45Rows<false>); break; \
+    case QuantFmt::Q5_K: CALL(QK45Rows<true>); break;  \
+    case QuantFmt::Q6_K: CALL(Q6_KRows); break;        \
+    default: break; /* repacked layouts: INT8 only */  \
   }
 
 }  // namespace specdec

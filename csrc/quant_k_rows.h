@@ -23,15 +23,18 @@ namespace {
 
 // Row m of a QuantizedXK.
 struct XRow {
-  const int8_t* q;          // [K]
-  const float* d;           // [K / 256]
-  const float* d_bsum32;    // [K / 32]
-  const int16_t* bsum16;    // [K / 16]
-  const int16_t* bsum32;    // [K / 32]
+  const int8_t* q;        // [K]
+  const float* d;         // [K / 256]
+  const float* d_bsum32;  // [K / 32]
+  const int16_t* bsum16;  // [K / 16]
+  const int16_t* bsum32;  // [K / 32]
   XRow() = default;
   XRow(const QuantizedXK& X, int64_t m)
-      : q(X.q + m * X.K), d(X.d + m * (X.K / 256)), d_bsum32(X.d_bsum32 + m * (X.K / 32)),
-        bsum16(X.bsum16 + m * (X.K / 16)), bsum32(X.bsum32 + m * (X.K / 32)) {}
+      : q(X.q + m * X.K),
+        d(X.d + m * (X.K / 256)),
+        d_bsum32(X.d_bsum32 + m * (X.K / 32)),
+        bsum16(X.bsum16 + m * (X.K / 16)),
+        bsum32(X.bsum32 + m * (X.K / 32)) {}
 };
 
 inline void store_k_output(const QuantLinearInt8Block& b, int64_t m, int64_t n, float v) {
@@ -40,7 +43,8 @@ inline void store_k_output(const QuantLinearInt8Block& b, int64_t m, int64_t n, 
 }
 
 template <class V, class Dec, int MB>
-inline void k_dot_rows(const typename V::Block* w, const QuantLinearInt8Block& b, int64_t m0, int64_t n) {
+inline void k_dot_rows(const typename V::Block* w, const QuantLinearInt8Block& b, int64_t m0,
+                       int64_t n) {
   static_assert(MB >= 1 && MB <= 4, "1 to 4 rows of x");
   const QuantizedXK& X = b.xk;
   const XRow rows[4] = {XRow(X, m0), XRow(X, m0 + (MB > 1)), XRow(X, m0 + 2 * (MB > 2)),
@@ -77,7 +81,8 @@ void k_linear_rows(const QuantLinearInt8Block& b, AlignedBuffer<typename V::Bloc
     // The next row's bytes into L2 while this row's dot products run.
     if (n + 1 < b.n_end) {
       const char* next = reinterpret_cast<const char*>(p + b.w_stride);
-      for (int64_t off = 0; off < blocks * Dec::kBytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+      for (int64_t off = 0; off < blocks * Dec::kBytes; off += 64)
+        _mm_prefetch(next + off, _MM_HINT_T1);
     }
     for (int64_t m = 0; m < X.M;) {
       const int64_t left = X.M - m;

@@ -65,7 +65,8 @@ void q4_repack_block(const uint8_t* const* rows, uint8_t* c) {
       c[192 + (s / 2) * 32 + 2 * r + s % 2] = static_cast<uint8_t>(mn);
     }
     for (int j = 0; j < 4; ++j)
-      for (int t = 0; t < 8; ++t) std::memcpy(c + 320 + ((j * 8 + t) * 16 + r) * 4, p + 16 + 32 * j + 4 * t, 4);
+      for (int t = 0; t < 8; ++t)
+        std::memcpy(c + 320 + ((j * 8 + t) * 16 + r) * 4, p + 16 + 32 * j + 4 * t, 4);
   }
 }
 
@@ -79,7 +80,8 @@ void q4_unpack_block(const uint8_t* c, int r, uint8_t* p) {
   }
   k_pack_scale_min(sc, mn, p + 4);
   for (int j = 0; j < 4; ++j)
-    for (int t = 0; t < 8; ++t) std::memcpy(p + 16 + 32 * j + 4 * t, c + 320 + ((j * 8 + t) * 16 + r) * 4, 4);
+    for (int t = 0; t < 8; ++t)
+      std::memcpy(p + 16 + 32 * j + 4 * t, c + 320 + ((j * 8 + t) * 16 + r) * 4, 4);
 }
 
 void q6_repack_block(const uint8_t* const* rows, uint8_t* c) {
@@ -115,14 +117,17 @@ void q6_unpack_block(const uint8_t* c, int r, uint8_t* p) {
 
 }  // namespace
 
-void quant_repack_group(QuantFmt base, const uint8_t* src, int64_t src_stride, int64_t K, uint8_t* dst) {
+void quant_repack_group(QuantFmt base, const uint8_t* src, int64_t src_stride, int64_t K,
+                        uint8_t* dst) {
   const bool q4 = base == QuantFmt::Q4_K;
   const int64_t file_bytes = q4 ? 144 : 210, chunk = q4 ? kQ4Chunk : kQ6Chunk;
   for (int64_t b = 0; b < K / 256; ++b) {
     const uint8_t* rows[16];
     for (int r = 0; r < 16; ++r) rows[r] = src + r * src_stride + b * file_bytes;
-    if (q4) q4_repack_block(rows, dst + b * chunk);
-    else q6_repack_block(rows, dst + b * chunk);
+    if (q4)
+      q4_repack_block(rows, dst + b * chunk);
+    else
+      q6_repack_block(rows, dst + b * chunk);
   }
 }
 
@@ -130,8 +135,10 @@ void quant_unpack_group_row(QuantFmt base, const uint8_t* group, int64_t K, int 
   const bool q4 = base == QuantFmt::Q4_K;
   const int64_t file_bytes = q4 ? 144 : 210, chunk = q4 ? kQ4Chunk : kQ6Chunk;
   for (int64_t b = 0; b < K / 256; ++b) {
-    if (q4) q4_unpack_block(group + b * chunk, r, dst + b * file_bytes);
-    else q6_unpack_block(group + b * chunk, r, dst + b * file_bytes);
+    if (q4)
+      q4_unpack_block(group + b * chunk, r, dst + b * file_bytes);
+    else
+      q6_unpack_block(group + b * chunk, r, dst + b * file_bytes);
   }
 }
 
@@ -142,7 +149,8 @@ void quant_linear_int8_r16_portable(const QuantLinearInt8Block& b) {
   rows.resize(static_cast<size_t>(16 * row_bytes));
   for (int64_t n = b.n_begin; n < b.n_end; n += 16) {
     const uint8_t* group = b.w + (n / 16) * b.w_stride;
-    for (int r = 0; r < 16; ++r) quant_unpack_group_row(base, group, K, r, rows.data() + r * row_bytes);
+    for (int r = 0; r < 16; ++r)
+      quant_unpack_group_row(base, group, K, r, rows.data() + r * row_bytes);
     QuantLinearInt8Block part = b;
     part.fmt = base;
     part.w = rows.data();

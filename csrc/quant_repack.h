@@ -17,10 +17,12 @@
 //   of weight k (0..63, wq = u - 32):
 //     [0, 32)      fp16 d[16]
 //     [32, 64)     zero padding
-//     [64, 320)    i8 sc[8][16][2]       pair e, lane r: the int8 scales of 16-weight groups 2e, 2e + 1
-//     [320, 2368)  u8 ql[4][8][16][4]    (p, t, r, i): low nibble u[64p + 4t + i] & 15, high nibble
+//     [64, 320)    i8 sc[8][16][2]       pair e, lane r: the int8 scales of 16-weight groups 2e, 2e
+//     + 1 [320, 2368)  u8 ql[4][8][16][4]    (p, t, r, i): low nibble u[64p + 4t + i] & 15, high
+//     nibble
 //                  u[64p + 32 + 4t + i] & 15
-//     [2368, 3392) u8 qh[2][8][16][4]    (c, t, r, i): bits 2(2a + h) .. +1 = u[64p + 32h + 4t + i] >> 4
+//     [2368, 3392) u8 qh[2][8][16][4]    (c, t, r, i): bits 2(2a + h) .. +1 = u[64p + 32h + 4t + i]
+//     >> 4
 //                  for p = 2c + a (a, h in {0, 1})
 // Raw-pointer functions (no ATen): portable ones in quant_repack.cpp, the kernel in
 // quant_repack_avx512vnni.cpp.
@@ -35,7 +37,9 @@ constexpr int kRepackRows = 16;
 
 namespace {
 
-inline bool is_repacked(QuantFmt fmt) { return fmt == QuantFmt::Q4_K_R16 || fmt == QuantFmt::Q6_K_R16; }
+inline bool is_repacked(QuantFmt fmt) {
+  return fmt == QuantFmt::Q4_K_R16 || fmt == QuantFmt::Q6_K_R16;
+}
 
 // The file format a repacked layout holds (itself for a file format).
 inline QuantFmt file_format(QuantFmt fmt) {
@@ -44,15 +48,17 @@ inline QuantFmt file_format(QuantFmt fmt) {
 
 // The repacked layout of a file format, or the format itself when it has none.
 inline QuantFmt repacked_format(QuantFmt fmt) {
-  return fmt == QuantFmt::Q4_K || fmt == QuantFmt::Q6_K ? static_cast<QuantFmt>(static_cast<int>(fmt) + 256)
-                                                        : fmt;
+  return fmt == QuantFmt::Q4_K || fmt == QuantFmt::Q6_K
+             ? static_cast<QuantFmt>(static_cast<int>(fmt) + 256)
+             : fmt;
 }
 
 }  // namespace
 
 // 16 file rows of K weights in `base` (Q4_K or Q6_K; row r at src + r * src_stride) into one
 // repacked tensor row at dst (16 * row_bytes bytes).
-void quant_repack_group(QuantFmt base, const uint8_t* src, int64_t src_stride, int64_t K, uint8_t* dst);
+void quant_repack_group(QuantFmt base, const uint8_t* src, int64_t src_stride, int64_t K,
+                        uint8_t* dst);
 // Lane r (0..15) of a repacked tensor row back into the file's row_bytes bytes at dst.
 void quant_unpack_group_row(QuantFmt base, const uint8_t* group, int64_t K, int r, uint8_t* dst);
 // INT8 activations over a repacked weight (quant_isa.h's K definition; n_begin / n_end are

@@ -38,7 +38,9 @@ inline __m512i pairs_u8(const uint8_t* p) {
 inline __m512i pairs_i8(const uint8_t* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512i even_member(__m512i pairs) { return _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16); }
+inline __m512i even_member(__m512i pairs) {
+  return _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16);
+}
 inline __m512i odd_member(__m512i pairs) { return _mm512_srai_epi32(pairs, 16); }
 
 // The chunk two blocks ahead into L1 (a group's chunks, and the next group's, are contiguous):
@@ -70,7 +72,8 @@ void q4_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
       const uint8_t* qs = p + 320 + j * 512;
       for (int t = 0; t < 8; ++t) {
         const __m512i v = _mm512_loadu_si512(qs + 64 * t);
-        const __m512i ul = _mm512_and_si512(v, nib), uh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        const __m512i ul = _mm512_and_si512(v, nib),
+                      uh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
         for (int i = 0; i < MB; ++i) {
           const int8_t* q = x[i].q + 256 * c + 64 * j + 4 * t;
           lo[i] = _mm512_dpbusd_epi32(lo[i], ul, bcast4(q));
@@ -86,14 +89,16 @@ void q4_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
     // Mins: sum_s mn[s] * (sum of the 32 quants of sub-block s), pairs of sub-blocks per vpdpwssd.
     for (int e = 0; e < 4; ++e) {
       const __m512i mn = pairs_u8(p + 192 + 32 * e);
-      for (int i = 0; i < MB; ++i) imin[i] = _mm512_dpwssd_epi32(imin[i], mn, bcast4(x[i].bsum32 + 8 * c + 2 * e));
+      for (int i = 0; i < MB; ++i)
+        imin[i] = _mm512_dpwssd_epi32(imin[i], mn, bcast4(x[i].bsum32 + 8 * c + 2 * e));
     }
     const __m512 d = f16x16(p), dmin = f16x16(p + 32);
     for (int i = 0; i < MB; ++i) {
       const float dx = x[i].d[c];
       acc[i] = scale_add(isum[i], d, dx, acc[i]);
       // - dmin * mn * sum q: acc - Imin * (dmin * d_x), fused.
-      acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[i]), _mm512_mul_ps(dmin, _mm512_set1_ps(dx)), acc[i]);
+      acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin[i]),
+                                _mm512_mul_ps(dmin, _mm512_set1_ps(dx)), acc[i]);
     }
   }
 }
@@ -103,9 +108,12 @@ void q4_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
 template <int kSel>
 inline __m512i q6_high_bits(__m512i v) {
   const __m512i mask = _mm512_set1_epi8(0x30);
-  if constexpr (kSel < 2) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - 2 * kSel), mask);
-  else if constexpr (kSel == 2) return _mm512_and_si512(v, mask);
-  else return _mm512_and_si512(_mm512_srli_epi16(v, 2), mask);
+  if constexpr (kSel < 2)
+    return _mm512_and_si512(_mm512_slli_epi16(v, 4 - 2 * kSel), mask);
+  else if constexpr (kSel == 2)
+    return _mm512_and_si512(v, mask);
+  else
+    return _mm512_and_si512(_mm512_srli_epi16(v, 2), mask);
 }
 
 // Q6_K, pair P of 64 weights of block c, for MB rows of x: per half th of each 32 (quads
@@ -131,7 +139,8 @@ inline void q6_pair(const uint8_t* ch, const XRow* x, int64_t c, __m512i* isum) 
       }
     }
     // Groups 4P + th and 4P + 2 + th: members th of scale pairs 2P and 2P + 1.
-    const __m512i pair0 = pairs_i8(ch + 64 + 32 * (2 * P)), pair1 = pairs_i8(ch + 64 + 32 * (2 * P + 1));
+    const __m512i pair0 = pairs_i8(ch + 64 + 32 * (2 * P)),
+                  pair1 = pairs_i8(ch + 64 + 32 * (2 * P + 1));
     const __m512i sc0 = th ? odd_member(pair0) : even_member(pair0);
     const __m512i sc1 = th ? odd_member(pair1) : even_member(pair1);
     for (int i = 0; i < MB; ++i)
@@ -155,11 +164,13 @@ void q6_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
     // wq = u - 32: I = sum_g sc[g] * (dot_u - 32 * sum of the group's 16 quants).
     for (int e = 0; e < 8; ++e) {
       const __m512i sc = pairs_i8(ch + 64 + 32 * e);
-      for (int i = 0; i < MB; ++i) corr[i] = _mm512_dpwssd_epi32(corr[i], sc, bcast4(x[i].bsum16 + 16 * c + 2 * e));
+      for (int i = 0; i < MB; ++i)
+        corr[i] = _mm512_dpwssd_epi32(corr[i], sc, bcast4(x[i].bsum16 + 16 * c + 2 * e));
     }
     const __m512 d = f16x16(ch);
     for (int i = 0; i < MB; ++i)
-      acc[i] = scale_add(_mm512_sub_epi32(isum[i], _mm512_slli_epi32(corr[i], 5)), d, x[i].d[c], acc[i]);
+      acc[i] =
+          scale_add(_mm512_sub_epi32(isum[i], _mm512_slli_epi32(corr[i], 5)), d, x[i].d[c], acc[i]);
   }
 }
 
@@ -170,8 +181,10 @@ void tile(const QuantLinearInt8Block& b, const uint8_t* group, int64_t n, int64_
   for (int i = 0; i < MB; ++i) x[i] = XRow(b.xk, m0 + i);
   __m512 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-  if (b.fmt == QuantFmt::Q4_K_R16) q4_group<MB>(group, blocks, x, acc);
-  else q6_group<MB>(group, blocks, x, acc);
+  if (b.fmt == QuantFmt::Q4_K_R16)
+    q4_group<MB>(group, blocks, x, acc);
+  else
+    q6_group<MB>(group, blocks, x, acc);
   for (int i = 0; i < MB; ++i) {
     __m512 v = acc[i];
     if (b.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(b.bias + n));
@@ -186,10 +199,22 @@ void quant_linear_int8_r16_avx512vnni(const QuantLinearInt8Block& b) {
     const uint8_t* group = b.w + (n / 16) * b.w_stride;
     for (int64_t m = 0; m < b.xk.M;) {
       switch (b.xk.M - m) {
-        case 1: tile<1>(b, group, n, m); m += 1; break;
-        case 2: tile<2>(b, group, n, m); m += 2; break;
-        case 3: tile<3>(b, group, n, m); m += 3; break;
-        default: tile<4>(b, group, n, m); m += 4; break;
+        case 1:
+          tile<1>(b, group, n, m);
+          m += 1;
+          break;
+        case 2:
+          tile<2>(b, group, n, m);
+          m += 2;
+          break;
+        case 3:
+          tile<3>(b, group, n, m);
+          m += 3;
+          break;
+        default:
+          tile<4>(b, group, n, m);
+          m += 4;
+          break;
       }
     }
   }

@@ -201,7 +201,7 @@ at::Tensor top_k_top_p_renorm(const at::Tensor& probs, const at::Tensor& top_k,
     TORCH_CHECK_VALUE(tps[r] > 0.0f && tps[r] <= 1.0f, "argument 'top_p' [", r, "] = ", tps[r],
                       " must lie in (0, 1]");
   }
-  const at::Tensor p = probs.contiguous();  // rows are scanned linearly
+  const at::Tensor p = probs.contiguous();         // rows are scanned linearly
   at::Tensor out = at::empty({R, V}, at::kFloat);  // [R, V]
   const VocabPasses& vp = vocab_passes();
   at::parallel_for(0, R, grain_for(V * 40), [&](int64_t r0, int64_t r1) {
@@ -227,7 +227,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
   check_index(candidates, 2, "candidates");
   const int64_t bs = candidates.size(0), N = candidates.size(1), S = num_spec_steps;
   const std::pair<const at::Tensor*, const char*> linkage[] = {
-      {&retrieve_index, "retrieve_index"}, {&retrieve_next_token, "retrieve_next_token"},
+      {&retrieve_index, "retrieve_index"},
+      {&retrieve_next_token, "retrieve_next_token"},
       {&retrieve_next_sibling, "retrieve_next_sibling"}};
   for (const auto& [t, name] : linkage) {
     check_index(*t, 2, name);
@@ -250,8 +251,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
                         "] = ", r, " is outside request ", b, "'s rows");
       TORCH_CHECK_INDEX(c == -1 || (c >= 1 && c < N), "argument 'retrieve_next_token' [", b, ", ",
                         i, "] = ", c, " is not -1 or a non-root node");
-      TORCH_CHECK_INDEX(s == -1 || (s >= 1 && s < N), "argument 'retrieve_next_sibling' [", b,
-                        ", ", i, "] = ", s, " is not -1 or a non-root node");
+      TORCH_CHECK_INDEX(s == -1 || (s >= 1 && s < N), "argument 'retrieve_next_sibling' [", b, ", ",
+                        i, "] = ", s, " is not -1 or a non-root node");
       TORCH_CHECK_INDEX(tok >= 0 && tok < V, "argument 'candidates' [", b, ", ", i, "] = ", tok,
                         " is outside the vocabulary of target_probs (", V, ")");
     }
@@ -260,9 +261,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
   const float* P = probs.const_data_ptr<float>();
   const float* U = us.const_data_ptr<float>();
   const float* UF = uf.const_data_ptr<float>();
-  at::Tensor predicts = at::full({bs * N}, -1, at::kInt);             // [B*N]
-  at::Tensor accept_index = at::full({bs, S}, -1, at::kInt);          // [B, S]
-  at::Tensor accept_token_num = at::zeros({bs}, at::kInt);            // [B]
+  at::Tensor predicts = at::full({bs * N}, -1, at::kInt);     // [B*N]
+  at::Tensor accept_index = at::full({bs, S}, -1, at::kInt);  // [B, S]
+  at::Tensor accept_token_num = at::zeros({bs}, at::kInt);    // [B]
   int32_t* pred = predicts.data_ptr<int32_t>();
   int32_t* acc = accept_index.data_ptr<int32_t>();
   int32_t* num = accept_token_num.data_ptr<int32_t>();
@@ -279,8 +280,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
         // Residual at `node`: its target distribution without the rejected siblings' mass.
         p = P + (b * N + node) * V;
         remaining = vp.mass_at_or_above(p, V, 0.0f);
-        TORCH_CHECK_VALUE(remaining > 0 && std::isfinite(remaining), "argument 'target_probs' [",
-                          b, ", ", node, "] has no positive finite mass");
+        TORCH_CHECK_VALUE(remaining > 0 && std::isfinite(remaining), "argument 'target_probs' [", b,
+                          ", ", node, "] has no positive finite mass");
         rejected.clear();
         if (level == S - 1) break;
         int64_t child = next_tok(b, node), hops = 0, found = -1;
@@ -299,8 +300,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
             remaining -= pr;
           }
           child = next_sib(b, child);
-          TORCH_CHECK_VALUE(++hops < N, "malformed tree: argument 'retrieve_next_sibling' has a "
-                            "cycle in request ", b);
+          TORCH_CHECK_VALUE(
+              ++hops < N,
+              "malformed tree: argument 'retrieve_next_sibling' has a cycle in request ", b);
         }
         if (found < 0) break;
         pred[last] = static_cast<int32_t>(cand(b, found));
@@ -310,12 +312,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
       }
       // Bonus token from the residual at the last accepted node.
       auto weight = [&](int64_t i) -> double {
-        for (int64_t r : rejected) if (r == i) return 0.0;
+        for (int64_t r : rejected)
+          if (r == i) return 0.0;
         return p[i];
       };
       int64_t bonus = draw(V, remaining, UF[b], weight);
-      if (bonus < 0) bonus = draw(V, vp.mass_at_or_above(p, V, 0.0f), UF[b],
-                                  [&](int64_t i) -> double { return p[i]; });
+      if (bonus < 0)
+        bonus = draw(V, vp.mass_at_or_above(p, V, 0.0f), UF[b],
+                     [&](int64_t i) -> double { return p[i]; });
       pred[last] = static_cast<int32_t>(bonus);
       num[b] = static_cast<int32_t>(accepted);
     }
@@ -324,9 +328,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_speculative_sampling(
   return {predicts, accept_index, accept_token_num};
 }
 
-std::tuple<at::Tensor, at::Tensor> chain_speculative_sampling(
-    const at::Tensor& draft_tokens, const at::Tensor& draft_probs, const at::Tensor& target_probs,
-    const at::Tensor& uniform_samples, const at::Tensor& uniform_final) {
+std::tuple<at::Tensor, at::Tensor> chain_speculative_sampling(const at::Tensor& draft_tokens,
+                                                              const at::Tensor& draft_probs,
+                                                              const at::Tensor& target_probs,
+                                                              const at::Tensor& uniform_samples,
+                                                              const at::Tensor& uniform_final) {
   check_index(draft_tokens, 2, "draft_tokens");
   const int64_t bs = draft_tokens.size(0), K = draft_tokens.size(1);
   check_probs(draft_probs, 3, "draft_probs");
@@ -374,10 +380,12 @@ std::tuple<at::Tensor, at::Tensor> chain_speculative_sampling(
         double total = 0;
         for (int64_t j = 0; j < V; ++j) total += residual(j);
         token = total > 0 ? draw(V, total, UF[b], residual) : -1;
-        if (token < 0) token = draw(V, vp.mass_at_or_above(p, V, 0.0f), UF[b],
-                                    [&](int64_t j) -> double { return p[j]; });
+        if (token < 0)
+          token = draw(V, vp.mass_at_or_above(p, V, 0.0f), UF[b],
+                       [&](int64_t j) -> double { return p[j]; });
       } else {
-        token = draw(V, vp.mass_at_or_above(p, V, 0.0f), UF[b], [&](int64_t j) -> double { return p[j]; });
+        token = draw(V, vp.mass_at_or_above(p, V, 0.0f), UF[b],
+                     [&](int64_t j) -> double { return p[j]; });
       }
       TORCH_CHECK_VALUE(token >= 0, "argument 'target_probs' row ", b, " has no positive mass");
       o[b * (K + 1) + i] = token;
@@ -397,8 +405,7 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "Tensor uniform_final, Tensor target_probs, int num_spec_steps) -> "
       "(Tensor predicts, Tensor accept_index, Tensor accept_token_num)");
   m.def(
-      "chain_speculative_sampling(Tensor draft_tokens, Tensor draft_probs, Tensor target_probs, "
-      "Tensor uniform_samples, Tensor uniform_final) -> (Tensor tokens, Tensor accept_token_num)");
+      "chain_speculative_sampling(Tensor draft_tokens, Tensor draft_probs, Tensor target_probs, Tensor uniform_samples, Tensor uniform_final) -> (Tensor tokens, Tensor accept_token_num)");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

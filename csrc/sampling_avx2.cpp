@@ -29,7 +29,8 @@ int64_t count_at_or_above_avx2(const float* p, int64_t n, float t) {
   int64_t count = 0;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), vt, _CMP_GE_OQ)));
+    count += __builtin_popcount(
+        _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), vt, _CMP_GE_OQ)));
   }
   for (; i < n; ++i) count += p[i] >= t;
   return count;
@@ -40,7 +41,8 @@ void keep_and_scale_avx2(const float* p, float* out, int64_t n, float t, float s
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(p + i);
-    _mm256_storeu_ps(out + i, _mm256_and_ps(_mm256_mul_ps(v, vs), _mm256_cmp_ps(v, vt, _CMP_GE_OQ)));
+    _mm256_storeu_ps(out + i,
+                     _mm256_and_ps(_mm256_mul_ps(v, vs), _mm256_cmp_ps(v, vt, _CMP_GE_OQ)));
   }
   for (; i < n; ++i) out[i] = p[i] >= t ? p[i] * scale : 0.0f;
 }

@@ -43,8 +43,8 @@ void keep_and_scale_avx512(const float* p, float* out, int64_t n, float t, float
   }
   const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
   const __m512 v = _mm512_maskz_loadu_ps(tail, p + i);
-  _mm512_mask_storeu_ps(out + i, tail,
-                        _mm512_maskz_mul_ps(_mm512_mask_cmp_ps_mask(tail, v, vt, _CMP_GE_OQ), v, vs));
+  _mm512_mask_storeu_ps(
+      out + i, tail, _mm512_maskz_mul_ps(_mm512_mask_cmp_ps_mask(tail, v, vt, _CMP_GE_OQ), v, vs));
 }
 
 }  // namespace specdec

@@ -1,6 +1,6 @@
 // Raw-pointer vocabulary kernels of the sampling ops with ISA-specific translation units
-// (sampling_avx512.cpp, sampling_avx2.cpp); no ATen types cross this boundary. p >= 0 everywhere, so comparing the
-// IEEE bit patterns of floats as integers orders them like the values.
+// (sampling_avx512.cpp, sampling_avx2.cpp); no ATen types cross this boundary. p >= 0 everywhere,
+// so comparing the IEEE bit patterns of floats as integers orders them like the values.
 #pragma once
 #include <cstdint>
 

@@ -42,9 +42,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tre
   TORCH_CHECK_VALUE(depth >= 1, "argument 'depth' must be >= 1, got ", depth);
   TORCH_CHECK_VALUE(N >= 1, "argument 'num_draft_tokens' must be >= 1, got ", N);
   checked_mul(N, N, "argument 'num_draft_tokens' squared");
-  TORCH_CHECK_VALUE(tree_mask_mode >= 0 && tree_mask_mode <= 2,
-                    "argument 'tree_mask_mode' must be FULL_MASK (0), QLEN_ONLY (1) or "
-                    "QLEN_ONLY_BITPACKING (2), got ", tree_mask_mode);
+  TORCH_CHECK_VALUE(
+      tree_mask_mode >= 0 && tree_mask_mode <= 2,
+      "argument 'tree_mask_mode' must be FULL_MASK (0), QLEN_ONLY (1) or QLEN_ONLY_BITPACKING (2), got ",
+      tree_mask_mode);
   const auto mode = static_cast<TreeMaskMode>(tree_mask_mode);
   TORCH_CHECK_VALUE(mode != TreeMaskMode::QLEN_ONLY_BITPACKING || N <= 64,
                     "argument 'num_draft_tokens' must be <= 64 for QLEN_ONLY_BITPACKING, got ", N);
@@ -58,13 +59,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tre
   // parent_list is a real tensor, so its width bounds topk * (depth - 1) before the products
   // below are formed (checked anyway: huge topk / depth must be a named error, never a wrap).
   const int64_t parent_width =
-      depth == 1 ? 0 : checked_add(checked_mul(topk, depth - 1, "argument 'topk' * ('depth' - 1)"),
-                                   1, "the parent_list width");
+      depth == 1 ? 0
+                 : checked_add(checked_mul(topk, depth - 1, "argument 'topk' * ('depth' - 1)"), 1,
+                               "the parent_list width");
   check_size(parent_list, 1, parent_width, "parent_list");
   // Global draft ids: topk from step 0, topk*topk from each later step.
-  const int64_t num_ids = checked_add(
-      topk, checked_mul(checked_mul(topk, topk, "argument 'topk' squared"), depth - 1,
-                        "argument 'topk' squared * ('depth' - 1)"), "the draft candidate count");
+  const int64_t num_ids =
+      checked_add(topk,
+                  checked_mul(checked_mul(topk, topk, "argument 'topk' squared"), depth - 1,
+                              "argument 'topk' squared * ('depth' - 1)"),
+                  "the draft candidate count");
   TORCH_CHECK_VALUE(N - 1 <= num_ids, "argument 'num_draft_tokens' (", N,
                     ") exceeds 1 + the number of draft candidates (", num_ids, ")");
 
@@ -74,9 +78,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tre
   for (int64_t b = 0; b < bs; ++b) {
     const int64_t len = lens(b);
     TORCH_CHECK_VALUE(len >= 0, "argument 'seq_lens' must be >= 0, got ", len, " at row ", b);
-    const int64_t block = checked_add(checked_mul(len, N, "seq_lens * num_draft_tokens"),
-                                      checked_mul(N, N, "num_draft_tokens squared"),
-                                      "a FULL_MASK block");
+    const int64_t block =
+        checked_add(checked_mul(len, N, "seq_lens * num_draft_tokens"),
+                    checked_mul(N, N, "num_draft_tokens squared"), "a FULL_MASK block");
     mask_offset[b + 1] = checked_add(mask_offset[b], block, "the FULL_MASK size");
   }
   const int64_t bsN = checked_mul(bs, N, "batch * argument 'num_draft_tokens'");
@@ -100,7 +104,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tre
   int64_t* ridx = retrieve_index.data_ptr<int64_t>();
   int64_t* next_tok = retrieve_next_token.data_ptr<int64_t>();
   int64_t* next_sib = retrieve_next_sibling.data_ptr<int64_t>();
-  bool* mask_bool = mode == TreeMaskMode::QLEN_ONLY_BITPACKING ? nullptr : tree_mask.data_ptr<bool>();
+  bool* mask_bool =
+      mode == TreeMaskMode::QLEN_ONLY_BITPACKING ? nullptr : tree_mask.data_ptr<bool>();
   void* mask_bits = mode == TreeMaskMode::QLEN_ONLY_BITPACKING ? tree_mask.data_ptr() : nullptr;
   const at::ScalarType bits_dtype = tree_mask.scalar_type();
 
@@ -126,12 +131,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tre
           int64_t lo = 0, hi = j;  // search selected_index[b, 0:j] for target
           while (lo < hi) {
             const int64_t mid = (lo + hi) / 2;
-            if (sel(b, mid) < target) lo = mid + 1; else hi = mid;
+            if (sel(b, mid) < target)
+              lo = mid + 1;
+            else
+              hi = mid;
           }
-          TORCH_CHECK_VALUE(lo < j && sel(b, lo) == target, "malformed tree: argument "
-                            "'selected_index' [", b, ", ", j, "] = ", s, " names parent id ",
-                            target, " (parent_list[", b, ", ", p, "]), which is not selected "
-                            "before it");
+          TORCH_CHECK_VALUE(lo < j && sel(b, lo) == target,
+                            "malformed tree: argument 'selected_index' [", b, ", ", j, "] = ", s,
+                            " names parent id ", target, " (parent_list[", b, ", ", p,
+                            "]), which is not selected before it");
           parent_node = lo + 1;
         }
         parent[j + 1] = parent_node;
@@ -196,13 +204,13 @@ void verify_tree_greedy_impl(int32_t* predicts, int32_t* accept_index, int64_t a
     for (int64_t i = 0; i < N; ++i) {
       const int64_t r = ridx(b, i);
       TORCH_CHECK_INDEX(r >= b * N && r < (b + 1) * N, "argument 'retrieve_index' [", b, ", ", i,
-                        "] = ", r, " is outside request ", b, "'s rows [", b * N, ", ",
-                        (b + 1) * N, ")");
+                        "] = ", r, " is outside request ", b, "'s rows [", b * N, ", ", (b + 1) * N,
+                        ")");
       const int64_t c = next_tok(b, i), s = next_sib(b, i);
-      TORCH_CHECK_INDEX(c == -1 || (c >= 1 && c < N), "argument 'retrieve_next_token' [", b,
-                        ", ", i, "] = ", c, " is not -1 or a non-root node in [1, ", N, ")");
-      TORCH_CHECK_INDEX(s == -1 || (s >= 1 && s < N), "argument 'retrieve_next_sibling' [", b,
-                        ", ", i, "] = ", s, " is not -1 or a non-root node in [1, ", N, ")");
+      TORCH_CHECK_INDEX(c == -1 || (c >= 1 && c < N), "argument 'retrieve_next_token' [", b, ", ",
+                        i, "] = ", c, " is not -1 or a non-root node in [1, ", N, ")");
+      TORCH_CHECK_INDEX(s == -1 || (s >= 1 && s < N), "argument 'retrieve_next_sibling' [", b, ", ",
+                        i, "] = ", s, " is not -1 or a non-root node in [1, ", N, ")");
     }
   }
   at::parallel_for(0, bs, grain_for(N * S), [&](int64_t b0, int64_t b1) {
@@ -215,10 +223,14 @@ void verify_tree_greedy_impl(int32_t* predicts, int32_t* accept_index, int64_t a
         const int64_t want = target(last / N, last % N);
         int64_t child = next_tok(b, node), hops = 0, found = -1;
         while (child != -1) {
-          if (cand(b, child) == want) { found = child; break; }
+          if (cand(b, child) == want) {
+            found = child;
+            break;
+          }
           child = next_sib(b, child);
-          TORCH_CHECK_VALUE(++hops < N, "malformed tree: argument 'retrieve_next_sibling' "
-                            "has a cycle in request ", b);
+          TORCH_CHECK_VALUE(
+              ++hops < N,
+              "malformed tree: argument 'retrieve_next_sibling' has a cycle in request ", b);
         }
         if (found < 0) break;
         predicts[last * predicts_stride] = static_cast<int32_t>(want);
@@ -243,8 +255,10 @@ void check_verify_inputs(const at::Tensor& candidates, const at::Tensor& retriev
   const int64_t bs = candidates.size(0), N = candidates.size(1);
   TORCH_CHECK_VALUE(N >= 1, "argument 'candidates' must have at least one node per request");
   const std::pair<const at::Tensor*, const char*> same_shape[] = {
-      {&retrieve_index, "retrieve_index"}, {&retrieve_next_token, "retrieve_next_token"},
-      {&retrieve_next_sibling, "retrieve_next_sibling"}, {&target_predict, "target_predict"}};
+      {&retrieve_index, "retrieve_index"},
+      {&retrieve_next_token, "retrieve_next_token"},
+      {&retrieve_next_sibling, "retrieve_next_sibling"},
+      {&target_predict, "target_predict"}};
   for (const auto& [t, name] : same_shape) {
     check_index(*t, 2, name);
     check_size(*t, 0, bs, name);
@@ -253,8 +267,7 @@ void check_verify_inputs(const at::Tensor& candidates, const at::Tensor& retriev
   TORCH_CHECK_VALUE(num_spec_steps >= 1, "argument 'num_spec_steps' must be >= 1, got ",
                     num_spec_steps);
   checked_mul(N, num_spec_steps, "candidates' N * argument 'num_spec_steps'");
-  check_alloc(checked_mul(bs, num_spec_steps, "batch * argument 'num_spec_steps'"),
-              "accept_index");
+  check_alloc(checked_mul(bs, num_spec_steps, "batch * argument 'num_spec_steps'"), "accept_index");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_greedy(
@@ -264,9 +277,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_greedy(
   check_verify_inputs(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling,
                       target_predict, num_spec_steps);
   const int64_t bs = candidates.size(0), N = candidates.size(1);
-  at::Tensor predicts = at::full({bs * N}, -1, at::kInt);                  // [B*N]
-  at::Tensor accept_index = at::empty({bs, num_spec_steps}, at::kInt);    // [B, S]
-  at::Tensor accept_token_num = at::empty({bs}, at::kInt);                // [B]
+  at::Tensor predicts = at::full({bs * N}, -1, at::kInt);               // [B*N]
+  at::Tensor accept_index = at::empty({bs, num_spec_steps}, at::kInt);  // [B, S]
+  at::Tensor accept_token_num = at::empty({bs}, at::kInt);              // [B]
   verify_tree_greedy_impl(predicts.data_ptr<int32_t>(), accept_index.data_ptr<int32_t>(),
                           num_spec_steps, 1, accept_token_num.data_ptr<int32_t>(), 1, candidates,
                           retrieve_index, retrieve_next_token, retrieve_next_sibling,
@@ -278,8 +291,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_greedy(
 // keep whatever the caller filled them with. num_spec_steps is accept_index.size(1).
 void verify_tree_greedy_out(at::Tensor& predicts, at::Tensor& accept_index,
                             at::Tensor& accept_token_num, const at::Tensor& candidates,
-                            const at::Tensor& retrieve_index,
-                            const at::Tensor& retrieve_next_token,
+                            const at::Tensor& retrieve_index, const at::Tensor& retrieve_next_token,
                             const at::Tensor& retrieve_next_sibling,
                             const at::Tensor& target_predict) {
   check_dtype(accept_index, at::kInt, "accept_index");
@@ -320,8 +332,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reconstruct_tree_from
   const bool* mask = tree_mask.const_data_ptr<bool>();
   const int64_t ms = tree_mask.stride(0);
   for (int64_t b = 0; b < bs; ++b) {
-    TORCH_CHECK_VALUE(lens(b) >= 0, "argument 'seq_lens' must be >= 0, got ", lens(b),
-                      " at row ", b);
+    TORCH_CHECK_VALUE(lens(b) >= 0, "argument 'seq_lens' must be >= 0, got ", lens(b), " at row ",
+                      b);
   }
   const auto long_opts = at::TensorOptions().dtype(at::kLong);
   at::Tensor positions = at::empty({bs * N}, long_opts);             // [B*N]
@@ -344,13 +356,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reconstruct_tree_from
                           " of request ", b, " must see the root and itself");
         int64_t p = -1;
         for (int64_t j = t - 1; j >= 0; --j) {
-          if (m(t, j)) { p = j; break; }
+          if (m(t, j)) {
+            p = j;
+            break;
+          }
         }
         for (int64_t j = 0; j < N; ++j) {
           const bool expected = j == t || (p >= 0 && j < t && m(p, j));
           TORCH_CHECK_VALUE(m(t, j) == expected, "malformed tree: argument 'tree_mask' row ", t,
-                            " of request ", b, " is not its parent's row plus itself (column ",
-                            j, ")");
+                            " of request ", b, " is not its parent's row plus itself (column ", j,
+                            ")");
         }
         parent[t] = p;
         node_depth[t] = p < 0 ? 0 : node_depth[p] + 1;
