@@ -123,7 +123,7 @@ def program_ab(engine, bs, sizes=(1, 2, 8), rounds=5, context=100):
     for _ in range(rounds):
         for name, program in (("bare", None), ("program", greedy)):
             runs[name].append(step_times(engine, sizes, context=context, rounds=5,
-                                         batch_size=bs, greedy=program))
+                                         batch_size=bs, program=program))
     return {z: [statistics.median(r[z] for r in runs[name]) for name in ("bare", "program")]
             for z in sizes}
 

@@ -134,7 +134,7 @@ def test_compiled_warm_up_fits_a_max_len_that_fits_the_request(fake_model, monke
       "--num-draft-tokens", "4"], {}, "--num-draft-tokens/--topk/--depth"),
     (["generate", "--max-new-tokens", "-5"], {}, "--max-new-tokens"),
     (["generate", "--method", "ngram", "--max-new-tokens", "600"], {}, "--max-len"),
-    (["generate", "--temperature", "1", "--max-new-tokens", "511"], {}, "--max-len"),
+    (["generate", "--temperature", "1", "--max-new-tokens", "512"], {}, "--max-len"),
     (["generate", "--max-batch", "0"], {}, "--max-batch"),
     (["generate", "--method", "ngram", "--ngram-window", "4,2"], {}, "--ngram-window"),
     (["generate", "--method", "ngram", "--topk", "2"], {}, "--topk/--depth"),
