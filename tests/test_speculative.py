@@ -178,9 +178,9 @@ def test_compile_verify_compiles_every_verify_size_before_the_first_draft():
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     spec.compile_verify(sampled=False)
     # The greedy verify programs (GreedyStep: verify(3), verify(6), each with its acceptance
-    # and commit) and nothing else: the decode program is Engine.generate's (plain decoding is
-    # the same loop) and the loop's prefill reuses its graph (the public steps hand every graph
-    # inference tensors, whatever the caller passed).
+    # and commit) and nothing else: the decode program is the one Engine.generate ran (plain
+    # decoding is the same loop and step) and the loop's prefill reuses its graph (the public
+    # steps hand every graph inference tensors, whatever the caller passed).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
     assert spec.probe_cost > 0 and spec.probe_cost != 1.0  # measured: verify(3) vs decode
     assert spec.verify_cost is None  # NGRAM's cheap drafts: the adaptive size, no gate costs

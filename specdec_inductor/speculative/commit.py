@@ -120,10 +120,15 @@ class GreedyStep:
     def of(cls, engine, num_spec_steps: int, *key) -> "GreedyStep":
         """The engine's program of this class for num_spec_steps (and a subclass's `key`,
         its constructor's further arguments), made once (Engine.programs): every generator of
-        the engine shares its compiled programs."""
+        the engine shares its compiled programs, and the decode program, which does not
+        depend on num_spec_steps, is that of num_spec_steps 1 for all (plain decoding and a
+        speculative batch's draft-less steps run the same compiled graph)."""
         name = (cls.__name__, num_spec_steps, *key)
         if name not in engine.programs:
-            engine.programs[name] = cls(engine, num_spec_steps, *key)
+            step = cls(engine, num_spec_steps, *key)
+            if num_spec_steps != 1:
+                step._decode = cls.of(engine, 1, *key)._decode
+            engine.programs[name] = step
         return engine.programs[name]
 
     def decode(self, roots: Tensor, req_rows: Tensor, seq_lens: Tensor,
