@@ -151,7 +151,8 @@ def current_generate(engine, prompts, max_new_tokens, stats):
 
 def ar_ab(engine, prompts, new_tokens, rounds):
     """{name: (median decode tok/s over rounds, eager aten ops / decode step, tokens)} of the
-    previous and the current Engine.generate, taking turns within every round."""
+    previous and the current Engine.generate, taking turns within every round, and the
+    per-round ratios current / previous (sorted)."""
     from specdec_inductor.engine.engine import GenerationStats
     runs = {"previous": previous_generate, "current": current_generate}
     rates = {name: [] for name in runs}
@@ -170,7 +171,8 @@ def ar_ab(engine, prompts, new_tokens, rounds):
             run(engine, prompts, new_tokens, stats)
         ops = _top_level_aten_ops(prof) / stats.decode_steps
         result[name] = (statistics.median(rates[name]), ops, tokens[name])
-    return result
+    ratios = sorted(c / p for c, p in zip(rates["current"], rates["previous"]))
+    return result, ratios
 
 
 def program_ab(engine, bs, sizes=(1, 2, 8), rounds=5, context=100):
@@ -228,16 +230,17 @@ def main():
         return
     if args.ar_ab:
         print(f"# AR decode, {args.max_new_tokens} new tokens, median of {args.rounds} rounds "
-              "in turns; ratio = current / previous decode tok/s")
-        print("| batch | previous tok/s | current tok/s | ratio | aten ops/step previous | "
-              "current | tokens equal |")
+              "in turns; ratio = current / previous decode tok/s of the same round")
+        print("| batch | previous tok/s | current tok/s | median ratio (min-max) | aten ops/step "
+              "previous | current | tokens equal |")
         print("|---|---|---|---|---|---|---|")
         for bs in batches:
             prompts = [ids[:len(ids) - b] for b in range(bs)]  # ragged lengths
-            r = ar_ab(engine, prompts, args.max_new_tokens, args.rounds)
+            r, ratios = ar_ab(engine, prompts, args.max_new_tokens, args.rounds)
             (prev, prev_ops, prev_tok), (cur, cur_ops, cur_tok) = r["previous"], r["current"]
-            print(f"| {bs} | {prev:.1f} | {cur:.1f} | {cur / prev:.3f} | {prev_ops:.1f} | "
-                  f"{cur_ops:.1f} | {prev_tok == cur_tok} |", flush=True)
+            print(f"| {bs} | {prev:.1f} | {cur:.1f} | {statistics.median(ratios):.3f} "
+                  f"({ratios[0]:.2f}-{ratios[-1]:.2f}) | {prev_ops:.1f} | {cur_ops:.1f} | "
+                  f"{prev_tok == cur_tok} |", flush=True)
         return
     if args.profile:
         print(f"# counts per step of one generate run, {args.max_new_tokens} new tokens")
