@@ -20,9 +20,10 @@ commit -- accepted-path KV compaction, next roots and lengths -- one compiled gr
 compiled engine); the host drafts, plans the step's size (policies.py), reads the step's
 accepted tokens once and handles stops. A batch with sampled requests runs the same step with
 tree rejection sampling in place of greedy acceptance (commit.SampledStep, greedy rows as
-one-hot targets), its uniforms drawn on the host from each request's generator and passed in. Requests admitted
-with a prefill_chunk run one chunk of their prompt per step (Engine.prefill_chunk_step, the
-prefill graph) before that step's decode, and join the decoding rows after their last chunk.
+one-hot targets), its uniforms drawn on the host from each request's generator and passed in.
+Requests admitted with a prefill_chunk run one chunk of their prompt per step
+(Engine.prefill_chunk_step, the prefill graph) before that step's decode, and join the
+decoding rows after their last chunk.
 
 Numeric policy: verify runs N tokens through GEMMs while plain decode runs one through a GEMV,
 so near-tied logits can flip the argmax. The baseline in tests is this engine's own greedy
