@@ -35,7 +35,7 @@ import specdec_inductor
 from specdec_inductor.loading import encode, shipped_head
 from specdec_inductor.engine import threads
 from specdec_inductor.engine.engine import Engine, GenerationStats
-from specdec_inductor.engine.hf import default_gguf_path, load_model
+from specdec_inductor.loading import default_gguf_path, load_model
 from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK
 from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
 from specdec_inductor.proposers.ngram import NgramProposer

@@ -26,7 +26,7 @@ import torch
 
 import specdec_inductor
 from specdec_inductor.engine.engine import Engine, GenerationStats
-from specdec_inductor.engine.hf import default_gguf_path, load_model
+from specdec_inductor.loading import default_gguf_path, load_model
 
 PROMPT = "Explain in two sentences why the sky is blue."
 

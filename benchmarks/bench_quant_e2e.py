@@ -38,7 +38,7 @@ import torch
 import specdec_inductor
 from specdec_inductor.loading import encode, shipped_head
 from specdec_inductor.engine.engine import Engine, GenerationStats
-from specdec_inductor.engine.hf import load_model
+from specdec_inductor.loading import load_model
 from specdec_inductor.ops.quant import QuantActivation
 from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK
 from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
@@ -75,7 +75,7 @@ def model_file(model) -> str:
     from specdec_inductor.models import resolve_model
     path = resolve_model(model) if model else None
     if path is None:
-        from specdec_inductor.engine.hf import default_gguf_path
+        from specdec_inductor.loading import default_gguf_path
         path = default_gguf_path()
     return path
 

@@ -22,7 +22,7 @@ import torch
 
 import specdec_inductor
 from specdec_inductor.engine.engine import Engine, GenerationStats
-from specdec_inductor.engine.hf import load_model
+from specdec_inductor.loading import load_model
 from specdec_inductor.loading import DTYPES, encode
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
 from specdec_inductor.proposers.ngram import RECOMMENDED_WINDOW, parse_window

@@ -9,6 +9,7 @@ public API, so the same script measures an older checkout (PYTHONPATH=that check
     python benchmarks/bench_step.py --profile   # counts per step instead of times
     python benchmarks/bench_step.py --pieces    # one program against the step in pieces
     python benchmarks/bench_step.py --program-ab --batches 8   # in-graph cost of the program
+    python benchmarks/bench_step.py --ar-ab     # Engine.generate against its former own loop
 
 --profile counts, per step of one generate run (deterministic, so comparable across checkouts on
 a loaded machine where times are not): eager aten ops called from the host outside the compiled
@@ -26,7 +27,7 @@ import time
 import torch
 
 from specdec_inductor.engine.engine import Engine
-from specdec_inductor.engine.hf import load_model
+from specdec_inductor.loading import load_model
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
 from specdec_inductor.proposers.ngram import NgramProposer
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
@@ -112,6 +113,68 @@ def profile_counts(spec, prompts, new_tokens, top=8):
     return steps, ops / steps, calls / steps, reads / steps, names
 
 
+def previous_generate(engine, prompts, max_new_tokens, stats):
+    """Engine.generate as it was before plain decoding became the speculative loop without a
+    proposer: its own loop of Engine.decode steps (the engine's decode graph), seq_lens
+    advanced in eager, one host read per step; no eos. Kept for the same-process A/B of the
+    AR rate (--ar-ab)."""
+    bs = len(prompts)
+    bucket = engine.bucket_for(bs)
+    requests = engine.pool.admit([len(p) for p in prompts], max_new_tokens)
+    try:
+        with torch.inference_mode():
+            rows = torch.tensor([r.row for r in requests] +
+                                [engine.pool.padding_row] * (bucket - bs))  # [B]
+            seq_lens = torch.tensor([len(p) for p in prompts] + [1] * (bucket - bs))  # [B]
+        t0 = time.perf_counter()
+        tokens = engine.prefill(prompts, rows).argmax  # [B]
+        stats.prefill_s += time.perf_counter() - t0
+        out = [tokens[:bs].tolist()]
+        t0 = time.perf_counter()
+        for _ in range(max_new_tokens - 1):
+            tokens = engine.decode(tokens, rows, seq_lens).argmax
+            with torch.inference_mode():
+                seq_lens += 1
+            out.append(tokens[:bs].tolist())
+            stats.decode_steps += 1
+            stats.decode_tokens += bs
+        stats.decode_s += time.perf_counter() - t0
+    finally:
+        for r in requests:
+            engine.pool.release(r)
+    return [list(column) for column in zip(*out)]
+
+
+def current_generate(engine, prompts, max_new_tokens, stats):
+    return engine.generate(prompts, max_new_tokens, None, stats)
+
+
+def ar_ab(engine, prompts, new_tokens, rounds):
+    """{name: (median decode tok/s over rounds, eager aten ops / decode step, tokens)} of the
+    previous and the current Engine.generate, taking turns within every round, and the
+    per-round ratios current / previous (sorted)."""
+    from specdec_inductor.engine.engine import GenerationStats
+    runs = {"previous": previous_generate, "current": current_generate}
+    rates = {name: [] for name in runs}
+    tokens = {}
+    for name, run in runs.items():
+        run(engine, prompts, 8, GenerationStats())  # warm-up: compiles what it has not
+    for _ in range(rounds):
+        for name, run in runs.items():
+            stats = GenerationStats()
+            tokens[name] = run(engine, prompts, new_tokens, stats)
+            rates[name].append(stats.decode_tokens_per_s)
+    result = {}
+    for name, run in runs.items():
+        stats = GenerationStats()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run(engine, prompts, new_tokens, stats)
+        ops = _top_level_aten_ops(prof) / stats.decode_steps
+        result[name] = (statistics.median(rates[name]), ops, tokens[name])
+    ratios = sorted(c / p for c, p in zip(rates["current"], rates["previous"]))
+    return result, ratios
+
+
 def program_ab(engine, bs, sizes=(1, 2, 8), rounds=5, context=100):
     """Per tree size, the median seconds of a greedy step program (GreedyStep: target step,
     acceptance and commit in one graph) and of the engine's bare step graph, on a scratch
@@ -123,7 +186,7 @@ def program_ab(engine, bs, sizes=(1, 2, 8), rounds=5, context=100):
     for _ in range(rounds):
         for name, program in (("bare", None), ("program", greedy)):
             runs[name].append(step_times(engine, sizes, context=context, rounds=5,
-                                         batch_size=bs, greedy=program))
+                                         batch_size=bs, program=program))
     return {z: [statistics.median(r[z] for r in runs[name]) for name in ("bare", "program")]
             for z in sizes}
 
@@ -140,6 +203,10 @@ def main():
     parser.add_argument("--program-ab", action="store_true",
                         help="time the greedy step programs against the engine's bare step "
                              "graphs per tree size (1, 2, 8), in turns, instead")
+    parser.add_argument("--ar-ab", action="store_true",
+                        help="time Engine.generate (plain decoding through the speculative "
+                             "loop) against its former own loop (previous_generate), in turns, "
+                             "and count eager aten ops per decode step of each, instead")
     parser.add_argument("--profile", action="store_true",
                         help="count ops, Python calls and host reads per step instead of timing")
     parser.add_argument("--max-batch", type=int, default=8,
@@ -160,6 +227,20 @@ def main():
             for z, (bare, program) in program_ab(engine, bs).items():
                 print(f"batch {bs} size {z}: bare {1e3 * bare:.2f} ms, program "
                       f"{1e3 * program:.2f} ms, program / bare {program / bare:.3f}", flush=True)
+        return
+    if args.ar_ab:
+        print(f"# AR decode, {args.max_new_tokens} new tokens, median of {args.rounds} rounds "
+              "in turns; ratio = current / previous decode tok/s of the same round")
+        print("| batch | previous tok/s | current tok/s | median ratio (min-max) | aten ops/step "
+              "previous | current | tokens equal |")
+        print("|---|---|---|---|---|---|---|")
+        for bs in batches:
+            prompts = [ids[:len(ids) - b] for b in range(bs)]  # ragged lengths
+            r, ratios = ar_ab(engine, prompts, args.max_new_tokens, args.rounds)
+            (prev, prev_ops, prev_tok), (cur, cur_ops, cur_tok) = r["previous"], r["current"]
+            print(f"| {bs} | {prev:.1f} | {cur:.1f} | {statistics.median(ratios):.3f} "
+                  f"({ratios[0]:.2f}-{ratios[-1]:.2f}) | {prev_ops:.1f} | {cur_ops:.1f} | "
+                  f"{prev_tok == cur_tok} |", flush=True)
         return
     if args.profile:
         print(f"# counts per step of one generate run, {args.max_new_tokens} new tokens")

@@ -22,7 +22,7 @@ import torch
 
 import specdec_inductor
 from specdec_inductor.engine.engine import Engine, GenerationStats
-from specdec_inductor.engine.hf import load_model
+from specdec_inductor.loading import load_model
 from specdec_inductor.proposers.registry import (ProposerConfig, make_proposer,
                                                  make_target_engine)
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats

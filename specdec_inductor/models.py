@@ -58,8 +58,8 @@ def _spec(name: str) -> ModelSpec:
 
 
 def models_dir() -> str:
-    from specdec_inductor.engine.hf import _cache_root
-    return os.path.join(_cache_root(), "models")
+    from specdec_inductor.loading import cache_root
+    return os.path.join(cache_root(), "models")
 
 
 def model_path(name: str) -> str:

@@ -69,6 +69,21 @@ def request_generator(params: SamplingParams) -> Optional[torch.Generator]:
     return g
 
 
+def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                   greedy: Tensor) -> Tensor:
+    """logits [B, N, V] -> the per-request sampling distributions [B, N, V] float32:
+    softmax(logits / temperature), top-k / top-p renormalised; a one-hot at the argmax for
+    greedy rows. temperature [B] (any value > 0 for greedy rows), top_k [B] int64, top_p [B]
+    float32, greedy [B] bool. Tensor ops only, so it traces into a step program."""
+    bs, n, v = logits.shape
+    logits = logits.float()
+    probs = torch.softmax(logits / temperature.view(bs, 1, 1), dim=-1)  # [B, N, V]
+    probs = ops.top_k_top_p_renorm(probs.view(bs * n, v), top_k.repeat_interleave(n),
+                                   top_p.repeat_interleave(n)).view(bs, n, v)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy.view(bs, 1, 1), one_hot, probs)
+
+
 class Sampler:
     """Target distributions and uniforms for a batch of `len(params)` requests; generators:
     each request's stream (request_generator), made here when not given."""
@@ -100,14 +115,7 @@ class Sampler:
 
     def target_probs(self, logits: Tensor) -> Tensor:
         """logits [B, N, V] -> the per-request sampling distributions [B, N, V] float32."""
-        bs, n, v = logits.shape
-        logits = logits.float()
-        probs = torch.softmax(logits / self.temperature.view(bs, 1, 1), dim=-1)  # [B, N, V]
-        probs = ops.top_k_top_p_renorm(probs.view(bs * n, v),
-                                       self.top_k.repeat_interleave(n),
-                                       self.top_p.repeat_interleave(n)).view(bs, n, v)
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        return torch.where(self.greedy.view(bs, 1, 1), one_hot, probs)
+        return sampling_probs(logits, self.temperature, self.top_k, self.top_p, self.greedy)
 
     def uniforms(self, n: int):
         """(uniform_samples [B, n], uniform_final [B]) in [0, 1); zeros for greedy rows (their

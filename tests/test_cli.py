@@ -83,7 +83,7 @@ def test_bench_method_reports_speedup_and_acceptance(capsys):
 
 
 def test_generate_eagle_with_a_random_head_is_still_exact(tmp_path, capsys):
-    from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.loading import load_model
     from specdec_inductor.testing import write_random_eagle_checkpoint
     target, _ = load_model()
     write_random_eagle_checkpoint(str(tmp_path / "eagle"), target.config, scale=0.02)

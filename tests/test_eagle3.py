@@ -432,7 +432,7 @@ def test_proposer_refuses_mismatched_engines(tmp_path):
 def test_cli_generate_eagle3_with_a_random_head_is_still_exact(tmp_path, capsys):
     """SmolLM2-135M (30 layers: default target layers [2, 15, 27]) with a random EAGLE-3 head."""
     from specdec_inductor import cli
-    from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.loading import load_model
     target, _ = load_model()
     write_random_eagle3_checkpoint(str(tmp_path / "eagle3"), target.config, scale=0.02)
     assert cli.main(["generate", "--prompt", "What is the capital of France?",

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from specdec_inductor.engine.engine import Engine  # noqa: E402
-from specdec_inductor.engine.hf import load_model  # noqa: E402
+from specdec_inductor.loading import load_model  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",

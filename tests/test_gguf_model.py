@@ -13,7 +13,7 @@ gguf = pytest.importorskip("gguf")
 
 from specdec_inductor.engine.gguf_model import (QuantEmbedding, QuantLinear,  # noqa: E402
                                                 load_gguf, read_gguf, unpermute_rows)
-from specdec_inductor.engine.hf import convert_gguf, default_gguf_path  # noqa: E402
+from specdec_inductor.loading import convert_gguf, default_gguf_path  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Q: What is 17 times 3?\nA:"]
@@ -254,7 +254,7 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path, tokenizer_fields):
 
 
 def test_load_model_dispatch(monkeypatch):
-    from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.loading import load_model
     monkeypatch.delenv("SPECDEC_CACHE_DIR")  # the SmolLM2 metadata directory made above
     by_name, tokenizer = load_model("smollm2-135m", dequantize=True)
     default, _ = load_model()  # dense while hf.DEFAULT_QUANTIZED is False
@@ -299,7 +299,7 @@ def test_speculation_on_a_quantized_target_equals_its_ar(tiny, activation, compi
     batch of 2: every verify row reproduces the decode row bit for bit (INT8 rounds x to 8
     bits, so a verify row that differed in the last bit of any layer input would show)."""
     from specdec_inductor.engine.engine import Engine
-    from specdec_inductor.engine.hf import keep_first_layers
+    from specdec_inductor.loading import keep_first_layers
     from specdec_inductor.ops.quant import QuantActivation
     from specdec_inductor.proposers.ngram import NgramProposer
     from specdec_inductor.proposers.standalone import StandaloneProposer

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from specdec_inductor.engine.engine import Engine  # noqa: E402
-from specdec_inductor.engine.hf import keep_first_layers, load_model  # noqa: E402
+from specdec_inductor.loading import keep_first_layers, load_model  # noqa: E402
 from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head  # noqa: E402
 from specdec_inductor.proposers.ngram import NgramProposer  # noqa: E402
 from specdec_inductor.proposers.standalone import StandaloneProposer  # noqa: E402

@@ -106,7 +106,7 @@ def test_resolve_model(fake, tmp_path):
 
 
 def test_default_model_is_the_installed_wheel():
-    from specdec_inductor.engine.hf import default_gguf_path
+    from specdec_inductor.loading import default_gguf_path
     assert models.resolve_model(models.DEFAULT_MODEL) == default_gguf_path()
     assert models.fetch_model(models.DEFAULT_MODEL, progress=lambda s: None) == \
         default_gguf_path()
@@ -126,7 +126,7 @@ def test_cli_dequantize_reaches_the_loader(monkeypatch):
     def fake_load(path, dtype, dequantize=None, quant_activation=None):
         seen.append((path, dequantize))
         raise SystemExit("loaded")
-    monkeypatch.setattr("specdec_inductor.engine.hf.load_model", fake_load)
+    monkeypatch.setattr("specdec_inductor.loading.load_model", fake_load)
     for extra, expected in (([], None), (["--dequantize"], True)):
         with pytest.raises(SystemExit, match="loaded"):
             cli.main(["generate", "--model", "smollm2-135m", "--max-new-tokens", "2", *extra])

@@ -145,7 +145,7 @@ def test_checkpoint_loads_in_every_format(tmp_path, fmt):
                                         seed=1, fmt=fmt, own_head=fmt == "bin",
                                         tokenizer=char_tokenizer())
     # The stock loaders ignore the NextN keys and give back the same target.
-    from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.loading import load_model
     target, tokenizer = load_model(str(tmp_path))
     ids = torch.tensor([tokenizer("Hi there")["input_ids"]])
     with torch.no_grad():

@@ -76,7 +76,7 @@ def fake_model(monkeypatch):
     the tokenizer's eos id (the tokens the tiny model emits are known only after a run)."""
     model = tiny_model()
     tok = ByteTokenizer()
-    monkeypatch.setattr("specdec_inductor.engine.hf.load_model", lambda path, dtype, **kw: (model, tok))
+    monkeypatch.setattr("specdec_inductor.loading.load_model", lambda path, dtype, **kw: (model, tok))
     monkeypatch.delenv("SPECDEC_EAGER", raising=False)
     return model, tok
 
@@ -134,7 +134,7 @@ def test_compiled_warm_up_fits_a_max_len_that_fits_the_request(fake_model, monke
       "--num-draft-tokens", "4"], {}, "--num-draft-tokens/--topk/--depth"),
     (["generate", "--max-new-tokens", "-5"], {}, "--max-new-tokens"),
     (["generate", "--method", "ngram", "--max-new-tokens", "600"], {}, "--max-len"),
-    (["generate", "--temperature", "1", "--max-new-tokens", "511"], {}, "--max-len"),
+    (["generate", "--temperature", "1", "--max-new-tokens", "512"], {}, "--max-len"),
     (["generate", "--max-batch", "0"], {}, "--max-batch"),
     (["generate", "--method", "ngram", "--ngram-window", "4,2"], {}, "--ngram-window"),
     (["generate", "--method", "ngram", "--topk", "2"], {}, "--topk/--depth"),
@@ -158,7 +158,7 @@ def test_cli_mistakes_exit_2_naming_the_flag_before_loading(monkeypatch, capsys,
                                                             needle):
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the flags were checked")
-    monkeypatch.setattr("specdec_inductor.engine.hf.load_model", no_load)
+    monkeypatch.setattr("specdec_inductor.loading.load_model", no_load)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(SystemExit) as info:
@@ -249,7 +249,7 @@ def test_prompt_past_max_position_embeddings_warns():
 def test_train_draft_data_never_overwrites_an_unknown_file(tmp_path, monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr("specdec_inductor.engine.hf.load_model", no_load)
+    monkeypatch.setattr("specdec_inductor.loading.load_model", no_load)
     precious = tmp_path / "notes.txt"
     precious.write_text("my notes")
     with pytest.raises(SystemExit, match="--data .*--overwrite"):
@@ -365,7 +365,7 @@ def test_training_stops_when_it_diverges(tmp_path):
 # -- 12: vocabulary-incompatible STANDALONE draft -----------------------------------------------
 def test_standalone_draft_with_another_vocabulary_is_named(monkeypatch, tmp_path):
     target, draft = tiny_model(0), tiny_model(1, vocab=64)
-    monkeypatch.setattr("specdec_inductor.engine.hf.load_model",
+    monkeypatch.setattr("specdec_inductor.loading.load_model",
                         lambda path, dtype, **kw: (draft if path else target, ByteTokenizer()))
     monkeypatch.delenv("SPECDEC_EAGER", raising=False)
     with pytest.raises(SystemExit, match=f"--draft-model: the draft model {tmp_path} has a "
@@ -396,7 +396,7 @@ def test_ngram_start_failing_midway_is_finished_without_masking_the_error(monkey
 def test_text_stream_with_the_default_tokenizer():
     """SmolLM2's byte-level BPE splits these characters over several tokens; each token decoded
     with the ones before it used to print U+FFFD."""
-    from specdec_inductor.engine.hf import convert_gguf, default_gguf_path
+    from specdec_inductor.loading import convert_gguf, default_gguf_path
     tok = transformers.AutoTokenizer.from_pretrained(convert_gguf(default_gguf_path()))
     text = "Ça coûte 5 €; 日本語で 🙂 — ok"
     ids = tok(text)["input_ids"]

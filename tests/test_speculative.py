@@ -171,19 +171,23 @@ def test_compile_verify_compiles_every_verify_size_before_the_first_draft():
     engine = Engine(tiny_model(), max_batch=1, max_len=128, compile=True, prefill_chunk=16)
     spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=6, breadth=(1,)),
                                 tree_sizes=(1, 3, 6))
-    engine.generate([[5, 6, 7]], 3)  # prefill + decode graphs
+    engine.generate([[5, 6, 7]], 3)  # the prefill graph and the loop's decode program
+    (req,) = engine.pool.admit([3], 1)
+    engine.decode(torch.tensor([8]), torch.tensor([req.row]), torch.tensor([3]))  # its own graph
+    engine.pool.release(req)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     spec.compile_verify(sampled=False)
-    # The greedy step programs (GreedyStep: decode, verify(3), verify(6), each with its
-    # acceptance and commit) and nothing else: the loop's prefill reuses Engine.generate's
-    # graph (the public steps hand every graph inference tensors, whatever the caller passed).
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
+    # The greedy verify programs (GreedyStep: verify(3), verify(6), each with its acceptance
+    # and commit) and nothing else: the decode program is the one Engine.generate ran (plain
+    # decoding is the same loop and step) and the loop's prefill reuses its graph (the public
+    # steps hand every graph inference tensors, whatever the caller passed).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
     assert spec.probe_cost > 0 and spec.probe_cost != 1.0  # measured: verify(3) vs decode
     assert spec.verify_cost is None  # NGRAM's cheap drafts: the adaptive size, no gate costs
     gated = SpeculativeGenerator(engine, _CostlyScriptedChainProposer([5] * 40, 0.0, _ScriptedClock()))
     gated.compile_verify(sampled=False)  # verify(6) is compiled already: this only measures it
     assert gated.verify_cost is not None and gated.verify_cost > 0 and gated._decode_s > 0
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
     assert engine.pool.num_free_slots == engine.pool.num_slots  # the scratch request is freed
     # A warm-up that never drafts (no suffix recurs) leaves nothing to compile later.
     assert spec.generate([[1, 2, 3, 4]], 2) is not None

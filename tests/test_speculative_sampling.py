@@ -222,6 +222,29 @@ def test_sampled_eager_equals_compiled_for_the_same_seeds():
     assert outs[0] == outs[1]
 
 
+def test_sampled_program_and_pieces_emit_the_same_tokens():
+    """A sampled batch's step as one program (SampledStep: verify, rejection sampling and
+    commit) and in pieces (the engine's verify graph, then Sampler.verify and the commit op by
+    op: one_program = False) draw the same uniforms and emit the same tokens for the same
+    seeds; only the pieces call the engine's verify."""
+    model = tiny_model(seed=3, sharpen=3.0)
+    prompts = _repetitive_prompts()
+    engine = Engine(model, max_batch=4, max_len=96, compile=False, prefill_chunk=16)
+    spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=5, breadth=(2, 1)),
+                                min_accepted=0.0)
+    mixed = [SamplingParams(0.9, top_k=10, seed=21), SamplingParams(),
+             SamplingParams(1.1, top_p=0.85, seed=22)]
+    calls = []
+    verify = engine.verify
+    engine.verify = lambda *a, **k: (calls.append(1), verify(*a, **k))[1]
+    whole = spec.generate(prompts, 20, sampling=mixed)
+    assert not calls
+    spec.one_program = False
+    assert spec.generate(prompts, 20, sampling=mixed) == whole
+    assert calls
+    assert whole[1] == engine.generate(prompts[1:2], 20)[0]
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(temperature=-0.1), "argument 'temperature'"),
     (dict(temperature=float("nan")), "argument 'temperature'"),

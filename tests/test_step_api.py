@@ -9,13 +9,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from specdec_inductor.engine.engine import Engine  # noqa: E402
+from specdec_inductor.engine.engine import Engine, GenerationStats  # noqa: E402
 from specdec_inductor.engine.kv_pool import RequestTooLongError  # noqa: E402
 from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head  # noqa: E402
 from specdec_inductor.proposers.ngram import NgramProposer  # noqa: E402
 from specdec_inductor.proposers.standalone import StandaloneProposer  # noqa: E402
+from specdec_inductor.sampler import SamplingParams  # noqa: E402
 from specdec_inductor.speculative import (Proposer, SpeculativeGenerator,  # noqa: E402
                                           SpeculativeStats)
+from specdec_inductor.speculative.commit import SampledStep  # noqa: E402
 from specdec_inductor.testing import write_random_eagle_checkpoint  # noqa: E402
 from test_speculative import repetitive_prompts, tiny_model  # noqa: E402  (tests/ is on the path)
 
@@ -166,11 +168,11 @@ def test_admit_errors_and_failed_steps_leak_nothing(tmp_path):
     _all_free(engine)
 
 
-def _join_and_leave(spec, prompts, budgets, capacity, steps=256, chunk_every=3):
+def _join_and_leave(spec, prompts, budgets, capacity, steps=256, chunk_every=3, sampling=None):
     """Up to `steps` steps of one batch while the requests of `prompts` join (every
     chunk_every-th with a chunked prefill of the engine's prefill_chunk, so it runs the
-    prefill graph) as places free up and leave when done. Returns (the finished requests,
-    the steps run)."""
+    prefill graph; request i with sampling[i] when given) as places free up and leave when
+    done. Returns (the finished requests, the steps run)."""
     done, waiting, count = [], list(enumerate(zip(prompts, budgets))), 0
     chunk = spec.engine.prefill_chunk
     with spec.batch(capacity) as batch:
@@ -180,7 +182,8 @@ def _join_and_leave(spec, prompts, budgets, capacity, steps=256, chunk_every=3):
                 done.append(r)
             while waiting and batch.size < capacity:
                 i, (p, n) = waiting.pop(0)
-                spec.admit(batch, [p], n, prefill_chunk=chunk if i % chunk_every == 0 else None)
+                spec.admit(batch, [p], n, None if sampling is None else sampling[i],
+                           prefill_chunk=chunk if i % chunk_every == 0 else None)
             spec.step(batch)
             count += 1
         done += [r for r in batch.requests if r.done]
@@ -374,3 +377,74 @@ def test_chunked_admission_checks_the_parameter_layout():
         with pytest.raises(RuntimeError, match="changed shape"):
             spec.step(batch)
     assert engine.pool.num_free_slots == engine.pool.num_slots
+
+
+def test_sampled_and_greedy_requests_join_and_leave_a_compiled_batch_without_recompiles(
+        tmp_path):
+    """Sampled requests (tree rejection sampling inside the step program: SampledStep, greedy
+    rows of the batch as one-hot targets) and greedy ones join and leave a compiled batch:
+    after compile_verify no graph compiles or recompiles, the steps of batches holding a
+    sampled request ran as the sampled program, greedy requests emit their plain greedy
+    tokens, and the eager engine gives the same tokens for the same seeds."""
+    torch._dynamo.reset()
+    engine, spec, _ = _setup("ngram", tmp_path, capacity=4, compiled=True)
+    prompts = repetitive_prompts(40, seed=9, shapes=4)
+    rng = random.Random(1)
+    budgets = [rng.randrange(4, 30) for _ in prompts]
+    sampling = [SamplingParams(0.8, top_k=8 * (i % 3), top_p=0.9, seed=i) if i % 2
+                else SamplingParams() for i in range(len(prompts))]
+    spec.compile_verify(batch_size=4)  # the greedy and the sampled programs
+    spec.generate(prompts[:4], 4)  # the bucket's prefill graph
+    sampled = SampledStep.of(engine, spec.proposer.num_spec_steps, spec.tree_sampling)
+    counters = torch._dynamo.utils.counters
+    graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+    runs = sampled.compiled_runs
+    with torch.compiler.set_stance("fail_on_recompile"):
+        done, steps = _join_and_leave(spec, prompts, budgets, 4, steps=128, sampling=sampling)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert sum(counters["recompiles"].values()) == recompiles
+    assert len(done) >= 12 and sampled.compiled_runs - runs >= 64, (len(done), steps)
+    greedy = [r for r in done if r.sampling.greedy]
+    assert greedy and len(greedy) < len(done)
+    for r in greedy:
+        assert r.tokens == engine.generate([r.prompt], r.max_new_tokens)[0]
+    _all_free(engine)
+    _, eager, _ = _setup("ngram", tmp_path, capacity=4, compiled=False)
+    eager_done, _ = _join_and_leave(eager, prompts, budgets, 4, steps=128, sampling=sampling)
+    assert ({tuple(r.prompt): r.tokens for r in eager_done} ==
+            {tuple(r.prompt): r.tokens for r in done})
+
+
+def test_plain_generate_is_the_loop_without_a_proposer():
+    """Engine.generate / generate_stream run the speculative loop's decode program (one AR
+    path: the engine's own decode step is never called), stop each request at its eos or
+    budget (None in the stream after it), and report consistent GenerationStats. A request
+    fits a max_len of prompt + max_new_tokens (+ N - 1 with a proposer of N-node trees)."""
+    engine = Engine(tiny_model(), max_batch=3, max_len=64, compile=False, prefill_chunk=16)
+    engine.decode = None  # the loop's program calls the step function, never Engine.decode
+    runs = []
+    run_program = engine.run_program
+    engine.run_program = lambda *a: (runs.append(1), run_program(*a))[1]
+    prompts = repetitive_prompts(3, seed=2)
+    plain = engine.generate(prompts, 12)
+    eos = plain[1][4]
+    stats = GenerationStats()
+    runs.clear()
+    stream = list(engine.generate_stream(prompts, 12, eos, stats))
+    assert len(runs) == stats.decode_steps > 0  # one program per decode step
+    got = [[step[b] for step in stream if step[b] is not None] for b in range(3)]
+    cut = [p[:p.index(eos) + 1] if eos in p else p for p in plain]
+    assert got == cut and engine.generate(prompts, 12, eos) == cut
+    assert all(step[b] is None for b in range(3) for step in stream[len(cut[b]):])
+    assert stats.prompt_tokens == sum(map(len, prompts))
+    assert stats.new_tokens == sum(map(len, cut)) and stats.decode_tokens == stats.new_tokens - 3
+    assert stats.decode_steps == len(stats.step_times) == len(stream) - 1 == max(map(len, cut)) - 1
+    assert stats.decode_s > 0 and stats.prefill_s > 0
+    _all_free(engine)
+    prompt, new = prompts[0], 64 - len(prompts[0])  # exactly max_len
+    assert engine.generate([prompt], new)[0][:12] == plain[0]
+    ngram = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=6), min_accepted=0.0)
+    assert ngram.generate([prompt], new - 5) == engine.generate([prompt], new - 5)
+    with pytest.raises(RequestTooLongError):
+        ngram.generate([prompt], new - 4)
+    _all_free(engine)

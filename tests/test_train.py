@@ -343,7 +343,7 @@ def test_shipped_heads_draft_for_the_default_model_exactly(method, model):
     and the same GGUF file kept quantized (`--model smollm2-135m`) -- and are accepted on a
     held-out prompt, with output identical to plain greedy decoding of that target."""
     from specdec_inductor.engine.gguf_model import QuantLinear
-    from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.loading import load_model
     from specdec_inductor.loading import encode, shipped_head
     from specdec_inductor.proposers.registry import (ProposerConfig, make_proposer,
                                                      make_target_engine)

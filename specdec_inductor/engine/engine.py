@@ -1,5 +1,6 @@
-"""Greedy generation over the KV pool: chunked prefill (ragged prompts, right-padded) and
-decode steps, each one compiled graph per (batch bucket, step kind).
+"""The model's steps over the KV pool: chunked prefill (ragged prompts, right-padded), decode
+and verify steps, each one compiled graph per (batch bucket, step kind). Generation is the
+speculative loop's (speculative/): Engine.generate is plain greedy decoding through it.
 
 Every length, position and slot a step needs is a tensor input (or derived in the graph from
 `req_to_token`), never a Python int, so a bucket's graph is compiled once and reused for any
@@ -16,7 +17,6 @@ import functools
 import inspect
 import operator
 import os
-import time
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -161,13 +161,14 @@ class StepOutput(NamedTuple):
 
 @dataclass
 class GenerationStats:
+    """What Engine.generate / generate_stream report (summed over calls)."""
     prompt_tokens: int = 0
     new_tokens: int = 0  # all generated tokens, the prefill's first one included
     decode_tokens: int = 0  # tokens made by decode steps (new_tokens less one per request)
     prefill_s: float = 0.0
-    decode_s: float = 0.0
+    decode_s: float = 0.0  # from the first decode step to the last (the caller's work between)
     decode_steps: int = 0
-    step_times: List[float] = field(default_factory=list)
+    step_times: List[float] = field(default_factory=list)  # seconds of each decode step
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -175,7 +176,8 @@ class GenerationStats:
 
 
 class Engine:
-    """Greedy decoding of a stock HF causal LM through the `specdec` attention and KV pool.
+    """The steps of a stock HF causal LM through the `specdec` attention and KV pool, and
+    plain greedy decoding over them (generate: the speculative loop without a proposer).
 
     Args:
         model: an `AutoModelForCausalLM` (switched to the "specdec" attention in place).
@@ -595,59 +597,23 @@ class Engine:
 
     def generate_stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                         eos_token_id: Optional[int] = None,
-                        stats: Optional[GenerationStats] = None) -> Iterator[Tensor]:
-        """Greedy decoding; yields the next token of every request [len(prompts)] per step.
-        A request that emitted eos keeps decoding into its reserved slots (its tokens are
-        ignored by callers) until every request is done or max_new_tokens is reached."""
-        self.check_request(prompts, max_new_tokens)
-        if max_new_tokens <= 0:
-            return
-        bs_real = len(prompts)
-        bucket = self.bucket_for(bs_real)
-        requests = self.pool.admit([len(p) for p in prompts], max_new_tokens)
-        stats = stats if stats is not None else GenerationStats()
-        try:
-            rows = [r.row for r in requests] + [self.pool.padding_row] * (bucket - bs_real)
-            with torch.inference_mode():  # the step inputs are inference tensors (_inference)
-                req_rows = torch.tensor(rows, dtype=torch.int64)  # [B]
-                seq_lens = torch.tensor([len(p) for p in prompts] + [1] * (bucket - bs_real),
-                                        dtype=torch.int64)  # [B]
-            t0 = time.perf_counter()
-            tokens = self.prefill(prompts, req_rows).argmax  # [B]
-            stats.prefill_s += time.perf_counter() - t0
-            stats.prompt_tokens += sum(len(p) for p in prompts)
-            done = torch.zeros(bs_real, dtype=torch.bool)
-            yield tokens[:bs_real]
-            stats.new_tokens += bs_real
-            t_decode = time.perf_counter()
-            for _ in range(max_new_tokens - 1):
-                if eos_token_id is not None:
-                    done |= tokens[:bs_real] == eos_token_id
-                    if bool(done.all()):
-                        break
-                t_step = time.perf_counter()
-                tokens = self.decode(tokens, req_rows, seq_lens).argmax
-                with torch.inference_mode():
-                    seq_lens += 1
-                stats.step_times.append(time.perf_counter() - t_step)
-                stats.decode_steps += 1
-                stats.new_tokens += bs_real
-                stats.decode_tokens += bs_real
-                yield tokens[:bs_real]
-            stats.decode_s += time.perf_counter() - t_decode
-        finally:
-            for r in requests:
-                self.pool.release(r)
+                        stats: Optional[GenerationStats] = None
+                        ) -> Iterator[List[Optional[int]]]:
+        """Greedy decoding; yields each request's next token per step ([len(prompts)], None
+        for a request that has stopped: after its eos or at max_new_tokens) until every
+        request has stopped. Runs the speculative loop without a proposer
+        (speculative/plain.py), the one autoregressive path: each step is its decode program."""
+        # Imported here: the speculative loop builds on this module.
+        from specdec_inductor.speculative.plain import greedy_stream
+        return greedy_stream(self, prompts, max_new_tokens, eos_token_id, stats)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  eos_token_id: Optional[int] = None,
                  stats: Optional[GenerationStats] = None) -> List[List[int]]:
         """Greedy new tokens per prompt; a request stops after (and including) eos."""
         out: List[List[int]] = [[] for _ in prompts]
-        finished = [False] * len(prompts)
         for step in self.generate_stream(prompts, max_new_tokens, eos_token_id, stats):
-            for b, tok in enumerate(step.tolist()):
-                if not finished[b]:
-                    out[b].append(tok)
-                    finished[b] = eos_token_id is not None and tok == eos_token_id
+            for tokens, tok in zip(out, step):
+                if tok is not None:
+                    tokens.append(tok)
         return out

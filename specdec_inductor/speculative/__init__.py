@@ -1,6 +1,7 @@
-"""Speculative decoding: the step loop shared by every method (loop.py), its draft-budget
-policies (policies.py), the tensor commit of a verified step and the greedy step as one
-program (commit.py), draft trees (tree.py), the proposer interface (proposer.py) and metrics
+"""Speculative decoding: the step loop shared by every method (loop.py), plain greedy decoding
+as that loop without a proposer (plain.py, behind Engine.generate), its draft-budget policies
+(policies.py), the tensor commit of a verified step and the step as one program, greedy or
+sampled (commit.py), draft trees (tree.py), the proposer interface (proposer.py) and metrics
 (stats.py)."""
 from specdec_inductor.speculative.loop import ActiveRequest, Batch, SpeculativeGenerator
 from specdec_inductor.speculative.policies import (AcceptanceGate, AdaptiveVerifySize,

@@ -1,6 +1,7 @@
 """Commit of a verified step as tensor ops: the accepted tokens, the accepted path's KV moved
-to the front of the tree's positions, and each request's next root and seq_len; and the greedy
-step of a batch (target step, acceptance, commit) as one program (GreedyStep).
+to the front of the tree's positions, and each request's next root and seq_len; and the step of
+a batch (target step, acceptance, commit) as one program: greedy acceptance (GreedyStep) or
+tree rejection sampling with uniforms drawn on the host (SampledStep).
 
 Verify writes node i's KV at row position seq_len + i. After acceptance the row's slots for
 positions [seq_len, seq_len + N) are permuted so that the accepted path's slots come first, in
@@ -10,12 +11,13 @@ Python lists), so it traces into one graph: its in-place updates of req_to_token
 roots become the graph's input mutations (functionalized, written back when the graph
 returns). The host reads the result once per step.
 """
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from specdec_inductor import ops
+from specdec_inductor.sampler import Sampler, SamplingParams, sampling_probs
 
 
 class Committed(NamedTuple):
@@ -103,7 +105,9 @@ class GreedyStep:
     place). On a compiled Engine each is one graph (Engine.compile_program: fullgraph, static
     shapes, so a bucket's graph serves any requests joining and leaving); in eager the same
     functions run op by op. Every row of the bucket takes part: a padding row (req_rows = the
-    pool's padding row) verifies a root-only tree and commits nothing."""
+    pool's padding row) verifies a root-only tree and commits nothing. Subclasses change the
+    acceptance (accept_roots / accept_tree) and may take more inputs after the tree's
+    (`acceptance`, passed on to them)."""
 
     def __init__(self, engine, num_spec_steps: int):
         self.engine, self.num_spec_steps = engine, num_spec_steps
@@ -113,46 +117,107 @@ class GreedyStep:
         self._decode, self._verify = compiled(self.decode_program), compiled(self.verify_program)
 
     @classmethod
-    def of(cls, engine, num_spec_steps: int) -> "GreedyStep":
-        """The engine's GreedyStep for num_spec_steps, made once (Engine.programs): every
-        generator of the engine shares its compiled programs."""
-        key = (cls.__name__, num_spec_steps)
-        if key not in engine.programs:
-            engine.programs[key] = cls(engine, num_spec_steps)
-        return engine.programs[key]
+    def of(cls, engine, num_spec_steps: int, *key) -> "GreedyStep":
+        """The engine's program of this class for num_spec_steps (and a subclass's `key`,
+        its constructor's further arguments), made once (Engine.programs): every generator of
+        the engine shares its compiled programs, and the decode program, which does not
+        depend on num_spec_steps, is that of num_spec_steps 1 for all (plain decoding and a
+        speculative batch's draft-less steps run the same compiled graph)."""
+        name = (cls.__name__, num_spec_steps, *key)
+        if name not in engine.programs:
+            step = cls(engine, num_spec_steps, *key)
+            if num_spec_steps != 1:
+                step._decode = cls.of(engine, 1, *key)._decode
+            engine.programs[name] = step
+        return engine.programs[name]
 
-    def decode(self, roots: Tensor, req_rows: Tensor, seq_lens: Tensor) -> StepResult:
+    def decode(self, roots: Tensor, req_rows: Tensor, seq_lens: Tensor,
+               *acceptance: Tensor) -> StepResult:
         """A plain decode step of the roots, committed (roots [B] take the next tokens)."""
-        return self._run(self._decode, roots, req_rows, seq_lens)
+        return self._run(self._decode, roots, req_rows, seq_lens, *acceptance)
 
     def verify(self, tokens: Tensor, positions: Tensor, req_rows: Tensor, seq_lens: Tensor,
                tree_mask: Tensor, retrieve_index: Tensor, retrieve_next_token: Tensor,
-               retrieve_next_sibling: Tensor, roots: Tensor) -> StepResult:
+               retrieve_next_sibling: Tensor, roots: Tensor, *acceptance: Tensor) -> StepResult:
         """Verify the trees (tokens / positions [B, N], tree_mask [B*N*N], linkage [B, N]
-        int64, flat retrieve_index), accept greedily and commit."""
+        int64, flat retrieve_index), accept and commit."""
         return self._run(self._verify, tokens, positions, req_rows, seq_lens, tree_mask,
-                         retrieve_index, retrieve_next_token, retrieve_next_sibling, roots)
+                         retrieve_index, retrieve_next_token, retrieve_next_sibling, roots,
+                         *acceptance)
 
     def _run(self, program, *args) -> StepResult:
         self.compiled_runs += int(self.engine.compiled)
         return self.engine.run_program(program, *args)
 
-    def decode_program(self, roots, req_rows, seq_lens) -> StepResult:
-        out = self.engine.decode_step(roots, req_rows, seq_lens)
-        bs = roots.shape[0]
+    def scratch_acceptance(self, bucket: int, size: int) -> Tuple[Tensor, ...]:
+        """`acceptance` inputs for a step of `size` in `bucket` on scratch rows (warm-up and
+        timing, stats.step_times): none for greedy acceptance."""
+        return ()
+
+    def accept_roots(self, out, *acceptance: Tensor):
+        """(predicts [B], accept_index [B, 1], accept_num [B]) of a decode step's output."""
+        bs = out.argmax.shape[0]
         accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [B, 1] root-only trees
+        return out.argmax, accept_index, torch.zeros(bs, dtype=torch.int32)
+
+    def accept_tree(self, out, tokens: Tensor, linkage: Tuple[Tensor, Tensor, Tensor],
+                    steps: int, *acceptance: Tensor):
+        """(predicts [B*N], accept_index [B, S], accept_num [B]) of a verify step's output."""
+        return ops.verify_tree_greedy(tokens, *linkage, out.argmax, steps)
+
+    def decode_program(self, roots, req_rows, seq_lens, *acceptance) -> StepResult:
+        out = self.engine.decode_step(roots, req_rows, seq_lens)
         done = commit_step(self.engine.pool.req_to_token, req_rows, seq_lens, roots,
-                           self.padding_row, out.argmax, accept_index,
-                           torch.zeros(bs, dtype=torch.int32), 1)
+                           self.padding_row, *self.accept_roots(out, *acceptance), 1)
         return step_result(done, None if out.hidden is None else out.hidden.unsqueeze(1))
 
     def verify_program(self, tokens, positions, req_rows, seq_lens, tree_mask, retrieve_index,
-                       retrieve_next_token, retrieve_next_sibling, roots) -> StepResult:
+                       retrieve_next_token, retrieve_next_sibling, roots,
+                       *acceptance) -> StepResult:
         out = self.engine.verify_step(tokens, positions, req_rows, seq_lens, tree_mask)
         size = tokens.shape[1]
-        predicts, accept_index, accept_num = ops.verify_tree_greedy(
-            tokens, retrieve_index, retrieve_next_token, retrieve_next_sibling, out.argmax,
-            min(self.num_spec_steps, size))
+        linkage = (retrieve_index, retrieve_next_token, retrieve_next_sibling)
+        accepted = self.accept_tree(out, tokens, linkage, min(self.num_spec_steps, size),
+                                    *acceptance)
         done = commit_step(self.engine.pool.req_to_token, req_rows, seq_lens, roots,
-                           self.padding_row, predicts, accept_index, accept_num, size)
+                           self.padding_row, *accepted, size)
         return step_result(done, out.hidden)
+
+
+def sampling_inputs(sampler, size: int) -> Tuple[Tensor, ...]:
+    """A SampledStep's `acceptance` inputs for a step of tree size `size` (1: decode): the
+    batch's sampling parameters (bucket-sized) and this step's uniforms, drawn now from each
+    request's own generator, as many as the eager rejection sampling draws (Sampler.sample,
+    Sampler.verify), so compiled and eager runs of the same seeds emit the same tokens."""
+    u, u_final = sampler.uniforms(size)  # [B, size], [B]
+    return sampler.temperature, sampler.top_k, sampler.top_p, sampler.greedy, u, u_final
+
+
+class SampledStep(GreedyStep):
+    """A step of a batch with sampled requests as one program per (bucket, N): the target's
+    decode or verify pass, the requests' sampling distributions (sampler.sampling_probs;
+    greedy rows a one-hot at the argmax, which makes the walk accept exactly the greedy
+    tokens), tree rejection sampling (the `tree_sampling` rule, default
+    ops.tree_speculative_sampling) and the commit. The uniforms are inputs (sampling_inputs):
+    drawn on the host from each request's generator, so a seeded run repeats and the tokens
+    stay exactly distributed as plain sampling from the target."""
+
+    def __init__(self, engine, num_spec_steps: int, tree_sampling=ops.tree_speculative_sampling):
+        self.tree_sampling = tree_sampling
+        super().__init__(engine, num_spec_steps)
+
+    def scratch_acceptance(self, bucket: int, size: int) -> Tuple[Tensor, ...]:
+        return sampling_inputs(Sampler([SamplingParams()] * bucket), size)
+
+    def accept_roots(self, out, temperature, top_k, top_p, greedy, u, u_final):
+        """A root-only tree: the bonus token is drawn from the target distribution itself."""
+        bs = out.logits.shape[0]
+        probs = sampling_probs(out.logits.unsqueeze(1), temperature, top_k, top_p, greedy)
+        none = torch.full((bs, 1), -1, dtype=torch.int64)  # [B, 1]
+        return self.tree_sampling(torch.zeros(bs, 1, dtype=torch.int64),
+                                  torch.arange(bs).view(bs, 1), none, none, u, u_final, probs, 1)
+
+    def accept_tree(self, out, tokens, linkage, steps, temperature, top_k, top_p, greedy, u,
+                    u_final):
+        probs = sampling_probs(out.logits, temperature, top_k, top_p, greedy)  # [B, N, V]
+        return self.tree_sampling(tokens, *linkage, u, u_final, probs, steps)

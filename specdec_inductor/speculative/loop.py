@@ -9,7 +9,8 @@ the tokens plain greedy decoding of the same engine emits: at each tree level th
 whose token equals the target's argmax is accepted, and the target's argmax after the last
 accepted node is the bonus token, so every emitted token is the target's own greedy choice.
 Without a proposer (or with one whose trees are the root alone) every step is a plain decode
-step, and the proposer is not asked for drafts.
+step, and the proposer is not asked for drafts: plain greedy decoding (Engine.generate,
+plain.py) is this loop without a proposer, one autoregressive path.
 
 A batch has a fixed bucket (Engine.bucket_for of its capacity): requests take its first rows
 in admission order and padding rows fill the rest, so admitting and retiring change values,
@@ -17,10 +18,12 @@ never shapes, and no step recompiles. A step of a greedy batch is one program pe
 tree size) (commit.GreedyStep: the target's decode or verify pass, greedy acceptance and the
 commit -- accepted-path KV compaction, next roots and lengths -- one compiled graph on a
 compiled engine); the host drafts, plans the step's size (policies.py), reads the step's
-accepted tokens once and handles stops. A batch with sampled requests runs the target's step
-as a graph and the rejection sampling and commit in eager between steps. Requests admitted
-with a prefill_chunk run one chunk of their prompt per step (Engine.prefill_chunk_step, the
-prefill graph) before that step's decode, and join the decoding rows after their last chunk.
+accepted tokens once and handles stops. A batch with sampled requests runs the same step with
+tree rejection sampling in place of greedy acceptance (commit.SampledStep, greedy rows as
+one-hot targets), its uniforms drawn on the host from each request's generator and passed in.
+Requests admitted with a prefill_chunk run one chunk of their prompt per step
+(Engine.prefill_chunk_step, the prefill graph) before that step's decode, and join the
+decoding rows after their last chunk.
 
 Numeric policy: verify runs N tokens through GEMMs while plain decode runs one through a GEMV,
 so near-tied logits can flip the argmax. The baseline in tests is this engine's own greedy
@@ -37,7 +40,8 @@ from torch import Tensor
 from specdec_inductor import ops
 from specdec_inductor.engine.kv_pool import Request
 from specdec_inductor.sampler import Sampler, SamplingParams, request_generator, request_params
-from specdec_inductor.speculative.commit import GreedyStep, StepResult, commit_step, step_result
+from specdec_inductor.speculative.commit import (GreedyStep, SampledStep, StepResult, commit_step,
+                                                 sampling_inputs, step_result)
 from specdec_inductor.speculative.policies import (NO_DRAFT, AcceptanceGate, AdaptiveVerifySize,
                                                    DraftPolicy, StartPolicy, StepCosts)
 from specdec_inductor.speculative.proposer import Proposer
@@ -100,7 +104,7 @@ class Batch:
         self.req_rows = torch.full((self.bucket,), self.padding_row, dtype=torch.int64)  # [B]
         self.seq_lens = torch.ones(self.bucket, dtype=torch.int64)  # [B] cached tokens
         self.roots = torch.zeros(self.bucket, dtype=torch.int64)  # [B] last emitted tokens
-        self.sampler: Optional[Sampler] = None
+        self.sampler: Optional[Sampler] = None  # bucket-sized; None when every row is greedy
         self.rows: List[int] = []  # requests[b].row: the proposer's request ids
         self._verify_inputs: Dict[int, VerifyInputs] = {}  # tree size -> its padded inputs
 
@@ -144,8 +148,10 @@ class Batch:
 
     def _membership_changed(self) -> None:
         self.rows = [r.row for r in self.requests]
-        self.sampler = Sampler.for_requests([r.sampling for r in self.requests],
-                                            [r.generator for r in self.requests])
+        padding = self.bucket - len(self.requests)  # greedy rows without a generator
+        self.sampler = Sampler.for_requests(
+            [r.sampling for r in self.requests] + [SamplingParams()] * padding,
+            [r.generator for r in self.requests] + [None] * padding)
 
     def finished(self, b: int) -> None:
         """Request b is done: its row becomes padding, so no later step writes its KV."""
@@ -200,9 +206,9 @@ class SpeculativeGenerator:
     # that what they assert does not depend on the machine's load).
     clock = staticmethod(time.perf_counter)
     calibration_rounds = 16  # compile_verify: decode and probe-verify timings each
-    # Greedy steps as one program (GreedyStep). False: the engine's decode / verify graph,
-    # then acceptance and commit in eager, as sampled batches run (benchmarks A/B the two;
-    # a recorder of the engine's public steps sees every verify).
+    # Steps as one program (GreedyStep / SampledStep). False: the engine's decode / verify
+    # graph, then acceptance and commit in eager (benchmarks A/B the two; a recorder of the
+    # engine's public steps sees every verify).
     one_program = True
 
     def __init__(self, engine, proposer: Optional[Proposer],
@@ -241,8 +247,8 @@ class SpeculativeGenerator:
         # Only a proposer that can offer more than the root drafts (an AutoregressiveProposer's
         # trees are the root alone: its steps are plain decodes without asking it).
         self._drafts = proposer is not None and sizes[-1] > 1
-        self._greedy = GreedyStep.of(engine,
-                                     proposer.num_spec_steps if proposer is not None else 1)
+        self._spec_steps = proposer.num_spec_steps if proposer is not None else 1
+        self._greedy = GreedyStep.of(engine, self._spec_steps)
         # The tree rejection-sampling rule (an op; tests swap in a deliberately wrong one to
         # show the losslessness test catches it).
         self.tree_sampling = ops.tree_speculative_sampling
@@ -286,28 +292,31 @@ class SpeculativeGenerator:
     @torch.inference_mode()
     def compile_verify(self, batch_size: int = 1, sampled: bool = True) -> None:
         """Compile the step programs of batch_size's bucket now: the greedy decode and every
-        verify size > 1 (GreedyStep), and with `sampled` the engine's own verify graphs, which
-        batches with sampled requests run. A warm-up `generate` may never verify (NGRAM before
-        any context suffix recurs), and the graph would then compile inside the first timed
-        step. Runs one step per size on a scratch request (step_times); with the adaptive size
-        it also measures probe_cost, with the cost-based acceptance gate verify_cost (the
-        greedy programs of verify(N) against a decode step)."""
+        verify size > 1 it drafts for (GreedyStep), and with `sampled` those of batches with
+        sampled requests (SampledStep). A warm-up `generate` may never verify (NGRAM before any
+        context suffix recurs), and the graph would then compile inside the first timed step.
+        Runs one step per size on a scratch request (step_times); with the adaptive size it
+        also measures probe_cost, with the cost-based acceptance gate verify_cost (the greedy
+        programs of verify(N) against a decode step)."""
         engine = self.engine
-        sizes = [s for s in self.tree_sizes if s > 1]
-        if not sizes or not engine.compiled:
+        if not engine.compiled:
             return
+        sizes = [s for s in self.tree_sizes if s > 1] if self._drafts else []
         if sampled:
-            step_times(engine, sizes, rounds=0, batch_size=batch_size)
-        step_times(engine, [1] + sizes, rounds=0, batch_size=batch_size, greedy=self._greedy)
+            step_times(engine, [1] + sizes, rounds=0, batch_size=batch_size,
+                       program=SampledStep.of(engine, self._spec_steps, self.tree_sampling))
+        step_times(engine, [1] + sizes, rounds=0, batch_size=batch_size, program=self._greedy)
+        if not sizes:
+            return
         if self._gate_from_costs:
             n = self.num_draft_tokens
             times = step_times(engine, [1, n], rounds=self.calibration_rounds,
-                               batch_size=batch_size, greedy=self._greedy)
+                               batch_size=batch_size, program=self._greedy)
             self.costs.verify_cost, self.costs.decode_s = times[n] / times[1], times[1]
         if self.adaptive and self._calibrate and self.tree_sizes[0] == 1:
             probe = self._probe_size()
             times = step_times(engine, [1, probe], rounds=self.calibration_rounds,
-                               batch_size=batch_size, greedy=self._greedy)
+                               batch_size=batch_size, program=self._greedy)
             self.costs.probe_cost = times[probe] / times[1]
 
     # -- the step API --------------------------------------------------------------------------
@@ -371,9 +380,12 @@ class SpeculativeGenerator:
                              f"of {batch.size} with capacity {batch.capacity}")
         params = request_params(sampling, len(prompts))
         engine = self.engine
-        # The tree needs N positions past the last committed token: reserve them up front.
+        # A step writes the KV of N positions from the request's length on, and a request
+        # steps only while it has emitted fewer than max_new_tokens (the last emitted one not
+        # cached): prompt + max_new_tokens + N - 2 positions at most. Reserved up front, with
+        # one to spare (plain decoding, N = 1: prompt + max_new_tokens).
         admitted = engine.pool.admit([len(p) for p in prompts],
-                                     max_new_tokens + self.num_draft_tokens)
+                                     max_new_tokens + self.num_draft_tokens - 1)
         new = [ActiveRequest(r, [int(t) for t in p], max_new_tokens, eos_token_id, s,
                              request_generator(s), batch.policy.new_request(), prefill_chunk=c)
                for r, p, s, c in zip(admitted, prompts, params,
@@ -519,7 +531,7 @@ class SpeculativeGenerator:
         if plan.size > 1:
             draft = truncate_draft(draft, plan.size, batch.seq_lens[:bs])
         t1 = self.clock()
-        result = self._run(batch, bs, plan.size, draft)
+        result = self._run(batch, plan.size, draft)
         # The step's one host read: per request [accepted drafts, tokens...].
         host = result.host.tolist()[:bs]
         t2 = self.clock()
@@ -543,23 +555,35 @@ class SpeculativeGenerator:
         stats.steps_by_size[plan.size] = stats.steps_by_size.get(plan.size, 0) + 1
         return emitted
 
-    def _run(self, batch: Batch, bs: int, size: int, draft: Optional[DraftTree]) -> StepResult:
+    def _run(self, batch: Batch, size: int, draft: Optional[DraftTree]) -> StepResult:
         """The target's step of the whole bucket, accepted and committed: a plain decode of the
-        roots (size 1) or a verify of the drafts. Greedy batches run it as one program
-        (GreedyStep); a batch with sampled requests (or one_program False) runs the target's
-        graph, then acceptance and the commit in eager."""
+        roots (size 1) or a verify of the drafts, as one program (GreedyStep, or SampledStep
+        when the batch has sampled requests); with one_program False the engine's step graph,
+        then acceptance and the commit in eager."""
         inputs = batch.verify_inputs(draft) if size > 1 else None
+        if not self.one_program:
+            return self._run_pieces(batch, size, inputs)
         sampler = batch.sampler
-        if sampler is None and self.one_program:
-            if inputs is None:
-                return self._greedy.decode(batch.roots, batch.req_rows, batch.seq_lens)
-            tokens, positions, mask, *linkage = inputs
-            return self._greedy.verify(tokens, positions, batch.req_rows, batch.seq_lens, mask,
-                                       *linkage, batch.roots)
+        if sampler is None:
+            program, acceptance = self._greedy, ()
+        else:
+            program = SampledStep.of(self.engine, self._spec_steps, self.tree_sampling)
+            acceptance = sampling_inputs(sampler, size)
+        if inputs is None:
+            return program.decode(batch.roots, batch.req_rows, batch.seq_lens, *acceptance)
+        tokens, positions, mask, *linkage = inputs
+        return program.verify(tokens, positions, batch.req_rows, batch.seq_lens, mask, *linkage,
+                              batch.roots, *acceptance)
+
+    def _run_pieces(self, batch: Batch, size: int, inputs) -> StepResult:
+        """_run with the engine's decode / verify graph, then acceptance (the same rules and
+        uniforms as the programs) and the commit op by op."""
+        sampler = batch.sampler
         if inputs is None:
             predicts, logits, hidden = self.engine.decode(batch.roots, batch.req_rows,
                                                           batch.seq_lens)
-            predicts = sampler.sample(logits[:bs]) if sampler is not None else predicts[:bs]
+            bs = predicts.shape[0]
+            predicts = sampler.sample(logits) if sampler is not None else predicts
             accept_index = torch.arange(bs, dtype=torch.int32).view(bs, 1)  # [B, 1]
             accepted = (predicts, accept_index, torch.zeros(bs, dtype=torch.int32))
             hidden = None if hidden is None else hidden.unsqueeze(1)
@@ -567,14 +591,13 @@ class SpeculativeGenerator:
             tokens, positions, mask, *linkage = inputs
             target, logits, hidden = self.engine.verify(tokens, positions, batch.req_rows,
                                                         batch.seq_lens, mask)
-            steps = min(self.proposer.num_spec_steps, size)
-            linkage = [t[:bs] for t in linkage]
-            accepted = (sampler.verify(tokens[:bs], linkage, logits[:bs], steps,
-                                       self.tree_sampling) if sampler is not None
-                        else ops.verify_tree_greedy(tokens[:bs], *linkage, target[:bs], steps))
+            steps = min(self._spec_steps, size)
+            accepted = (sampler.verify(tokens, linkage, logits, steps, self.tree_sampling)
+                        if sampler is not None
+                        else ops.verify_tree_greedy(tokens, *linkage, target, steps))
         done = commit_step(self.engine.pool.req_to_token, batch.req_rows, batch.seq_lens,
                            batch.roots, batch.padding_row, *accepted, size)
-        return step_result(done, None if hidden is None else hidden[:bs])
+        return step_result(done, hidden)
 
     @staticmethod
     def _emit(batch: Batch, live: List[bool],

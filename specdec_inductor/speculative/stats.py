@@ -70,21 +70,22 @@ def dynamo_counts() -> Tuple[int, int]:
 
 @torch.inference_mode()
 def step_times(engine, sizes: Sequence[int], context: int = 0, rounds: int = 16,
-               batch_size: int = 1, greedy=None) -> Dict[int, float]:
+               batch_size: int = 1, program=None) -> Dict[int, float]:
     """Median seconds of one step of each tree size (1: a plain decode step, else a verify of
     a star tree) over a `context`-token prefix, after one untimed call each (which compiles
     what has not been). The sizes take turns within every round, so a drift of the machine's
     speed hits them alike. Runs on a scratch request, admitted and released here (its slots
     are written, then freed); the other rows of batch_size's bucket are padding. With
-    `greedy` (a commit.GreedyStep) the steps are its programs (target step, acceptance and
-    commit, as the loop runs greedy batches) instead of the engine's bare decode / verify."""
+    `program` (a commit.GreedyStep or SampledStep) the steps are its programs (target step,
+    acceptance and commit, as the loop runs them) instead of the engine's bare decode /
+    verify."""
     bucket = engine.bucket_for(batch_size)
     (scratch,) = engine.pool.admit([max(context, 1)], max(sizes))
     times: Dict[int, List[float]] = {z: [] for z in sizes}
     try:
         rows = torch.tensor([scratch.row] + [engine.pool.padding_row] * (bucket - 1))  # [B]
         seq_lens = torch.tensor([context] + [0] * (bucket - 1))  # [B]
-        step = _scratch_step(engine, greedy, rows, seq_lens, sizes)
+        step = _scratch_step(engine, program, rows, seq_lens, sizes)
         for z in sizes:
             step(z)
         for _ in range(rounds):
@@ -97,22 +98,23 @@ def step_times(engine, sizes: Sequence[int], context: int = 0, rounds: int = 16,
     return {z: statistics.median(t) for z, t in times.items() if t}
 
 
-def _scratch_step(engine, greedy, rows: Tensor, seq_lens: Tensor, sizes: Sequence[int]):
+def _scratch_step(engine, program, rows: Tensor, seq_lens: Tensor, sizes: Sequence[int]):
     """step(z): one step of size z over the scratch rows, leaving seq_lens as they are (a
-    greedy program commits into copies of them)."""
+    step program commits into copies of them)."""
     bucket = rows.shape[0]
     # tokens, positions, mask, *linkage of star trees (VerifyInputs' padding rows)
     trees = {z: VerifyInputs(bucket, z, seq_lens).buffers for z in sizes if z > 1}
     roots = torch.zeros(bucket, dtype=torch.int64)  # [B]
 
     def step(z):
-        if greedy is not None:
+        if program is not None:
+            acceptance = program.scratch_acceptance(bucket, z)
             if z == 1:
-                greedy.decode(roots.clone(), rows, seq_lens.clone())
+                program.decode(roots.clone(), rows, seq_lens.clone(), *acceptance)
             else:
                 tokens, positions, mask, *linkage = trees[z]
-                greedy.verify(tokens, positions, rows, seq_lens.clone(), mask, *linkage,
-                              roots.clone())
+                program.verify(tokens, positions, rows, seq_lens.clone(), mask, *linkage,
+                               roots.clone(), *acceptance)
         elif z == 1:
             engine.decode(roots, rows, seq_lens)
         else:

@@ -90,7 +90,7 @@ def corpus_prompts(corpus: str, num_prompts: int, seed: int) -> list:
 
 def run(args) -> int:
     from specdec_inductor.engine.engine import eager_requested
-    from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.loading import load_model
     from specdec_inductor.loading import DTYPES, encode
     from specdec_inductor.proposers.eagle3 import eagle3_target_layers
     from specdec_inductor.train.styles import StylePrompt, encode_prompt

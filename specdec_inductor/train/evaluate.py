@@ -15,7 +15,7 @@ def evaluate_head(method: str, head_dir: str, *, model_path: Optional[str] = Non
                   new_tokens: int = 96, prompts: Optional[Sequence[str]] = None,
                   settings: Sequence[Tuple[int, int, int]] = DEFAULT_SETTINGS,
                   progress: Callable[[str], None] = lambda s: None) -> dict:
-    from specdec_inductor.engine.hf import load_model
+    from specdec_inductor.loading import load_model
     from specdec_inductor.loading import DTYPES, encode
     from specdec_inductor.proposers.registry import (ProposerConfig, make_proposer,
                                                      make_target_engine)
