@@ -257,7 +257,7 @@ def test_load_model_dispatch(monkeypatch):
     from specdec_inductor.loading import load_model
     monkeypatch.delenv("SPECDEC_CACHE_DIR")  # the SmolLM2 metadata directory made above
     by_name, tokenizer = load_model("smollm2-135m", dequantize=True)
-    default, _ = load_model()  # dense while hf.DEFAULT_QUANTIZED is False
+    default, _ = load_model()  # dense while loading.DEFAULT_QUANTIZED is False
     assert by_name.quantized_formats == default.quantized_formats == {}
     torch.testing.assert_close(_logits(by_name, tokenizer, PROMPTS[0]),
                                _logits(default, tokenizer, PROMPTS[0]), rtol=0, atol=0)
