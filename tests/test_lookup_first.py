@@ -104,10 +104,10 @@ class _Fixed:
         self.num_draft_tokens, self.num_spec_steps = n, n
         self.calls = []
 
-    def start(self, request_ids, contexts):
+    def start(self, request_ids, contexts, hidden=None):
         pass
 
-    def commit(self, request_ids, emitted):
+    def commit(self, request_ids, emitted, hidden=None):
         pass
 
     def finish(self, request_ids):

@@ -89,10 +89,7 @@ class LookupFirstProposer(Proposer):
 
     def start(self, request_ids: List[int], contexts: List[List[int]],
               hidden: Optional[List[Tensor]] = None) -> None:
-        if self.needs_target_hidden:
-            self.model.start(request_ids, contexts, hidden)
-        else:
-            self.model.start(request_ids, contexts)
+        self.model.start(request_ids, contexts, hidden)
         try:
             self.lookup.start(request_ids, contexts)
         except BaseException:
@@ -124,10 +121,7 @@ class LookupFirstProposer(Proposer):
 
     def commit(self, request_ids: List[int], emitted: List[List[int]],
                hidden: Optional[List[Tensor]] = None) -> None:
-        if self.needs_target_hidden:
-            self.model.commit(request_ids, emitted, hidden)
-        else:
-            self.model.commit(request_ids, emitted)
+        self.model.commit(request_ids, emitted, hidden)
         self.lookup.commit(request_ids, emitted)
         for rid, toks in zip(request_ids, emitted):
             s = self._sources[rid]
