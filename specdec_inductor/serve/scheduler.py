@@ -93,12 +93,12 @@ class ServeRequest:
 
 class Lane:
     """A SpeculativeGenerator, its queue, its open batch (capacity max_batch) and the requests
-    running in it. `extra`: KV positions admission reserves past max_new_tokens (the draft
-    tree)."""
+    running in it. `extra`: KV positions admission reserves past max_new_tokens
+    (SpeculativeGenerator.extra_positions)."""
 
     def __init__(self, method: str, generator: SpeculativeGenerator, max_batch: int):
         self.method, self.generator, self.capacity = method, generator, max_batch
-        self.extra = generator.num_draft_tokens
+        self.extra = generator.extra_positions
         self.stats = SpeculativeStats()
         self.waiting: Deque[ServeRequest] = deque()
         self.batch = None  # open while the scheduler runs

@@ -268,6 +268,15 @@ class SpeculativeGenerator:
         self._min_accepted = value
         self._gate_from_costs = False
 
+    @property
+    def extra_positions(self) -> int:
+        """KV positions admit reserves per request past prompt + max_new_tokens. A step writes
+        the KV of N positions from the request's length on, and a request steps only while it
+        has emitted fewer than max_new_tokens (the last emitted one not cached): prompt +
+        max_new_tokens + N - 2 positions at most, reserved with one to spare (N - 1; plain
+        decoding, N = 1: none)."""
+        return self.num_draft_tokens - 1
+
     def gate_threshold(self) -> float:
         """The acceptance gate's threshold (AcceptanceGate.threshold) with the current costs."""
         return AcceptanceGate.threshold_for(self._min_accepted, self._gate_from_costs, self.costs)
@@ -380,12 +389,8 @@ class SpeculativeGenerator:
                              f"of {batch.size} with capacity {batch.capacity}")
         params = request_params(sampling, len(prompts))
         engine = self.engine
-        # A step writes the KV of N positions from the request's length on, and a request
-        # steps only while it has emitted fewer than max_new_tokens (the last emitted one not
-        # cached): prompt + max_new_tokens + N - 2 positions at most. Reserved up front, with
-        # one to spare (plain decoding, N = 1: prompt + max_new_tokens).
         admitted = engine.pool.admit([len(p) for p in prompts],
-                                     max_new_tokens + self.num_draft_tokens - 1)
+                                     max_new_tokens + self.extra_positions)
         new = [ActiveRequest(r, [int(t) for t in p], max_new_tokens, eos_token_id, s,
                              request_generator(s), batch.policy.new_request(), prefill_chunk=c)
                for r, p, s, c in zip(admitted, prompts, params,
