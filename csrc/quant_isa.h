@@ -24,12 +24,12 @@ enum class QuantFmt : int {
 
 // Block layouts, byte offsets as stored in a GGUF file (little-endian, no padding, blocks packed
 // back to back with no alignment: every field is read with unaligned loads / memcpy).
-//   Q4_0 (32 weights, 18 B): f16 d | u8 qs[16]             w[j] = d * ((qs[j%16] >> 4*(j/16) & 15)
-//   - 8) Q4_1 (32 weights, 20 B): f16 d | f16 m | u8 qs[16]     w[j] = d * (nibble j) + m Q5_0 (32
-//   weights, 22 B): f16 d | u32 qh | u8 qs[16]    w[j] = d * ((nibble j | bit j of qh << 4) - 16)
-//   Q5_1 (32 weights, 24 B): f16 d | f16 m | u32 qh | u8 qs[16]   w[j] = d * (nibble j | bit j of
-//   qh << 4) + m Q8_0 (32 weights, 34 B): f16 d | i8 qs[32]             w[j] = d * qs[j] Q4_K (256,
-//   144 B): f16 d | f16 dmin | u8 scales[12] (8 6-bit scales + 8 6-bit mins) | u8 qs[128]
+//   Q4_0 (32 weights, 18 B): f16 d | u8 qs[16]             w[j] = d * ((qs[j%16] >> 4*(j/16) & 15) - 8)
+//   Q4_1 (32 weights, 20 B): f16 d | f16 m | u8 qs[16]     w[j] = d * (nibble j) + m
+//   Q5_0 (32 weights, 22 B): f16 d | u32 qh | u8 qs[16]    w[j] = d * ((nibble j | bit j of qh << 4) - 16)
+//   Q5_1 (32 weights, 24 B): f16 d | f16 m | u32 qh | u8 qs[16]   w[j] = d * (nibble j | bit j of qh << 4) + m
+//   Q8_0 (32 weights, 34 B): f16 d | i8 qs[32]             w[j] = d * qs[j]
+//   Q4_K (256, 144 B): f16 d | f16 dmin | u8 scales[12] (8 6-bit scales + 8 6-bit mins) | u8 qs[128]
 //     sub-block s (32 weights): w = (d * sc[s]) * q - dmin * mn[s]; q = nibble (s % 2) of
 //     qs[32 * (s / 2) + l]
 //   Q5_K (256, 176 B): f16 d | f16 dmin | u8 scales[12] | u8 qh[32] | u8 qs[128]

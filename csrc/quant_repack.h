@@ -17,12 +17,10 @@
 //   of weight k (0..63, wq = u - 32):
 //     [0, 32)      fp16 d[16]
 //     [32, 64)     zero padding
-//     [64, 320)    i8 sc[8][16][2]       pair e, lane r: the int8 scales of 16-weight groups 2e, 2e
-//     + 1 [320, 2368)  u8 ql[4][8][16][4]    (p, t, r, i): low nibble u[64p + 4t + i] & 15, high
-//     nibble
+//     [64, 320)    i8 sc[8][16][2]       pair e, lane r: the int8 scales of 16-weight groups 2e, 2e + 1
+//     [320, 2368)  u8 ql[4][8][16][4]    (p, t, r, i): low nibble u[64p + 4t + i] & 15, high nibble
 //                  u[64p + 32 + 4t + i] & 15
-//     [2368, 3392) u8 qh[2][8][16][4]    (c, t, r, i): bits 2(2a + h) .. +1 = u[64p + 32h + 4t + i]
-//     >> 4
+//     [2368, 3392) u8 qh[2][8][16][4]    (c, t, r, i): bits 2(2a + h) .. +1 = u[64p + 32h + 4t + i] >> 4
 //                  for p = 2c + a (a, h in {0, 1})
 // Raw-pointer functions (no ATen): portable ones in quant_repack.cpp, the kernel in
 // quant_repack_avx512vnni.cpp.
