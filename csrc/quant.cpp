@@ -416,8 +416,8 @@ QuantFormatInfo check_fmt(int64_t fmt) {
   QuantFormatInfo info{};
   TORCH_CHECK_VALUE(fmt >= 0 && fmt < 512 && quant_format_info(static_cast<int>(fmt), &info),
                     "argument 'fmt' must be a supported ggml type id (Q4_0=2, Q4_1=3, Q5_0=6, "
-                    "Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14) or repacked layout (Q4_K_R16=268, "
-                    "Q6_K_R16=270), got ", fmt);
+                    "Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14) or repacked layout (256 + the id of "
+                    "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K), got ", fmt);
   return info;
 }
 
@@ -543,7 +543,8 @@ Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fm
   if (is_k_format(file_format(f)))
     blk.xk = quantize_xk(x2, isa);
   else
-    blk.x = quantize_x(x2, f, isa);
+    blk.x = quantize_x(x2, file_format(f), isa);
+  if (repacked && !is_k_format(file_format(f))) blk.x.bsum32 = quant_block_sums(blk.x);
   for_row_blocks(N, row_bytes, M, [&](int64_t n_begin, int64_t n_end) {
     QuantLinearInt8Block part = blk;
     part.n_begin = n_begin;
@@ -733,16 +734,19 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& weight, int6
   return out.view(out_shape);
 }
 
-// A file-layout weight [N, row_bytes] of a format with a repacked layout (Q4_K, Q6_K; N a
-// multiple of 16) -> that layout [N / 16, 16 * row_bytes]; a repacked weight -> the file's rows
+// A file-layout weight [N, row_bytes] of a format with a repacked layout (N a multiple of 16,
+// K of 64 for the 32-weight formats) -> that layout [N / 16, 16 * row_bytes]; a repacked weight -> the file's rows
 // [N, row_bytes], bitwise the bytes it was made from. The source is read once, group by group.
 at::Tensor quant_repack(const at::Tensor& weight, int64_t fmt) {
   const QuantFormatInfo info = check_fmt(fmt);
   const QuantFmt f = static_cast<QuantFmt>(fmt), base = file_format(f);
   TORCH_CHECK_VALUE(
       repacked_format(base) != base,
-      "argument 'fmt' must be Q4_K (12), Q6_K (14), Q4_K_R16 (268) or Q6_K_R16 (270), got ", fmt);
+      "argument 'fmt' must be one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K (2, 3, 6, 7, 8, 12, "
+      "14) or their repacked layout (256 + the id), got ", fmt);
   const int64_t K = check_weight(weight, info);
+  TORCH_CHECK_VALUE(K % repack_k_unit(base) == 0, "argument 'weight' must hold a multiple of ",
+                    repack_k_unit(base), " weights per row to repack, got ", K);
   const int64_t G = kRepackRows, rows = weight.size(0);
   TORCH_CHECK_VALUE(is_repacked(f) || rows % G == 0, "argument 'weight' must have a multiple of ",
                     G, " rows to repack, got ", rows);
@@ -751,8 +755,8 @@ at::Tensor quant_repack(const at::Tensor& weight, int64_t fmt) {
   QuantFormatInfo file_info{}, packed_info{};
   quant_format_info(static_cast<int>(base), &file_info);
   quant_format_info(static_cast<int>(repacked_format(base)), &packed_info);
-  const int64_t file_row = K / 256 * file_info.block_bytes,
-                group_bytes = G * K / 256 * packed_info.block_bytes;
+  const int64_t file_row = K / file_info.block_size * file_info.block_bytes,
+                group_bytes = G * K / packed_info.block_size * packed_info.block_bytes;
   const int64_t groups = is_repacked(f) ? rows : rows / G;
   at::Tensor out =
       is_repacked(f)

@@ -18,6 +18,11 @@ enum class QuantFmt : int {
   Q4_K = 12,
   Q5_K = 13,
   Q6_K = 14,
+  Q4_0_R16 = 256 + 2,
+  Q4_1_R16 = 256 + 3,
+  Q5_0_R16 = 256 + 6,
+  Q5_1_R16 = 256 + 7,
+  Q8_0_R16 = 256 + 8,
   Q4_K_R16 = 256 + 12,
   Q6_K_R16 = 256 + 14
 };
@@ -59,6 +64,12 @@ inline bool quant_format_info(int fmt, QuantFormatInfo* info) {
     case QuantFmt::Q4_K: *info = {256, 144}; return true;
     case QuantFmt::Q5_K: *info = {256, 176}; return true;
     case QuantFmt::Q6_K: *info = {256, 210}; return true;
+    // The 32-weight formats' R16 chunks hold two blocks (64 weights) of 16 rows.
+    case QuantFmt::Q4_0_R16: *info = {64, 36, 16}; return true;
+    case QuantFmt::Q4_1_R16: *info = {64, 40, 16}; return true;
+    case QuantFmt::Q5_0_R16: *info = {64, 44, 16}; return true;
+    case QuantFmt::Q5_1_R16: *info = {64, 48, 16}; return true;
+    case QuantFmt::Q8_0_R16: *info = {64, 68, 16}; return true;
     case QuantFmt::Q4_K_R16: *info = {256, 148, 16}; return true;
     case QuantFmt::Q6_K_R16: *info = {256, 212, 16}; return true;
   }
@@ -135,6 +146,7 @@ struct QuantizedX {
   const float* d;                 // [M, Kp / 4] the block's d of each lane
   const float* d_sum;             // [M, Kp / 4] d * (sum of the lane's 4 quants)
   const int32_t* neg_offset_sum;  // [M, Kp / 4] -offset * (sum of the lane's 4 quants), see below
+  const int32_t* bsum32 = nullptr;  // [M, Kp / 32] sum of each block's 32 quants (R16 layouts)
 };
 // The VNNI kernel multiplies unsigned weight bytes by signed quants (vpdpbusd): a format whose
 // integer quant is wq = u - offset (u the unsigned stored value) starts each lane's integer dot

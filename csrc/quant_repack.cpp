@@ -115,10 +115,90 @@ void q6_unpack_block(const uint8_t* c, int r, uint8_t* p) {
   std::memcpy(p + 208, c + 2 * r, 2);
 }
 
+// A 32-weight format's file block and R16 pair chunk (quant_repack.h): field offsets.
+struct SmallLayout {
+  bool min, qh;
+  int64_t file_bytes, file_qh, file_qs;  // the file block
+  int64_t qh_at, qs_at, vectors, chunk;  // the chunk; vectors: 64-byte qs vectors per block
+};
+
+SmallLayout small_layout(QuantFmt base) {
+  const bool min = base == QuantFmt::Q4_1 || base == QuantFmt::Q5_1;
+  const bool qh = base == QuantFmt::Q5_0 || base == QuantFmt::Q5_1;
+  const bool q8 = base == QuantFmt::Q8_0;
+  const int64_t file_qh = min ? 4 : 2, file_qs = file_qh + (qh ? 4 : 0);
+  const int64_t qh_at = min ? 128 : 64, qs_at = qh_at + (qh ? 128 : 0), vectors = q8 ? 8 : 4;
+  return {min, qh, file_qs + (q8 ? 32 : 16), file_qh, file_qs, qh_at, qs_at, vectors,
+          qs_at + 2 * 64 * vectors};
+}
+
+// Byte and bit of lane r's fifth bit j (0..31) of block `blk` in a chunk's qh masks.
+int64_t small_qh_bit(const SmallLayout& L, int blk, int r, int j, int* bit) {
+  const int h = j / 16, t = (j % 16) / 4, i = j % 4, pos = 4 * r + i;
+  *bit = pos % 8;
+  return L.qh_at + 8 * ((blk * 4 + t) * 2 + h) + pos / 8;
+}
+
+// rows[r]: row r's two file blocks (b0 then b1).
+void small_repack_pair(const SmallLayout& L, const uint8_t* const* rows, uint8_t* c) {
+  std::memset(c, 0, static_cast<size_t>(L.chunk));  // the fifth bits are or-ed in
+  for (int r = 0; r < 16; ++r) {
+    for (int blk = 0; blk < 2; ++blk) {
+      const uint8_t* p = rows[r] + blk * L.file_bytes;
+      std::memcpy(c + 32 * blk + 2 * r, p, 2);
+      if (L.min) std::memcpy(c + 64 + 32 * blk + 2 * r, p + 2, 2);
+      if (L.qh) {
+        uint32_t h;
+        std::memcpy(&h, p + L.file_qh, 4);
+        for (int j = 0; j < 32; ++j) {
+          int bit;
+          c[small_qh_bit(L, blk, r, j, &bit)] |= static_cast<uint8_t>(((h >> j) & 1) << bit);
+        }
+      }
+      for (int t = 0; t < L.vectors; ++t)
+        std::memcpy(c + L.qs_at + ((blk * L.vectors + t) * 16 + r) * 4, p + L.file_qs + 4 * t, 4);
+    }
+  }
+}
+
+void small_unpack_pair(const SmallLayout& L, const uint8_t* c, int r, uint8_t* p0) {
+  for (int blk = 0; blk < 2; ++blk) {
+    uint8_t* p = p0 + blk * L.file_bytes;
+    std::memcpy(p, c + 32 * blk + 2 * r, 2);
+    if (L.min) std::memcpy(p + 2, c + 64 + 32 * blk + 2 * r, 2);
+    if (L.qh) {
+      uint32_t h = 0;
+      for (int j = 0; j < 32; ++j) {
+        int bit;
+        h |= static_cast<uint32_t>((c[small_qh_bit(L, blk, r, j, &bit)] >> bit) & 1) << j;
+      }
+      std::memcpy(p + L.file_qh, &h, 4);
+    }
+    for (int t = 0; t < L.vectors; ++t)
+      std::memcpy(p + L.file_qs + 4 * t, c + L.qs_at + ((blk * L.vectors + t) * 16 + r) * 4, 4);
+  }
+}
+
+// File bytes of K weights of `base` in one row.
+int64_t file_row_bytes(QuantFmt base, int64_t K) {
+  QuantFormatInfo info{};
+  quant_format_info(static_cast<int>(base), &info);
+  return K / info.block_size * info.block_bytes;
+}
+
 }  // namespace
 
 void quant_repack_group(QuantFmt base, const uint8_t* src, int64_t src_stride, int64_t K,
                         uint8_t* dst) {
+  if (!is_k_format(base)) {
+    const SmallLayout L = small_layout(base);
+    for (int64_t c = 0; c < K / 64; ++c) {
+      const uint8_t* rows[16];
+      for (int r = 0; r < 16; ++r) rows[r] = src + r * src_stride + 2 * c * L.file_bytes;
+      small_repack_pair(L, rows, dst + c * L.chunk);
+    }
+    return;
+  }
   const bool q4 = base == QuantFmt::Q4_K;
   const int64_t file_bytes = q4 ? 144 : 210, chunk = q4 ? kQ4Chunk : kQ6Chunk;
   for (int64_t b = 0; b < K / 256; ++b) {
@@ -132,6 +212,12 @@ void quant_repack_group(QuantFmt base, const uint8_t* src, int64_t src_stride, i
 }
 
 void quant_unpack_group_row(QuantFmt base, const uint8_t* group, int64_t K, int r, uint8_t* dst) {
+  if (!is_k_format(base)) {
+    const SmallLayout L = small_layout(base);
+    for (int64_t c = 0; c < K / 64; ++c)
+      small_unpack_pair(L, group + c * L.chunk, r, dst + 2 * c * L.file_bytes);
+    return;
+  }
   const bool q4 = base == QuantFmt::Q4_K;
   const int64_t file_bytes = q4 ? 144 : 210, chunk = q4 ? kQ4Chunk : kQ6Chunk;
   for (int64_t b = 0; b < K / 256; ++b) {
@@ -144,7 +230,7 @@ void quant_unpack_group_row(QuantFmt base, const uint8_t* group, int64_t K, int 
 
 void quant_linear_int8_r16_portable(const QuantLinearInt8Block& b) {
   const QuantFmt base = file_format(b.fmt);
-  const int64_t K = b.xk.K, row_bytes = K / 256 * (base == QuantFmt::Q4_K ? 144 : 210);
+  const int64_t K = is_k_format(base) ? b.xk.K : b.x.K, row_bytes = file_row_bytes(base, K);
   thread_local std::vector<uint8_t> rows;
   rows.resize(static_cast<size_t>(16 * row_bytes));
   for (int64_t n = b.n_begin; n < b.n_end; n += 16) {
@@ -161,6 +247,21 @@ void quant_linear_int8_r16_portable(const QuantLinearInt8Block& b) {
     part.n_end = 16;
     quant_linear_int8_portable(part);
   }
+}
+
+const int32_t* quant_block_sums(const QuantizedX& x) {
+  thread_local std::vector<int32_t> sums;
+  const int64_t blocks = x.Kp / 32;
+  sums.resize(static_cast<size_t>(x.M * blocks));
+  for (int64_t m = 0; m < x.M; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* q = x.q + m * x.Kp + 32 * b;
+      int32_t s = 0;
+      for (int j = 0; j < 32; ++j) s += q[j];
+      sums[static_cast<size_t>(m * blocks + b)] = s;
+    }
+  }
+  return sums.data();
 }
 
 }  // namespace specdec

@@ -22,6 +22,19 @@
 //                  u[64p + 32 + 4t + i] & 15
 //     [2368, 3392) u8 qh[2][8][16][4]    (c, t, r, i): bits 2(2a + h) .. +1 = u[64p + 32h + 4t + i] >> 4
 //                  for p = 2c + a (a, h in {0, 1})
+// The 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; K a multiple of 64): one chunk per two
+// file blocks (64 weights, blocks 2c and 2c + 1 = b0, b1) of the 16 rows, every field lane by
+// lane, so that the chunk and each of its 64-byte vectors sit on whole cache lines:
+//     [0, 64)        fp16 d[2][16]         (block, lane r)
+//     then, Q4_1 / Q5_1: fp16 m[2][16]     (64 bytes)
+//     then, Q5_0 / Q5_1: u64 qh[2][4][2]   (block, t, h): bit 4r + i = bit 16h + 4t + i of lane
+//                                          r's qh (the fifth bits of a 64-byte vector of quants
+//                                          as the mask of its bytes; 128 bytes)
+//     then qs: nibble formats u8 [2][4][16][4] (block, t, r, i) = the file row's qs[4t + i]:
+//                  low nibble weight 4t + i, high nibble weight 16 + 4t + i (512 bytes);
+//              Q8_0 i8 [2][8][16][4] (block, t, r, i) = the file row's qs[4t + i] (1024 bytes).
+//   Q4_0_R16 576 B = 16 x 36, Q4_1_R16 640 = 16 x 40, Q5_0_R16 704 = 16 x 44,
+//   Q5_1_R16 768 = 16 x 48, Q8_0_R16 1088 = 16 x 68: the file's bytes, only rearranged.
 // Raw-pointer functions (no ATen): portable ones in quant_repack.cpp, the kernel in
 // quant_repack_avx512vnni.cpp.
 #pragma once
@@ -35,9 +48,7 @@ constexpr int kRepackRows = 16;
 
 namespace {
 
-inline bool is_repacked(QuantFmt fmt) {
-  return fmt == QuantFmt::Q4_K_R16 || fmt == QuantFmt::Q6_K_R16;
-}
+inline bool is_repacked(QuantFmt fmt) { return static_cast<int>(fmt) >= 256; }
 
 // The file format a repacked layout holds (itself for a file format).
 inline QuantFmt file_format(QuantFmt fmt) {
@@ -46,19 +57,33 @@ inline QuantFmt file_format(QuantFmt fmt) {
 
 // The repacked layout of a file format, or the format itself when it has none.
 inline QuantFmt repacked_format(QuantFmt fmt) {
-  return fmt == QuantFmt::Q4_K || fmt == QuantFmt::Q6_K
-             ? static_cast<QuantFmt>(static_cast<int>(fmt) + 256)
-             : fmt;
+  switch (fmt) {
+    case QuantFmt::Q4_0:
+    case QuantFmt::Q4_1:
+    case QuantFmt::Q5_0:
+    case QuantFmt::Q5_1:
+    case QuantFmt::Q8_0:
+    case QuantFmt::Q4_K:
+    case QuantFmt::Q6_K: return static_cast<QuantFmt>(static_cast<int>(fmt) + 256);
+    default: return fmt;
+  }
 }
+
+// The K a repacked layout of `base` needs besides the block size: 64 for the 32-weight formats
+// (two blocks per chunk), 256 for the K formats.
+inline int64_t repack_k_unit(QuantFmt base) { return is_k_format(base) ? 256 : 64; }
 
 }  // namespace
 
-// 16 file rows of K weights in `base` (Q4_K or Q6_K; row r at src + r * src_stride) into one
+// 16 file rows of K weights in `base` (a format with a repacked layout; row r at src + r * src_stride) into one
 // repacked tensor row at dst (16 * row_bytes bytes).
 void quant_repack_group(QuantFmt base, const uint8_t* src, int64_t src_stride, int64_t K,
                         uint8_t* dst);
 // Lane r (0..15) of a repacked tensor row back into the file's row_bytes bytes at dst.
 void quant_unpack_group_row(QuantFmt base, const uint8_t* group, int64_t K, int r, uint8_t* dst);
+// The 32-quant sums of x's blocks (QuantizedX::bsum32) into a per-thread buffer of the calling
+// thread that only grows; the R16 kernel of the 32-weight formats reads them.
+const int32_t* quant_block_sums(const QuantizedX& x);
 // INT8 activations over a repacked weight (quant_isa.h's K definition; n_begin / n_end are
 // output features, multiples of 16; w_stride the bytes between tensor rows). Portable: each group
 // unpacked into the file's rows and run by quant_linear_int8_portable.
@@ -67,7 +92,10 @@ void quant_linear_int8_r16_portable(const QuantLinearInt8Block& blk);
 // rows in one vector (sub-block scales by vpmulld, Q4_K mins / Q6_K's -32 offset by vpdpwssd
 // against the activation's block sums), one convert and one FMA per 256 weights per lane (two
 // for Q4_K). Each lane's float sequence is that of one (x row, weight row) pair whatever the
-// number of rows of x: batch invariance. Called only when cpu_has_avx512_vnni().
+// number of rows of x: batch invariance. The 32-weight formats: per x row, 32-weight block and
+// 16 rows the exact integer dot (8 vpdpbusd, started at -offset * the block's quant sum), then
+// acc += I * (d * d_x) and, for Q4_1 / Q5_1, acc += m * (d_x * quant sum), block after block.
+// Called only when cpu_has_avx512_vnni().
 void quant_linear_int8_r16_avx512vnni(const QuantLinearInt8Block& blk);
 
 }  // namespace specdec

@@ -174,17 +174,134 @@ void q6_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
   }
 }
 
+// ---- The 32-weight formats (32-value activation blocks, QuantizedX) ----
+// The fields of a pair chunk (quant_repack.h), at compile time.
+template <QuantFmt kBase>
+struct SmallR16 {
+  static constexpr bool kMin = kBase == QuantFmt::Q4_1 || kBase == QuantFmt::Q5_1;
+  static constexpr bool kFifth = kBase == QuantFmt::Q5_0 || kBase == QuantFmt::Q5_1;
+  static constexpr bool kQ8 = kBase == QuantFmt::Q8_0;
+  // quant_isa.h's int8_weight_offset: wq = u - offset.
+  static constexpr int kOffset = kBase == QuantFmt::Q4_0 ? 8 : kBase == QuantFmt::Q5_0 ? 16 : kQ8 ? 128 : 0;
+  static constexpr int64_t kQhAt = kMin ? 128 : 64, kQsAt = kQhAt + (kFifth ? 128 : 0);
+  static constexpr int64_t kChunk = kQsAt + (kQ8 ? 1024 : 512);
+};
+
+// One row of x as the 32-weight kernel reads it: quants, each block's d and quant sum.
+struct SmallXRow {
+  const int8_t* q;
+  const float* d;  // the d of each 4-quant lane: block b's at 8b
+  const int32_t* bsum;
+  SmallXRow() = default;
+  SmallXRow(const QuantizedX& x, int64_t m)
+      : q(x.q + m * x.Kp), d(x.d + m * (x.Kp / 4)), bsum(x.bsum32 + m * (x.Kp / 32)) {}
+};
+
+inline __mmask64 fifth_bits(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return static_cast<__mmask64>(v);
+}
+
+// Block b (= 2c + blk) of MB rows of x against one chunk's block blk: the exact integer dots
+// of the 16 lanes (started at -offset * the block's quant sum, so that they hold sum wq * q).
+template <QuantFmt kBase, int MB>
+inline void small_block_dots(const uint8_t* ch, int blk, const SmallXRow* x, int64_t b,
+                             __m512i* dot) {
+  using L = SmallR16<kBase>;
+  __m512i other[MB];  // a second chain: the nibbles' high halves, Q8_0's odd vectors
+  for (int i = 0; i < MB; ++i) {
+    dot[i] = _mm512_set1_epi32(-L::kOffset * x[i].bsum[b]);
+    other[i] = _mm512_setzero_si512();
+  }
+  if constexpr (L::kQ8) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // u = q + 128
+    for (int t = 0; t < 8; ++t) {
+      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(ch + L::kQsAt + 512 * blk + 64 * t), flip);
+      for (int i = 0; i < MB; ++i) {
+        __m512i& acc = t % 2 ? other[i] : dot[i];
+        acc = _mm512_dpbusd_epi32(acc, u, bcast4(x[i].q + 32 * b + 4 * t));
+      }
+    }
+  } else {
+    const __m512i nib = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+    for (int t = 0; t < 4; ++t) {
+      const __m512i v = _mm512_loadu_si512(ch + L::kQsAt + 256 * blk + 64 * t);
+      __m512i ul = _mm512_and_si512(v, nib), uh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      if constexpr (L::kFifth) {
+        const uint8_t* qh = ch + L::kQhAt + 8 * ((blk * 4 + t) * 2);
+        ul = _mm512_mask_add_epi8(ul, fifth_bits(qh), ul, sixteen);
+        uh = _mm512_mask_add_epi8(uh, fifth_bits(qh + 8), uh, sixteen);
+      }
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* q = x[i].q + 32 * b + 4 * t;
+        dot[i] = _mm512_dpbusd_epi32(dot[i], ul, bcast4(q));
+        other[i] = _mm512_dpbusd_epi32(other[i], uh, bcast4(q + 16));
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i) dot[i] = _mm512_add_epi32(dot[i], other[i]);
+}
+
+// A 32-weight format: MB rows of x against one group, all K. Per lane and block, in order:
+// acc += I * (d * d_x); Q4_1 / Q5_1 then acc += m * (d_x * quant sum).
+template <QuantFmt kBase, int MB>
+void small_group(const uint8_t* group, int64_t pairs, const SmallXRow* x, __m512* acc) {
+  using L = SmallR16<kBase>;
+  for (int64_t c = 0; c < pairs; ++c) {
+    const uint8_t* ch = group + c * L::kChunk;
+    prefetch_ahead<L::kChunk>(ch);
+    for (int blk = 0; blk < 2; ++blk) {
+      const int64_t b = 2 * c + blk;
+      __m512i dot[MB];
+      small_block_dots<kBase, MB>(ch, blk, x, b, dot);
+      const __m512 d = f16x16(ch + 32 * blk);
+      for (int i = 0; i < MB; ++i) acc[i] = scale_add(dot[i], d, x[i].d[8 * b], acc[i]);
+      if constexpr (L::kMin) {
+        const __m512 m = f16x16(ch + 64 + 32 * blk);
+        for (int i = 0; i < MB; ++i) {
+          const float dsum = x[i].d[8 * b] * static_cast<float>(x[i].bsum[b]);
+          acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(dsum), acc[i]);
+        }
+      }
+    }
+  }
+}
+
+// The K formats' group loop for MB rows of x from m0.
 template <int MB>
-void tile(const QuantLinearInt8Block& b, const uint8_t* group, int64_t n, int64_t m0) {
-  const int64_t blocks = b.xk.K / 256;
+void k_tile(const QuantLinearInt8Block& b, const uint8_t* group, int64_t m0, __m512* acc) {
   XRow x[MB];
   for (int i = 0; i < MB; ++i) x[i] = XRow(b.xk, m0 + i);
+  if (b.fmt == QuantFmt::Q4_K_R16)
+    q4_group<MB>(group, b.xk.K / 256, x, acc);
+  else
+    q6_group<MB>(group, b.xk.K / 256, x, acc);
+}
+
+template <int MB>
+void small_tile(const QuantLinearInt8Block& b, const uint8_t* group, int64_t m0, __m512* acc) {
+  SmallXRow x[MB];
+  for (int i = 0; i < MB; ++i) x[i] = SmallXRow(b.x, m0 + i);
+  const int64_t pairs = b.x.K / 64;
+  switch (b.fmt) {
+    case QuantFmt::Q4_0_R16: small_group<QuantFmt::Q4_0, MB>(group, pairs, x, acc); break;
+    case QuantFmt::Q4_1_R16: small_group<QuantFmt::Q4_1, MB>(group, pairs, x, acc); break;
+    case QuantFmt::Q5_0_R16: small_group<QuantFmt::Q5_0, MB>(group, pairs, x, acc); break;
+    case QuantFmt::Q5_1_R16: small_group<QuantFmt::Q5_1, MB>(group, pairs, x, acc); break;
+    default: small_group<QuantFmt::Q8_0, MB>(group, pairs, x, acc); break;
+  }
+}
+
+// MB rows of x from m0 against the group of output features [n, n + 16).
+template <int MB>
+void tile(const QuantLinearInt8Block& b, const uint8_t* group, int64_t n, int64_t m0) {
   __m512 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-  if (b.fmt == QuantFmt::Q4_K_R16)
-    q4_group<MB>(group, blocks, x, acc);
+  if (is_k_format(file_format(b.fmt)))
+    k_tile<MB>(b, group, m0, acc);
   else
-    q6_group<MB>(group, blocks, x, acc);
+    small_tile<MB>(b, group, m0, acc);
   for (int i = 0; i < MB; ++i) {
     __m512 v = acc[i];
     if (b.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(b.bias + n));
@@ -195,10 +312,11 @@ void tile(const QuantLinearInt8Block& b, const uint8_t* group, int64_t n, int64_
 }  // namespace
 
 void quant_linear_int8_r16_avx512vnni(const QuantLinearInt8Block& b) {
+  const int64_t M = is_k_format(file_format(b.fmt)) ? b.xk.M : b.x.M;
   for (int64_t n = b.n_begin; n < b.n_end; n += 16) {
     const uint8_t* group = b.w + (n / 16) * b.w_stride;
-    for (int64_t m = 0; m < b.xk.M;) {
-      switch (b.xk.M - m) {
+    for (int64_t m = 0; m < M;) {
+      switch (M - m) {
         case 1:
           tile<1>(b, group, n, m);
           m += 1;

@@ -34,6 +34,11 @@ class QuantFormat(enum.IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    Q4_0_R16 = 256 + 2
+    Q4_1_R16 = 256 + 3
+    Q5_0_R16 = 256 + 6
+    Q5_1_R16 = 256 + 7
+    Q8_0_R16 = 256 + 8
     Q4_K_R16 = 256 + 12
     Q6_K_R16 = 256 + 14
 
@@ -112,6 +117,12 @@ _BLOCKS = {
     QuantFormat.Q4_K: (256, 144),
     QuantFormat.Q5_K: (256, 176),
     QuantFormat.Q6_K: (256, 210),
+    # The 32-weight formats' R16 chunks hold two blocks of each of 16 rows: K a multiple of 64.
+    QuantFormat.Q4_0_R16: (64, 36),
+    QuantFormat.Q4_1_R16: (64, 40),
+    QuantFormat.Q5_0_R16: (64, 44),
+    QuantFormat.Q5_1_R16: (64, 48),
+    QuantFormat.Q8_0_R16: (64, 68),
     QuantFormat.Q4_K_R16: (256, 148),  # bytes per block and weight row (unpacked 6-bit scales)
     QuantFormat.Q6_K_R16: (256, 212),  # 32 bytes of padding per 16 rows (64-byte aligned chunks)
 }
@@ -219,7 +230,8 @@ def _(weight, fmt):
 
 
 def quant_repack(weight: Tensor, fmt: QuantFormat) -> Tensor:
-    """A file-layout weight uint8 [N, row_bytes] of Q4_K / Q6_K (N a multiple of 16) in its
+    """A file-layout weight uint8 [N, row_bytes] of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (K a multiple
+    of 64) or Q4_K / Q6_K, N a multiple of 16, in its
     row-interleaved layout `repacked_format(fmt)`, [N / 16, 16 * quant_row_bytes(R16 fmt, K)]; a
     repacked weight (fmt its *_R16 format) back to the file's bytes [N, row_bytes], bitwise. A new
     tensor: the source is read once and not kept."""
@@ -232,7 +244,7 @@ def _(weight, fmt):
     size, nbytes = _BLOCKS[fmt]
     if is_repacked(fmt):
         k = weight.shape[1] // (nbytes * REPACK_ROWS) * size
-        return weight.new_empty((weight.shape[0] * REPACK_ROWS, k // size * _BLOCKS[file_format(fmt)][1]))
+        return weight.new_empty((weight.shape[0] * REPACK_ROWS, quant_row_bytes(file_format(fmt), k)))
     k = weight.shape[1] // nbytes * size
     return weight.new_empty((weight.shape[0] // REPACK_ROWS,
-                             REPACK_ROWS * k // size * _BLOCKS[repacked_format(fmt)][1]))
+                             REPACK_ROWS * quant_row_bytes(repacked_format(fmt), k)))

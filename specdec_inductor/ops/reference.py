@@ -470,12 +470,75 @@ def _quads(values: Tensor, outer: int) -> Tensor:
     return values.reshape(g, r, nb, outer, 8, 4).permute(0, 2, 3, 4, 1, 5)
 
 
+def _small_fields(fmt):
+    """A 32-weight format's file block: (bytes, has m, has qh, offset of qh, offset of qs,
+    64-byte qs vectors per block in the R16 chunk)."""
+    from specdec_inductor.ops.quant import QuantFormat, quant_block
+
+    has_min = fmt in (QuantFormat.Q4_1, QuantFormat.Q5_1)
+    has_qh = fmt in (QuantFormat.Q5_0, QuantFormat.Q5_1)
+    qh_at = 4 if has_min else 2
+    return (quant_block(fmt)[1], has_min, has_qh, qh_at, qh_at + 4 * has_qh,
+            8 if fmt == QuantFormat.Q8_0 else 4)
+
+
+def _small_repack_ref(weight: Tensor, fmt) -> Tensor:
+    """The R16 pair chunks (csrc/quant_repack.h) of 32-weight-format file rows [N, row_bytes]."""
+    nbytes, has_min, has_qh, qh_at, qs_at, vectors = _small_fields(fmt)
+    g = weight.shape[0] // 16
+    c = weight.reshape(g, 16, -1, 2, nbytes).long()  # [G, 16, P, block, bytes]
+    by_lane = lambda f: f.permute(0, 2, 3, 1, 4)  # noqa: E731  [G, P, block, 16, n]
+    parts = [by_lane(c[..., 0:2])]
+    if has_min:
+        parts.append(by_lane(c[..., 2:4]))
+    if has_qh:
+        qh = sum(c[..., qh_at + i, None] << 8 * i for i in range(4))  # [G, 16, P, block, 1]
+        bits = (qh >> torch.arange(32)) & 1  # [G, 16, P, block, 32]: j = 16h + 4t + i
+        bits = bits.reshape(*bits.shape[:4], 2, 4, 4).permute(0, 2, 3, 5, 4, 1, 6)  # [G, P, block, t, h, 16, 4]
+        bits = bits.reshape(*bits.shape[:5], 8, 8)  # mask bit 4r + i as (byte, bit)
+        parts.append((bits << torch.arange(8)).sum(-1))
+    qs = c[..., qs_at:qs_at + 4 * vectors].reshape(g, 16, c.shape[2], 2, vectors, 4)
+    parts.append(qs.permute(0, 2, 3, 4, 1, 5))  # [G, P, block, t, 16, 4]
+    out = torch.cat([p.reshape(g, c.shape[2], -1) for p in parts], -1)  # [G, P, chunk]
+    return out.reshape(g, -1).to(torch.uint8)
+
+
+def _small_unpack_ref(weight: Tensor, fmt) -> Tensor:
+    """The file rows [N, row_bytes] of 32-weight-format R16 pair chunks (the inverse of
+    _small_repack_ref, read field by field)."""
+    from specdec_inductor.ops.quant import file_format, quant_block
+
+    base = file_format(fmt)
+    nbytes, has_min, has_qh, _, _, vectors = _small_fields(base)
+    g = weight.shape[0]
+    ch = weight.reshape(g, -1, 16 * quant_block(fmt)[1]).long()  # [G, P, chunk]
+    pairs = ch.shape[1]
+    by_row = lambda f: f.reshape(g, pairs, 2, 16, -1).permute(0, 3, 1, 2, 4)  # noqa: E731  [G, 16, P, block, n]
+    fields, at = [by_row(ch[..., 0:64])], 64
+    if has_min:
+        fields.append(by_row(ch[..., 64:128]))
+        at = 128
+    if has_qh:
+        bits = (ch[..., at:at + 128, None] >> torch.arange(8)) & 1  # [G, P, 128 bytes, 8]
+        bits = bits.reshape(g, pairs, 2, 4, 2, 16, 4).permute(0, 5, 1, 2, 4, 3, 6)  # [G, 16, P, block, h, t, i]
+        qh = (bits.reshape(g, 16, pairs, 2, 32) << torch.arange(32)).sum(-1, keepdim=True)
+        fields.append((qh >> 8 * torch.arange(4)) & 255)
+        at += 128
+    qs = ch[..., at:].reshape(g, pairs, 2, vectors, 16, 4).permute(0, 4, 1, 2, 3, 5)
+    fields.append(qs.reshape(g, 16, pairs, 2, -1))
+    blocks = torch.cat(fields, -1)  # [G, 16, P, block, bytes]
+    return blocks.reshape(g * 16, -1).to(torch.uint8)
+
+
 def quant_repack_ref(weight: Tensor, fmt) -> Tensor:
-    """The R16 layout (csrc/quant_repack.h) of file rows uint8 [N, row_bytes] of Q4_K / Q6_K, built
-    from the decoded fields: uint8 [N / 16, 16 * R16 row_bytes]."""
-    from specdec_inductor.ops.quant import QuantFormat
+    """The R16 layout (csrc/quant_repack.h) of file rows uint8 [N, row_bytes] of a format with one
+    (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, Q4_K / Q6_K), built from the decoded fields:
+    uint8 [N / 16, 16 * R16 row_bytes]."""
+    from specdec_inductor.ops.quant import QuantFormat, quant_block
 
     fmt = QuantFormat(int(fmt))
+    if quant_block(fmt)[0] == 32:
+        return _small_repack_ref(weight, fmt)
     c = _r16_chunks(weight, 144 if fmt == QuantFormat.Q4_K else 210)  # [G, 16, nb, bytes]
     g, _, nb, nbytes = c.shape
     flat = c.reshape(-1, nbytes)  # [B, bytes]
@@ -496,11 +559,13 @@ def quant_repack_ref(weight: Tensor, fmt) -> Tensor:
 
 
 def quant_unpack_ref(weight: Tensor, fmt) -> Tensor:
-    """The file rows uint8 [N, row_bytes] of an R16 weight [N / 16, 16 * R16 row_bytes] (fmt
-    Q4_K_R16 / Q6_K_R16): its fields read back and encoded as the file's blocks."""
-    from specdec_inductor.ops.quant import QuantFormat
+    """The file rows uint8 [N, row_bytes] of an R16 weight [N / 16, 16 * R16 row_bytes] (fmt an
+    *_R16 format): its fields read back and encoded as the file's blocks."""
+    from specdec_inductor.ops.quant import QuantFormat, quant_block
 
     fmt = QuantFormat(int(fmt))
+    if quant_block(fmt)[0] == 64:
+        return _small_unpack_ref(weight, fmt)
     q4 = fmt == QuantFormat.Q4_K_R16
     g = weight.shape[0]
     ch = weight.reshape(g, -1, 16 * (148 if q4 else 212)).long()  # [G, nb, chunk]
