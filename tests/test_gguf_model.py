@@ -329,31 +329,43 @@ def test_speculation_on_a_quantized_target_equals_its_ar(tiny, activation, compi
     assert accepted[0] > 4.0  # the self-draft's chains were verified, not skipped
 
 
-def test_int8_repacks_k_layers_where_the_vnni_kernel_runs(tiny):
-    """With INT8 on a VNNI CPU, the Q4_K layers (REPACKED_AT_LOAD) are repacked at load into
-    their 16-row interleaved layout and run by the R16 kernel; elsewhere (FLOAT, no VNNI, Q6_K)
-    they keep the file's rows. Either way every weight dequantizes to the file's value, select_rows stays
-    exact, and the model's logits stay within INT8's bound of the exact weights'."""
+@pytest.mark.parametrize("arch", list(TYPES))
+def test_int8_repacks_layers_where_the_vnni_kernel_runs(tiny, arch):
+    """With INT8 on a VNNI CPU, the layers of REPACKED_AT_LOAD formats (Q4_K and the 32-weight
+    formats) are repacked at load into their 16-row interleaved layout and run by the R16 kernel
+    (a tied embedding then reads the LM head's repacked copy); elsewhere (FLOAT, no VNNI, Q5_K /
+    Q6_K) they keep the file's rows. Either way every weight dequantizes to the file's value,
+    embedding rows and select_rows stay exact, and the model's logits stay within INT8's bound of
+    the exact weights'."""
     import specdec_inductor
     from specdec_inductor.engine.gguf_model import REPACKED_AT_LOAD
     from specdec_inductor.ops.quant import QuantActivation, QuantFormat, file_format, int8_path
     vnni = int8_path(QuantFormat.Q4_K_R16) == "avx512"
-    int8, tokenizer = load_gguf(tiny["qwen2"], activation=QuantActivation.INT8)
-    exact, _ = load_gguf(tiny["qwen2"], activation=QuantActivation.FLOAT)
+    int8, tokenizer = load_gguf(tiny[arch], activation=QuantActivation.INT8)
+    exact, _ = load_gguf(tiny[arch], activation=QuantActivation.FLOAT)
     layers = {n: m for n, m in int8.named_modules() if isinstance(m, QuantLinear)}
     files = {n: m for n, m in exact.named_modules() if isinstance(m, QuantLinear)}
-    k_layers = [n for n, m in files.items() if m.fmt in (QuantFormat.Q4_K, QuantFormat.Q6_K)]
-    assert k_layers  # attn_k and ffn_up (Q6_K), ffn_down (Q4_K)
-    for name in k_layers:
+    assert {m.fmt for m in files.values()} & set(REPACKED_AT_LOAD)
+    for name in files:
         repacked = vnni and files[name].fmt in REPACKED_AT_LOAD
         want = QuantFormat(int(files[name].fmt) + 256) if repacked else files[name].fmt
         assert layers[name].fmt == want and files[name].fmt == file_format(want)
         assert layers[name].out_features == files[name].out_features
         assert torch.equal(layers[name].dequantized_weight(), files[name].dequantized_weight())
     assert all(m.fmt < 256 for m in files.values())  # FLOAT keeps the file layout
+    embed, file_embed = int8.model.embed_tokens, exact.model.embed_tokens
+    tied_repacked = "output" not in TYPES[arch] and vnni and file_embed.fmt in REPACKED_AT_LOAD
+    if tied_repacked:  # one repacked copy serves the head and the embedding
+        assert embed.weight is int8.lm_head.weight and embed.fmt == int8.lm_head.fmt
+    else:
+        assert embed.fmt == file_embed.fmt
+    assert embed.num_embeddings == file_embed.num_embeddings
+    ids = torch.tensor([[0, 17, 300], [1, 16, 511]])
+    assert torch.equal(embed(ids), file_embed(ids))
     counted = {f: c for f, c in int8.quantized_formats.items() if f.endswith("_R16")}
-    assert sum(counted.values()) == (sum(files[n].fmt in REPACKED_AT_LOAD for n in k_layers) if vnni else 0)
-    for name in k_layers:
+    # (a tied head and its embedding: one repacked tensor, counted once)
+    assert sum(counted.values()) == (sum(m.fmt in REPACKED_AT_LOAD for m in files.values()) if vnni else 0)
+    for name in files:
         for index in (torch.tensor([5, 0, 17, 3]), torch.arange(32).flip(0)):  # 4 rows; 2 groups
             head = layers[name].select_rows(index)
             assert torch.equal(head.dequantized_weight(), files[name].dequantized_weight()[index])

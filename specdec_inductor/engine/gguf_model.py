@@ -21,8 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from specdec_inductor.ops.quant import (QuantActivation, QuantFormat, file_format, group_rows,
-                                        int8_path, is_repacked, quant_dequantize, quant_embedding,
-                                        quant_linear, quant_repack, repacked_format)
+                                        int8_path, is_repacked, quant_block, quant_dequantize,
+                                        quant_embedding, quant_linear, quant_repack,
+                                        repacked_format)
 
 if TYPE_CHECKING:  # gguf is imported where a file is read (an optional dependency)
     import gguf
@@ -68,18 +69,23 @@ def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
 # File formats repacked at load for INT8 on VNNI. Q6_K_R16 exists and is exact, but its kernel
 # read Q6_K at 0.55-0.7x the file layout's speed at one row (1.1-1.5x at 8; docs/decisions.md),
 # so Q6_K layers keep the file's rows.
-REPACKED_AT_LOAD = (QuantFormat.Q4_K,)
+REPACKED_AT_LOAD = (QuantFormat.Q4_0, QuantFormat.Q4_1, QuantFormat.Q5_0, QuantFormat.Q5_1,
+                    QuantFormat.Q8_0, QuantFormat.Q4_K)
 
 
 def kernel_layout(weight: Tensor, fmt, activation) -> Tuple[Tensor, QuantFormat]:
-    """(weight, fmt) in the layout quant_linear reads fastest with `activation`: Q4_K rows
-    interleaved in 16-row groups (QuantFormat.Q4_K_R16, a new tensor) where INT8 runs the AVX-512
-    VNNI kernel and N is a multiple of 16; the given file rows everywhere else (FLOAT, AVX2,
-    portable, other formats), unchanged."""
+    """(weight, fmt) in the layout quant_linear reads fastest with `activation`: rows of
+    REPACKED_AT_LOAD formats interleaved in 16-row groups (their *_R16 format, a new tensor) where
+    INT8 runs the AVX-512 VNNI kernel, N is a multiple of 16 and K of the layout's block (64 for
+    the 32-weight formats); the given file rows everywhere else (FLOAT, AVX2, portable, Q5_K /
+    Q6_K, a tensor whose N or K does not fit), unchanged."""
     fmt = QuantFormat(int(fmt))
     packed = repacked_format(fmt) if fmt in REPACKED_AT_LOAD else None
     if (packed is None or QuantActivation(int(activation or 0)) != QuantActivation.INT8
             or weight.shape[0] % group_rows(packed) or int8_path(packed) != "avx512"):
+        return weight, fmt
+    size, nbytes = quant_block(fmt)
+    if weight.shape[1] // nbytes * size % quant_block(packed)[0]:
         return weight, fmt
     return quant_repack(weight, fmt), packed
 
@@ -136,8 +142,10 @@ class QuantEmbedding(nn.Module):
     def __init__(self, weight: Tensor, fmt, embedding_dim: int, dtype: torch.dtype):
         super().__init__()
         self.fmt = QuantFormat(int(fmt))
-        self.num_embeddings, self.embedding_dim, self.dtype = weight.shape[0], embedding_dim, dtype
-        self.register_buffer("weight", weight, persistent=False)  # [V, row_bytes] uint8
+        self.num_embeddings = weight.shape[0] * group_rows(self.fmt)
+        self.embedding_dim, self.dtype = embedding_dim, dtype
+        # [V, row_bytes] uint8 (a repacked fmt: [V / 16, 16 * row_bytes], the tied LM head's)
+        self.register_buffer("weight", weight, persistent=False)
 
     def forward(self, ids: Tensor) -> Tensor:
         return quant_embedding(ids, self.weight, self.fmt, self.dtype)
@@ -338,9 +346,10 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
     embedding's own bytes. `model.quantized_formats` counts the tensors kept per format.
     `activation`: the QuantLinear layers' QuantActivation (None: FLOAT, exact weights and fp32
     products; INT8: 8-bit activations as llama.cpp); `model.quant_activation` records it. With
-    INT8 where the VNNI kernel runs, Q4_K layers are repacked at load into their 16-row
-    interleaved layout (kernel_layout; `model.quantized_formats` counts them under their *_R16
-    name) and the file's pages are dropped from this process's mapping."""
+    INT8 where the VNNI kernel runs, Q4_K layers and the 32-weight formats' (Q8_0, Q4_1, Q5_0,
+    ...) are repacked at load into their 16-row interleaved layout (kernel_layout;
+    `model.quantized_formats` counts them under their *_R16 name; a tied embedding then reads the
+    LM head's repacked copy) and the file's pages are dropped from this process's mapping."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
     if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
@@ -414,10 +423,15 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
     if "output.weight" not in tensors:
         # Tied embeddings: the LM head reads the embedding table (the same bytes, no copy).
         embed = model.model.embed_tokens
-        if isinstance(embed, QuantEmbedding):  # a repacked layout is the head's own copy
+        if isinstance(embed, QuantEmbedding):
             weight, fmt = kernel_layout(embed.weight, embed.fmt, activation)
             model.lm_head = QuantLinear(weight, fmt, embed.embedding_dim, activation=activation)
-            formats[fmt.name] += fmt != embed.fmt
+            if fmt != embed.fmt:  # repacked: the embedding reads the head's copy (one in memory)
+                model.model.embed_tokens = QuantEmbedding(weight, fmt, embed.embedding_dim,
+                                                          embed.dtype)
+                _release_file_pages(tensors["token_embd.weight"].data)
+                formats[embed.fmt.name] -= 1
+                formats[fmt.name] += 1
         else:
             model.lm_head.weight = embed.weight
     missing = [n for n, p in model.named_parameters() if p.is_meta]
