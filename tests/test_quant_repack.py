@@ -1,4 +1,5 @@
-"""The row-interleaved layouts Q4_K_R16 / Q6_K_R16 (csrc/quant_repack.h): quant_repack against the
+"""The row-interleaved layouts *_R16 (csrc/quant_repack.h: Q4_K_R16 / Q6_K_R16 and the 32-weight
+formats' Q4_0_R16 / Q4_1_R16 / Q5_0_R16 / Q5_1_R16 / Q8_0_R16): quant_repack against the
 Python reference of the layout and back to the file's bytes, every weight dequantizing to the
 file's value, quant_linear with INT8 activations over them (the VNNI kernel where it runs, the
 portable loops else; path asserted) against the fp64 definition, batch invariance for every M in
@@ -9,14 +10,17 @@ from torch.library import opcheck
 
 import specdec_inductor
 from specdec_inductor.ops.quant import (QuantActivation, QuantFormat, file_format, int8_path,
-                                        quant_dequantize, quant_embedding, quant_linear,
-                                        quant_repack, repacked_format)
+                                        quant_block, quant_dequantize, quant_embedding,
+                                        quant_linear, quant_repack, quant_row_bytes,
+                                        repacked_format)
 from specdec_inductor.ops.reference import (quant_dequantize_ref, quant_linear_int8_terms_ref,
                                             quant_repack_ref, quant_unpack_ref)
 from test_quant import (PATHS, _int8_x, _saturating_weight, _saturating_x, assert_one_thread_equals_all, bits,
                         check_int8_rows_alone_equal_batches, int8_kernel_of, random_weight)
 
-BASES = [QuantFormat.Q4_K, QuantFormat.Q6_K]
+K_BASES = [QuantFormat.Q4_K, QuantFormat.Q6_K]
+SMALL_BASES = [QuantFormat.Q4_0, QuantFormat.Q4_1, QuantFormat.Q5_0, QuantFormat.Q5_1, QuantFormat.Q8_0]
+BASES = K_BASES + SMALL_BASES
 INT8 = QuantActivation.INT8
 
 
@@ -31,9 +35,17 @@ def packed(base, n, k, seed, extreme=False):
     return w, quant_repack(w, base), repacked_format(base)
 
 
-def bound(k, magnitude):
-    """test_quant's fp32 rounding bound of the INT8 definition (K/64 + 8 roundings of |terms|)."""
-    return 2 * (k / 64 + 8) * 2.0 ** -24 * magnitude
+def act_block(base):
+    """Values per INT8 activation block: 256 for the K formats, 32 for the others."""
+    return quant_block(base)[0]
+
+
+def bound(base, k, magnitude):
+    """Twice the fp32 rounding of the INT8 definition per lane: the K formats, test_quant's
+    K/64 + 8 roundings of |terms|; the 32-weight formats' R16 kernel, one FMA per 32-weight block
+    and one more for the min (K/16), the scale products and the bias (+ 8)."""
+    per_k = 64 if quant_block(base)[0] == 256 else 16
+    return 2 * (k / per_k + 8) * 2.0 ** -24 * magnitude
 
 
 @pytest.mark.parametrize("extreme", [False, True])
@@ -41,7 +53,8 @@ def bound(k, magnitude):
 def test_repack_matches_reference_and_unpacks_to_the_file_bytes(base, extreme):
     w, r, fmt = packed(base, 48, 3 * 256, seed=int(base) + extreme, extreme=extreme)
     assert fmt == QuantFormat(int(base) + 256) and file_format(fmt) == base
-    assert r.dtype == torch.uint8 and r.shape == (3, 16 * 3 * (148 if base == QuantFormat.Q4_K else 212))
+    assert r.dtype == torch.uint8 and r.shape == (3, 16 * quant_row_bytes(fmt, 3 * 256))
+    assert r.numel() == w.numel() + {QuantFormat.Q4_K: 48 * 3 * 4, QuantFormat.Q6_K: 3 * 3 * 32}.get(base, 0)
     assert torch.equal(r, quant_repack_ref(w, base))
     assert torch.equal(quant_repack(r, fmt), w)
     assert torch.equal(quant_unpack_ref(r, fmt), w)
@@ -67,7 +80,7 @@ def test_int8_linear_matches_reference(base, dtype, path, m):
     k, n = 2 * 256, 48
     w, r, fmt = packed(base, n, k, seed=int(base) * 100 + m)
     gen = torch.Generator().manual_seed(m)
-    x = _int8_x(m, k, gen, dtype, block=256)  # [M, K]
+    x = _int8_x(m, k, gen, dtype, block=act_block(base))  # [M, K]
     b = torch.randn(n, generator=gen).to(dtype) if m % 2 else None  # [N]
     specdec_inductor.reset_kernel_path_counts()
     with specdec_inductor.forced_isa(path):
@@ -76,7 +89,7 @@ def test_int8_linear_matches_reference(base, dtype, path, m):
     assert out.dtype == dtype and out.shape == (m, n)
     ref, magnitude = quant_linear_int8_terms_ref(x, r, fmt, b)  # [M, N] fp64
     assert torch.equal(ref, quant_linear_int8_terms_ref(x, w, base, b)[0])
-    limit = bound(k, magnitude) + (2.0 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
+    limit = bound(base, k, magnitude) + (2.0 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
     assert ((out.double() - ref).abs() <= limit).all()
 
 
@@ -105,7 +118,7 @@ def test_threads_split_groups_not_sums(base, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("base", BASES)
+@pytest.mark.parametrize("base", K_BASES)
 def test_extreme_integer_sums(base, path):
     """The largest quants and scales against x = +-1: no int32 sum overflows."""
     k, n = 3 * 256, 16
@@ -116,7 +129,7 @@ def test_extreme_integer_sums(base, path):
         with specdec_inductor.forced_isa(path):
             out = quant_linear(x, r, fmt, activation=INT8)
         ref, magnitude = quant_linear_int8_terms_ref(x, w, base)
-        assert ((out.double() - ref).abs() <= bound(k, magnitude)).all(), (out, ref)
+        assert ((out.double() - ref).abs() <= bound(base, k, magnitude)).all(), (out, ref)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -126,17 +139,17 @@ def test_long_rows(base, path):
     the bound of the fp64 definition."""
     k, n = 8960, 32
     w, r, fmt = packed(base, n, k, seed=41)
-    x = _int8_x(16, k, torch.Generator().manual_seed(41), torch.float32, block=256)  # [16, K]
+    x = _int8_x(16, k, torch.Generator().manual_seed(41), torch.float32, block=act_block(base))  # [16, K]
     with specdec_inductor.forced_isa(path):
         alone = torch.cat([quant_linear(x[i:i + 1], r, fmt, activation=INT8) for i in range(16)])
         for rows in list(range(2, 10)) + [16]:
             assert torch.equal(quant_linear(x[:rows], r, fmt, activation=INT8), alone[:rows]), rows
     ref, magnitude = quant_linear_int8_terms_ref(x, w, base)
-    assert ((alone.double() - ref).abs() <= bound(k, magnitude)).all()
+    assert ((alone.double() - ref).abs() <= bound(base, k, magnitude)).all()
 
 
 def test_int8_path_names_the_kernel_that_runs():
-    for fmt in (QuantFormat.Q4_K_R16, QuantFormat.Q6_K_R16):
+    for fmt in map(repacked_format, BASES):
         _, r, _ = packed(file_format(fmt), 16, 256, seed=5)
         for path in PATHS:
             specdec_inductor.reset_kernel_path_counts()
@@ -182,10 +195,14 @@ def test_eager_equals_compiled(monkeypatch, tmp_path):
     torch._dynamo.reset()
     _, r4, f4 = packed(QuantFormat.Q4_K, 32, 256, seed=22)
     _, r6, f6 = packed(QuantFormat.Q6_K, 48, 256, seed=23)
+    _, r41, f41 = packed(QuantFormat.Q4_1, 16, 256, seed=24)
+    _, r80, f80 = packed(QuantFormat.Q8_0, 32, 256, seed=25)
 
     def f(x):
         h = quant_linear(x, r4, f4, activation=INT8)  # [T, 32]
-        return h, quant_linear(x.bfloat16(), r6, f6, activation=INT8)  # [T, 48]
+        return (h, quant_linear(x.bfloat16(), r6, f6, activation=INT8),  # [T, 48]
+                quant_linear(x, r41, f41, activation=INT8),  # [T, 16]
+                quant_linear(x.bfloat16(), r80, f80, activation=INT8))  # [T, 32]
 
     x = torch.randn(5, 256)
     for e, c in zip(f(x), torch.compile(f, fullgraph=True)(x)):
@@ -194,7 +211,14 @@ def test_eager_equals_compiled(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("call,match", [
     (lambda: quant_repack(random_weight(QuantFormat.Q4_K, 20, 256, 1), QuantFormat.Q4_K), "multiple of 16 rows"),
-    (lambda: quant_repack(random_weight(QuantFormat.Q8_0, 16, 256, 1), QuantFormat.Q8_0), "argument 'fmt'"),
+    (lambda: quant_repack(random_weight(QuantFormat.Q5_K, 16, 256, 1), QuantFormat.Q5_K), "argument 'fmt'"),
+    (lambda: quant_repack(random_weight(QuantFormat.Q8_0, 16, 96, 1), QuantFormat.Q8_0),
+     "multiple of 64 weights per row"),
+    (lambda: quant_linear(torch.randn(2, 96), torch.zeros(1, 16 * 3 * 34, dtype=torch.uint8),
+                          QuantFormat.Q8_0_R16, activation=INT8), "multiple of the fmt's block size 64"),
+    (lambda: quant_linear(torch.randn(2, 256), quant_repack(random_weight(QuantFormat.Q4_1, 16, 256, 1),
+                                                             QuantFormat.Q4_1),
+                          QuantFormat.Q4_1_R16), "argument 'activation' must be INT8"),
     (lambda: quant_linear(torch.randn(2, 256), quant_repack(random_weight(QuantFormat.Q4_K, 16, 256, 1),
                                                              QuantFormat.Q4_K),
                           QuantFormat.Q4_K_R16), "argument 'activation' must be INT8"),
