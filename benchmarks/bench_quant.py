@@ -19,7 +19,8 @@ baseline's time over ours (> 1: ours is faster) and "base/M=1" the baseline's M-
 its own 1-row time.
 
 --repacked: also times INT8 on the same weights repacked into their 16-row interleaved layout
-(QuantFormat.*_R16, what load_gguf builds for INT8 on VNNI; Q4_K and Q6_K) in the same rounds:
+(QuantFormat.*_R16, what load_gguf builds for INT8 on VNNI: Q4_K, Q6_K and the 32-weight
+formats, K a multiple of 64) in the same rounds:
 "R16 ms", its rate in file bytes, "file/R16" (the file layout's INT8 time over the repacked one's:
 > 1 the repacked layout is faster), and each layout's M-row time over its own 1-row time.
 
@@ -47,8 +48,10 @@ from bench_linear import median_times, read_bandwidth_gbs  # benchmarks/ is on s
 
 QWEN = [(1536, 1536), (8960, 1536), (1536, 8960), (151936, 1536)]  # (N, K)
 SMOL = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
+QWEN05 = [(896, 896), (4864, 896), (896, 4864), (151936, 896)]  # the 0.5B's Q8_0 / Q5_0 / Q4_0 shapes
 CASES = ([(f, n, k) for f in (QuantFormat.Q4_K, QuantFormat.Q6_K) for n, k in QWEN]
-         + [(f, n, k) for f in (QuantFormat.Q4_1, QuantFormat.Q8_0) for n, k in SMOL])
+         + [(f, n, k) for f in (QuantFormat.Q4_1, QuantFormat.Q8_0, QuantFormat.Q5_0, QuantFormat.Q4_0)
+            for n, k in SMOL + QWEN05])
 F16_FIELDS = {QuantFormat.Q4_1: [0, 2], QuantFormat.Q8_0: [0], QuantFormat.Q4_K: [0, 2],
               QuantFormat.Q6_K: [208], QuantFormat.Q4_0: [0], QuantFormat.Q5_0: [0], QuantFormat.Q5_1: [0, 2],
               QuantFormat.Q5_K: [0, 2]}
@@ -171,6 +174,8 @@ def main():
         w = random_weight(fmt, n, k)  # [N, row_bytes]
         w_dq = quant_dequantize(w, fmt)  # [N, K] fp32
         packed = repacked_format(fmt) if args.repacked and n % 16 == 0 else None
+        if packed is not None and k % quant_block(packed)[0]:
+            packed = None  # K does not fill the layout's chunks (64 weights for the 32-weight formats)
         w_r = quant_repack(w, fmt) if packed else None  # [N / 16, 16 * row_bytes']
         one_row = {}  # baseline and ours at M = 1
         for m in rows:
