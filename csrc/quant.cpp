@@ -544,7 +544,7 @@ Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fm
     blk.xk = quantize_xk(x2, isa);
   else
     blk.x = quantize_x(x2, file_format(f), isa);
-  if (repacked && !is_k_format(file_format(f))) blk.x.bsum32 = quant_block_sums(blk.x);
+  if (repacked && !is_k_format(file_format(f))) quant_block_sums(file_format(f), blk.x);
   for_row_blocks(N, row_bytes, M, [&](int64_t n_begin, int64_t n_end) {
     QuantLinearInt8Block part = blk;
     part.n_begin = n_begin;

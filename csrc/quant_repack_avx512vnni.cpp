@@ -181,20 +181,23 @@ struct SmallR16 {
   static constexpr bool kMin = kBase == QuantFmt::Q4_1 || kBase == QuantFmt::Q5_1;
   static constexpr bool kFifth = kBase == QuantFmt::Q5_0 || kBase == QuantFmt::Q5_1;
   static constexpr bool kQ8 = kBase == QuantFmt::Q8_0;
-  // quant_isa.h's int8_weight_offset: wq = u - offset.
-  static constexpr int kOffset = kBase == QuantFmt::Q4_0 ? 8 : kBase == QuantFmt::Q5_0 ? 16 : kQ8 ? 128 : 0;
   static constexpr int64_t kQhAt = kMin ? 128 : 64, kQsAt = kQhAt + (kFifth ? 128 : 0);
   static constexpr int64_t kChunk = kQsAt + (kQ8 ? 1024 : 512);
 };
 
-// One row of x as the 32-weight kernel reads it: quants, each block's d and quant sum.
+// One row of x as the 32-weight kernel reads it: quants, and per block d, the start of the
+// integer dot (-offset * quant sum) and d * quant sum.
 struct SmallXRow {
   const int8_t* q;
   const float* d;  // the d of each 4-quant lane: block b's at 8b
-  const int32_t* bsum;
+  const int32_t* start;
+  const float* d_sum;
   SmallXRow() = default;
   SmallXRow(const QuantizedX& x, int64_t m)
-      : q(x.q + m * x.Kp), d(x.d + m * (x.Kp / 4)), bsum(x.bsum32 + m * (x.Kp / 32)) {}
+      : q(x.q + m * x.Kp),
+        d(x.d + m * (x.Kp / 4)),
+        start(x.start32 + m * (x.Kp / 32)),
+        d_sum(x.d_sum32 + m * (x.Kp / 32)) {}
 };
 
 inline __mmask64 fifth_bits(const uint8_t* p) {
@@ -211,7 +214,7 @@ inline void small_block_dots(const uint8_t* ch, int blk, const SmallXRow* x, int
   using L = SmallR16<kBase>;
   __m512i other[MB];  // a second chain: the nibbles' high halves, Q8_0's odd vectors
   for (int i = 0; i < MB; ++i) {
-    dot[i] = _mm512_set1_epi32(-L::kOffset * x[i].bsum[b]);
+    dot[i] = _mm512_set1_epi32(x[i].start[b]);
     other[i] = _mm512_setzero_si512();
   }
   if constexpr (L::kQ8) {
@@ -246,8 +249,10 @@ inline void small_block_dots(const uint8_t* ch, int blk, const SmallXRow* x, int
 // A 32-weight format: MB rows of x against one group, all K. Per lane and block, in order:
 // acc += I * (d * d_x); Q4_1 / Q5_1 then acc += m * (d_x * quant sum).
 template <QuantFmt kBase, int MB>
-void small_group(const uint8_t* group, int64_t pairs, const SmallXRow* x, __m512* acc) {
+void small_group(const uint8_t* group, int64_t pairs, const SmallXRow* x, __m512* out) {
   using L = SmallR16<kBase>;
+  __m512 acc[MB];  // in registers (stores through `out` each block would not be)
+  for (int i = 0; i < MB; ++i) acc[i] = out[i];
   for (int64_t c = 0; c < pairs; ++c) {
     const uint8_t* ch = group + c * L::kChunk;
     prefetch_ahead<L::kChunk>(ch);
@@ -259,13 +264,11 @@ void small_group(const uint8_t* group, int64_t pairs, const SmallXRow* x, __m512
       for (int i = 0; i < MB; ++i) acc[i] = scale_add(dot[i], d, x[i].d[8 * b], acc[i]);
       if constexpr (L::kMin) {
         const __m512 m = f16x16(ch + 64 + 32 * blk);
-        for (int i = 0; i < MB; ++i) {
-          const float dsum = x[i].d[8 * b] * static_cast<float>(x[i].bsum[b]);
-          acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(dsum), acc[i]);
-        }
+        for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[i].d_sum[b]), acc[i]);
       }
     }
   }
+  for (int i = 0; i < MB; ++i) out[i] = acc[i];
 }
 
 // The K formats' group loop for MB rows of x from m0.
