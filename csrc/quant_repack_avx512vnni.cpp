@@ -5,7 +5,14 @@
 // into the block's integer sum; per 256 weights one convert and one FMA (d * d_x) per lane, plus
 // one for the Q4_K mins (an integer sum of mn * 32-quant sums, vpdpwssd). Up to 4 rows of x share
 // each unpacked weight vector (the unpacking is ~1.5 ops per 64 bytes for Q4_K, ~4.5 for Q6_K).
-// Every lane sees the operations of one (x row, weight row) pair in one order whatever the
+// The 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): per x row, block and 16 rows the exact
+// integer dot of the block (8 vpdpbusd: 4 weights x 16 rows each, started at -offset * the
+// block's quant sum), then one convert and one FMA by d * d_x per lane, plus one FMA for the
+// Q4_1 / Q5_1 min (m * d_x * quant sum): ~2.5x fewer vector ops per weight and x row than the
+// file layout's kernel, which converts and scales every 4-weight lane. That different float order
+// makes a row's result differ from the file kernel's in the last bits (both within the INT8
+// definition's rounding bound); repacking is all or nothing per tensor, so one model never mixes
+// them. Every lane sees the operations of one (x row, weight row) pair in one order whatever the
 // number of rows of x or the tile a row falls in: batch invariance.
 #include <immintrin.h>
 

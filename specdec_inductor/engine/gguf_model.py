@@ -438,7 +438,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
     missing += [n for n, b in model.named_buffers() if b.is_meta]
     if missing:
         raise ValueError(f"argument 'path': the GGUF lacks tensors for {', '.join(missing[:4])}")
-    model.quantized_formats = dict(formats)
+    model.quantized_formats = dict(+formats)  # (a format whose only tensor was repacked: gone)
     acts = {m.activation.name for m in model.modules() if isinstance(m, QuantLinear)}
     model.quant_activation = acts.pop() if len(acts) == 1 else None  # None: dense model
     model.gguf_path = path

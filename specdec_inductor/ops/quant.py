@@ -24,7 +24,10 @@ class QuantFormat(enum.IntEnum):
     The *_R16 members are our own layouts of a file format (256 + its id; `quant_repack` makes
     them): 16 weight rows interleaved so that one vector lane is one weight row (the layout is
     described in csrc/quant_repack.h). A weight in one is uint8 [N / 16, 16 * row_bytes]; every
-    weight keeps its exact file value; quant_linear runs them with INT8 activations only.
+    weight keeps its exact file value; quant_linear runs them with INT8 activations only. The
+    32-weight formats' layouts (Q4_0_R16 ... Q8_0_R16) hold two blocks per chunk: K a multiple
+    of 64. Their INT8 results are batch invariant but not bitwise the file layout's (the kernel
+    scales each 32-weight block's integer dot once instead of every 4-weight lane).
     """
     Q4_0 = 2
     Q4_1 = 3
@@ -186,7 +189,9 @@ def quant_linear(x: Tensor, weight: Tensor, fmt: QuantFormat, bias: Optional[Ten
                   + sum_b sum_s (-dmin * mn[s]) * (d_b * sum over s of q)   (Q4_K / Q5_K)   (+ bias[n]).
       The integer sums are exact, the rest accumulated in fp32 in a fixed order (the repacked
       layouts' kernel sums the Q4_K mins as the integer sum_s mn[s] * (sum over s of q) and adds
-      it once per block times -dmin * d_b: the same value in exact arithmetic).
+      it once per block times -dmin * d_b: the same value in exact arithmetic; the 32-weight
+      formats' repacked layouts scale each block's exact integer dot once, in the order
+      y += dot_b * (d * d_b), then y += m * (d_b * sum over block b of q), block after block).
     `quant_linear_ref(..., activation=INT8)` computes the same in fp64.
     """
     return torch.ops.specdec.quant_linear.default(x, weight, int(_format(fmt)), bias,
