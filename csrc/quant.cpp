@@ -416,8 +416,8 @@ QuantFormatInfo check_fmt(int64_t fmt) {
   QuantFormatInfo info{};
   TORCH_CHECK_VALUE(fmt >= 0 && fmt < 512 && quant_format_info(static_cast<int>(fmt), &info),
                     "argument 'fmt' must be a supported ggml type id (Q4_0=2, Q4_1=3, Q5_0=6, "
-                    "Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14) or repacked layout (256 + the id of "
-                    "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K), got ", fmt);
+                    "Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14) or repacked layout (256 + "
+                    "the id of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K), got ", fmt);
   return info;
 }
 
@@ -735,8 +735,8 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& weight, int6
 }
 
 // A file-layout weight [N, row_bytes] of a format with a repacked layout (N a multiple of 16,
-// K of 64 for the 32-weight formats) -> that layout [N / 16, 16 * row_bytes]; a repacked weight -> the file's rows
-// [N, row_bytes], bitwise the bytes it was made from. The source is read once, group by group.
+// K of 64 for the 32-weight formats) -> that layout [N / 16, 16 * row_bytes]; a repacked weight
+// -> the file's rows [N, row_bytes], bitwise the bytes it was made from. The source is read once, group by group.
 at::Tensor quant_repack(const at::Tensor& weight, int64_t fmt) {
   const QuantFormatInfo info = check_fmt(fmt);
   const QuantFmt f = static_cast<QuantFmt>(fmt), base = file_format(f);

@@ -128,8 +128,8 @@ SmallLayout small_layout(QuantFmt base) {
   const bool q8 = base == QuantFmt::Q8_0;
   const int64_t file_qh = min ? 4 : 2, file_qs = file_qh + (qh ? 4 : 0);
   const int64_t qh_at = min ? 128 : 64, qs_at = qh_at + (qh ? 128 : 0), vectors = q8 ? 8 : 4;
-  return {min, qh, file_qs + (q8 ? 32 : 16), file_qh, file_qs, qh_at, qs_at, vectors,
-          qs_at + 2 * 64 * vectors};
+  return {min,   qh,      file_qs + (q8 ? 32 : 16), file_qh, file_qs, qh_at,
+          qs_at, vectors, qs_at + 2 * 64 * vectors};
 }
 
 // Byte and bit of lane r's fifth bit j (0..31) of block `blk` in a chunk's qh masks.

@@ -75,8 +75,8 @@ inline int64_t repack_k_unit(QuantFmt base) { return is_k_format(base) ? 256 : 6
 
 }  // namespace
 
-// 16 file rows of K weights in `base` (a format with a repacked layout; row r at src + r * src_stride) into one
-// repacked tensor row at dst (16 * row_bytes bytes).
+// 16 file rows of K weights in `base` (a format with a repacked layout; row r at
+// src + r * src_stride) into one repacked tensor row at dst (16 * row_bytes bytes).
 void quant_repack_group(QuantFmt base, const uint8_t* src, int64_t src_stride, int64_t K,
                         uint8_t* dst);
 // Lane r (0..15) of a repacked tensor row back into the file's row_bytes bytes at dst.

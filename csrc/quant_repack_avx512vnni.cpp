@@ -227,7 +227,8 @@ inline void small_block_dots(const uint8_t* ch, int blk, const SmallXRow* x, int
   if constexpr (L::kQ8) {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // u = q + 128
     for (int t = 0; t < 8; ++t) {
-      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(ch + L::kQsAt + 512 * blk + 64 * t), flip);
+      const __m512i u =
+          _mm512_xor_si512(_mm512_loadu_si512(ch + L::kQsAt + 512 * blk + 64 * t), flip);
       for (int i = 0; i < MB; ++i) {
         __m512i& acc = t % 2 ? other[i] : dot[i];
         acc = _mm512_dpbusd_epi32(acc, u, bcast4(x[i].q + 32 * b + 4 * t));
@@ -258,7 +259,7 @@ inline void small_block_dots(const uint8_t* ch, int blk, const SmallXRow* x, int
 template <QuantFmt kBase, int MB>
 void small_group(const uint8_t* group, int64_t pairs, const SmallXRow* x, __m512* out) {
   using L = SmallR16<kBase>;
-  __m512 acc[MB];  // in registers (stores through `out` each block would not be)
+  __m512 acc[MB];  // local, so that they stay in registers across the loop
   for (int i = 0; i < MB; ++i) acc[i] = out[i];
   for (int64_t c = 0; c < pairs; ++c) {
     const uint8_t* ch = group + c * L::kChunk;
@@ -271,7 +272,8 @@ void small_group(const uint8_t* group, int64_t pairs, const SmallXRow* x, __m512
       for (int i = 0; i < MB; ++i) acc[i] = scale_add(dot[i], d, x[i].d[8 * b], acc[i]);
       if constexpr (L::kMin) {
         const __m512 m = f16x16(ch + 64 + 32 * blk);
-        for (int i = 0; i < MB; ++i) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[i].d_sum[b]), acc[i]);
+        for (int i = 0; i < MB; ++i)
+          acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[i].d_sum[b]), acc[i]);
       }
     }
   }
