@@ -118,6 +118,7 @@ void q6_unpack_block(const uint8_t* c, int r, uint8_t* p) {
 // A 32-weight format's file block and R16 pair chunk (quant_repack.h): field offsets.
 struct SmallLayout {
   bool min, qh;
+  uint8_t flip;  // xor-ed into the quant bytes (Q8_0: q + 128, the unsigned byte)
   int64_t file_bytes, file_qh, file_qs;  // the file block
   int64_t qh_at, qs_at, vectors, chunk;  // the chunk; vectors: 64-byte qs vectors per block
 };
@@ -128,8 +129,14 @@ SmallLayout small_layout(QuantFmt base) {
   const bool q8 = base == QuantFmt::Q8_0;
   const int64_t file_qh = min ? 4 : 2, file_qs = file_qh + (qh ? 4 : 0);
   const int64_t qh_at = min ? 128 : 64, qs_at = qh_at + (qh ? 128 : 0), vectors = q8 ? 8 : 4;
-  return {min,   qh,      file_qs + (q8 ? 32 : 16), file_qh, file_qs, qh_at,
-          qs_at, vectors, qs_at + 2 * 64 * vectors};
+  const uint8_t flip = q8 ? 0x80 : 0;
+  return {min,   qh,    flip,    file_qs + (q8 ? 32 : 16), file_qh, file_qs,
+          qh_at, qs_at, vectors, qs_at + 2 * 64 * vectors};
+}
+
+// 4 quant bytes from src to dst, xor-ed with flip (the same both ways).
+void copy_quads(uint8_t* dst, const uint8_t* src, uint8_t flip) {
+  for (int i = 0; i < 4; ++i) dst[i] = static_cast<uint8_t>(src[i] ^ flip);
 }
 
 // Byte and bit of lane r's fifth bit j (0..31) of block `blk` in a chunk's qh masks.
@@ -156,7 +163,8 @@ void small_repack_pair(const SmallLayout& L, const uint8_t* const* rows, uint8_t
         }
       }
       for (int t = 0; t < L.vectors; ++t)
-        std::memcpy(c + L.qs_at + ((blk * L.vectors + t) * 16 + r) * 4, p + L.file_qs + 4 * t, 4);
+        copy_quads(c + L.qs_at + ((blk * L.vectors + t) * 16 + r) * 4, p + L.file_qs + 4 * t,
+                   L.flip);
     }
   }
 }
@@ -175,7 +183,7 @@ void small_unpack_pair(const SmallLayout& L, const uint8_t* c, int r, uint8_t* p
       std::memcpy(p + L.file_qh, &h, 4);
     }
     for (int t = 0; t < L.vectors; ++t)
-      std::memcpy(p + L.file_qs + 4 * t, c + L.qs_at + ((blk * L.vectors + t) * 16 + r) * 4, 4);
+      copy_quads(p + L.file_qs + 4 * t, c + L.qs_at + ((blk * L.vectors + t) * 16 + r) * 4, L.flip);
   }
 }
 

@@ -32,9 +32,11 @@
 //                                          as the mask of its bytes; 128 bytes)
 //     then qs: nibble formats u8 [2][4][16][4] (block, t, r, i) = the file row's qs[4t + i]:
 //                  low nibble weight 4t + i, high nibble weight 16 + 4t + i (512 bytes);
-//              Q8_0 i8 [2][8][16][4] (block, t, r, i) = the file row's qs[4t + i] (1024 bytes).
+//              Q8_0 u8 [2][8][16][4] (block, t, r, i) = the file row's qs[4t + i] + 128, the
+//                  unsigned byte vpdpbusd takes (its sign bit flipped; 1024 bytes).
 //   Q4_0_R16 576 B = 16 x 36, Q4_1_R16 640 = 16 x 40, Q5_0_R16 704 = 16 x 44,
-//   Q5_1_R16 768 = 16 x 48, Q8_0_R16 1088 = 16 x 68: the file's bytes, only rearranged.
+//   Q5_1_R16 768 = 16 x 48, Q8_0_R16 1088 = 16 x 68: the file's bytes, rearranged (and Q8_0's
+//   sign bits flipped).
 // Raw-pointer functions (no ATen): portable ones in quant_repack.cpp, the kernel in
 // quant_repack_avx512vnni.cpp.
 #pragma once

@@ -225,10 +225,8 @@ inline void small_block_dots(const uint8_t* ch, int blk, const SmallXRow* x, int
     other[i] = _mm512_setzero_si512();
   }
   if constexpr (L::kQ8) {
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // u = q + 128
     for (int t = 0; t < 8; ++t) {
-      const __m512i u =
-          _mm512_xor_si512(_mm512_loadu_si512(ch + L::kQsAt + 512 * blk + 64 * t), flip);
+      const __m512i u = _mm512_loadu_si512(ch + L::kQsAt + 512 * blk + 64 * t);  // q + 128
       for (int i = 0; i < MB; ++i) {
         __m512i& acc = t % 2 ? other[i] : dot[i];
         acc = _mm512_dpbusd_epi32(acc, u, bcast4(x[i].q + 32 * b + 4 * t));

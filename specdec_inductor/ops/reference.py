@@ -482,6 +482,14 @@ def _small_fields(fmt):
             8 if fmt == QuantFormat.Q8_0 else 4)
 
 
+def _quant_flip(fmt) -> int:
+    """What the R16 layout xors into a 32-weight format's quant bytes: Q8_0's are stored as
+    q + 128 (the unsigned byte vpdpbusd takes), the nibbles as they are."""
+    from specdec_inductor.ops.quant import QuantFormat
+
+    return 0x80 if fmt == QuantFormat.Q8_0 else 0
+
+
 def _small_repack_ref(weight: Tensor, fmt) -> Tensor:
     """The R16 pair chunks (csrc/quant_repack.h) of 32-weight-format file rows [N, row_bytes]."""
     nbytes, has_min, has_qh, qh_at, qs_at, vectors = _small_fields(fmt)
@@ -498,7 +506,7 @@ def _small_repack_ref(weight: Tensor, fmt) -> Tensor:
         bits = bits.reshape(*bits.shape[:5], 8, 8)  # mask bit 4r + i as (byte, bit)
         parts.append((bits << torch.arange(8)).sum(-1))
     qs = c[..., qs_at:qs_at + 4 * vectors].reshape(g, 16, c.shape[2], 2, vectors, 4)
-    parts.append(qs.permute(0, 2, 3, 4, 1, 5))  # [G, P, block, t, 16, 4]
+    parts.append(qs.permute(0, 2, 3, 4, 1, 5) ^ _quant_flip(fmt))  # [G, P, block, t, 16, 4]
     out = torch.cat([p.reshape(g, c.shape[2], -1) for p in parts], -1)  # [G, P, chunk]
     return out.reshape(g, -1).to(torch.uint8)
 
@@ -524,7 +532,7 @@ def _small_unpack_ref(weight: Tensor, fmt) -> Tensor:
         qh = (bits.reshape(g, 16, pairs, 2, 32) << torch.arange(32)).sum(-1, keepdim=True)
         fields.append((qh >> 8 * torch.arange(4)) & 255)
         at += 128
-    qs = ch[..., at:].reshape(g, pairs, 2, vectors, 16, 4).permute(0, 4, 1, 2, 3, 5)
+    qs = ch[..., at:].reshape(g, pairs, 2, vectors, 16, 4).permute(0, 4, 1, 2, 3, 5) ^ _quant_flip(base)
     fields.append(qs.reshape(g, 16, pairs, 2, -1))
     blocks = torch.cat(fields, -1)  # [G, 16, P, block, bytes]
     return blocks.reshape(g * 16, -1).to(torch.uint8)
