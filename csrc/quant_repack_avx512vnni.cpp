@@ -225,11 +225,13 @@ inline void small_block_dots(const uint8_t* ch, int blk, const SmallXRow* x, int
     other[i] = _mm512_setzero_si512();
   }
   if constexpr (L::kQ8) {
-    for (int t = 0; t < 8; ++t) {
-      const __m512i u = _mm512_loadu_si512(ch + L::kQsAt + 512 * blk + 64 * t);  // q + 128
+    for (int t = 0; t < 8; t += 2) {  // stored as u = q + 128
+      const uint8_t* qs = ch + L::kQsAt + 512 * blk + 64 * t;
+      const __m512i u0 = _mm512_loadu_si512(qs), u1 = _mm512_loadu_si512(qs + 64);
       for (int i = 0; i < MB; ++i) {
-        __m512i& acc = t % 2 ? other[i] : dot[i];
-        acc = _mm512_dpbusd_epi32(acc, u, bcast4(x[i].q + 32 * b + 4 * t));
+        const int8_t* q = x[i].q + 32 * b + 4 * t;
+        dot[i] = _mm512_dpbusd_epi32(dot[i], u0, bcast4(q));
+        other[i] = _mm512_dpbusd_epi32(other[i], u1, bcast4(q + 4));
       }
     }
   } else {
