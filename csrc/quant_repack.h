@@ -1,10 +1,11 @@
-// Row-interleaved ("R16") layouts of the K formats, made at load from a GGUF tensor for the INT8
-// (AVX-512 VNNI) kernel: 16 weight rows per group, so that one 16-lane vector holds one value of
-// each of the group's rows and a vpdpbusd multiplies 4 weights of all 16 rows into a broadcast of
-// 4 activation quants (no horizontal sums; the sub-block scales apply once per 32 / 16 weights
-// per lane). A repacked tensor is uint8 [N / 16, 16 * row_bytes]: tensor row g holds weight rows
-// 16g .. 16g + 15, as K / 256 chunks of 16 * block_bytes bytes (one per 256-weight block b), every
-// value copied or re-encoded exactly (quant_unpack_group_row gives back the file's bytes).
+// Row-interleaved ("R16") layouts of Q4_K / Q6_K and of the 32-weight formats, made at load from
+// a GGUF tensor for the INT8 (AVX-512 VNNI) kernel: 16 weight rows per group, so that one 16-lane
+// vector holds one value of each of the group's rows and a vpdpbusd multiplies 4 weights of all
+// 16 rows into a broadcast of 4 activation quants (no horizontal sums; the scales apply once per
+// 32 / 16 weights per lane). A repacked tensor is uint8 [N / 16, 16 * row_bytes]: tensor row g
+// holds weight rows 16g .. 16g + 15, as chunks of 16 * block_bytes bytes (K formats: one per
+// 256-weight block b; 32-weight formats: one per two blocks), every value copied or re-encoded
+// exactly (quant_unpack_group_row gives back the file's bytes).
 //   Q4_K_R16 chunk (2368 B = 16 x 148):
 //     [0, 32)      fp16 d[16]            (lane r: row 16g + r)
 //     [32, 64)     fp16 dmin[16]
