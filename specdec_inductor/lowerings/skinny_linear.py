@@ -109,6 +109,37 @@ def _x_key(x):
     return base, tuple(_val(x).shape)
 
 
+def merge_into_cat(graph: torch.fx.Graph, first, members, x, cat_op, cat_args) -> torch.fx.Node:
+    """Inserts `cat_op(*cat_args)` -- the members' outputs side by side along the last dim, in
+    the order of `members` -- before `first`, the member that comes first in the graph (cat_args'
+    nodes must all come before it), and replaces each
+    member by its columns, sliced back out as views; erases the members, and each member's own
+    x (a view of the shared `x`) once unused. Returns the new node."""
+    fake_mode = torch._guards.detect_fake_mode([_val(x)])
+    with fake_mode:
+        cat_val = cat_op(*torch.fx.node.map_arg(cat_args, _val))
+    dim = cat_val.dim() - 1
+    with graph.inserting_before(first):
+        cat = graph.call_function(cat_op, cat_args)
+    cat.meta.update(first.meta)
+    cat.meta["val"] = cat_val
+    start, anchor = 0, cat
+    for node in members:
+        n_out = _val(node).shape[-1]
+        with graph.inserting_after(anchor):
+            part = graph.call_function(aten.slice.Tensor, (cat, dim, start, start + n_out))
+        anchor = part
+        part.meta.update(node.meta)
+        part.meta["val"] = aten.slice.Tensor(cat_val, dim, start, start + n_out)
+        node.replace_all_uses_with(part)
+        own_x = node.args[0]
+        graph.erase_node(node)
+        if own_x is not x and not own_x.users:
+            graph.erase_node(own_x)
+        start += n_out
+    return cat
+
+
 def group_skinny_linear(graph: torch.fx.Graph) -> int:
     """Merges the skinny_linear nodes of `graph` that read the same x (_x_key; their weights
     and biases existing before the first of them) into skinny_linear_cat + slices; returns how many
@@ -132,30 +163,8 @@ def group_skinny_linear(graph: torch.fx.Graph) -> int:
             continue
         weights = [n.args[1] for n in members]
         biases = [n.args[2] if len(n.args) > 2 else None for n in members]
-        fake_mode = torch._guards.detect_fake_mode([_val(x)])
-        with fake_mode:
-            cat_val = torch.ops.specdec.skinny_linear_cat.default(
-                _val(x), [_val(w) for w in weights], [_val(b) for b in biases])
-        dim = cat_val.dim() - 1
-        with graph.inserting_before(first):
-            cat = graph.call_function(torch.ops.specdec.skinny_linear_cat.default,
-                                      (x, weights, biases))
-        cat.meta.update(first.meta)
-        cat.meta["val"] = cat_val
-        start, anchor = 0, cat
-        for node in members:
-            n_out = _val(node.args[1]).shape[0]
-            with graph.inserting_after(anchor):
-                part = graph.call_function(aten.slice.Tensor, (cat, dim, start, start + n_out))
-            anchor = part
-            part.meta.update(node.meta)
-            part.meta["val"] = aten.slice.Tensor(cat_val, dim, start, start + n_out)
-            node.replace_all_uses_with(part)
-            own_x = node.args[0]
-            graph.erase_node(node)
-            if own_x is not x and not own_x.users:
-                graph.erase_node(own_x)
-            start += n_out
+        merge_into_cat(graph, first, members, x, torch.ops.specdec.skinny_linear_cat.default,
+                       (x, weights, biases))
         groups += 1
     counters["specdec"]["linear_cat"] += groups
     return groups
