@@ -121,7 +121,9 @@ def merge_into_cat(graph: torch.fx.Graph, first, members, x, cat_op, cat_args) -
     dim = cat_val.dim() - 1
     with graph.inserting_before(first):
         cat = graph.call_function(cat_op, cat_args)
-    cat.meta.update(first.meta)
+    # The first member's meta (stack trace, ...), less the eager input values Inductor would
+    # constrain the cat's arguments to (they are the member's, not the cat's).
+    cat.meta.update({k: v for k, v in first.meta.items() if k != "eager_input_vals"})
     cat.meta["val"] = cat_val
     start, anchor = 0, cat
     for node in members:
@@ -129,7 +131,7 @@ def merge_into_cat(graph: torch.fx.Graph, first, members, x, cat_op, cat_args) -
         with graph.inserting_after(anchor):
             part = graph.call_function(aten.slice.Tensor, (cat, dim, start, start + n_out))
         anchor = part
-        part.meta.update(node.meta)
+        part.meta.update({k: v for k, v in node.meta.items() if k != "eager_input_vals"})
         part.meta["val"] = aten.slice.Tensor(cat_val, dim, start, start + n_out)
         node.replace_all_uses_with(part)
         own_x = node.args[0]
