@@ -1,12 +1,14 @@
 // Quantized-weight ops over ggml block formats, reading a GGUF tensor's bytes in place (no repack):
 // quant_linear (y = x W^T + b, W dequantized on the fly while it streams from memory),
-// quant_embedding (rows of W by id) and quant_dequantize (the whole of W in fp32). Formats and
-// block layouts: quant_isa.h. Every weight the kernels use equals the file's value exactly (the
-// gguf package's dequantization, bit for bit).
+// quant_linear_cat (several weights against one x: their outputs side by side, each value bitwise
+// quant_linear's), quant_embedding (rows of W by id) and quant_dequantize (the whole of W in
+// fp32). Formats and block layouts: quant_isa.h. Every weight the kernels use equals the file's
+// value exactly (the gguf package's dequantization, bit for bit).
 // ISA paths: AVX-512 (quant_avx512.cpp) when active_isa() >= AVX512, AVX2 (quant_avx2.cpp) when it
 // is AVX2, portable otherwise. Output features are split across threads in blocks of rows: one
-// parallel region per call. Batch invariance: a row of quant_linear's output is bitwise the same
-// whatever the number of rows of x and wherever the row sits (see QuantLinearBlock).
+// parallel region per call (quant_linear_cat: the blocks of all its weights in one region).
+// Batch invariance: a row of quant_linear's output is bitwise the same whatever the number of
+// rows of x and wherever the row sits (see QuantLinearBlock).
 // INT8 activations (activation = 1; definition in quant_isa.h): x is quantized once per call
 // (32-value blocks, or 256 for the K formats) into per-thread buffers that only grow, then the
 // AVX-512 VNNI kernels (quant_avx512vnni.cpp) run when active_isa() >= AVX512 and the CPU has
