@@ -291,6 +291,25 @@ def test_pass_groups_shared_inputs(activation, monkeypatch, tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_pass_with_dynamic_rows(monkeypatch, tmp_path):
+    """A symbolic row count (dynamic=True): the groups still merge, one graph for every M, and
+    q is bitwise eager's (the cat runs the separate calls' kernels)."""
+    from specdec_inductor.backend import specdec_backend
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = _Qkv(INT8).eval()
+    fn = torch.compile(model, dynamic=True, fullgraph=True, backend=specdec_backend)
+    gen = torch.Generator().manual_seed(19)
+    with torch.no_grad():
+        for rows in (3, 5, 9):
+            x = torch.randn(rows, K, generator=gen)
+            (out, q), (want_out, want_q) = fn(x), model(x)
+            assert torch.equal(q, want_q)  # x * 2 is exact: the same input, the same bits
+            torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
+    assert torch._dynamo.utils.counters["specdec"]["quant_cat"] == 2  # one graph
+
+
 def test_pass_uuid_is_stable():
     from specdec_inductor.lowerings.quant_cat import QuantCatPass
     from specdec_inductor.lowerings.skinny_linear import LinearCatPass

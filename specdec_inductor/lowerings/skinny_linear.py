@@ -102,11 +102,12 @@ _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 def _x_key(x):
     """The tensor x reads, seen through views (each projection views the normed hidden state
-    itself), with x's shape: skinny_linear calls with equal keys read the same values."""
+    itself), with x's shape: calls with equal keys read the same values. The sizes as text: a
+    symbolic size (dynamic shapes) is not hashable, and equal expressions are equal sizes."""
     base = x
     while isinstance(base, torch.fx.Node) and base.op == "call_function" and base.target in _VIEWS:
         base = base.args[0]
-    return base, tuple(_val(x).shape)
+    return base, tuple(str(d) for d in _val(x).shape)
 
 
 def merge_into_cat(graph: torch.fx.Graph, first, members, x, cat_op, cat_args) -> torch.fx.Node:
