@@ -430,19 +430,19 @@ QuantFormatInfo check_fmt(int64_t fmt, const std::string& name = "fmt") {
 int64_t check_weight(const at::Tensor& weight, const QuantFormatInfo& info,
                      const std::string& name = "weight") {
   check_cpu(weight, name.c_str());
-  TORCH_CHECK_TYPE(weight.scalar_type() == at::kByte,
-                   "argument '", name, "' must be uint8 (the GGUF tensor's bytes), got ",
-                   weight.scalar_type());
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kByte, "argument '", name,
+                   "' must be uint8 (the GGUF tensor's bytes), got ", weight.scalar_type());
   check_dim(weight, 2, name.c_str());
   const int64_t unit = info.block_bytes * info.group_rows;
-  TORCH_CHECK_VALUE(weight.size(1) % unit == 0, "argument '", name, "' must have a whole number of ",
-                    unit, "-byte blocks per row for this fmt, got shape ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.size(1) % unit == 0, "argument '", name,
+                    "' must have a whole number of ", unit,
+                    "-byte blocks per row for this fmt, got shape ", weight.sizes());
   TORCH_CHECK_VALUE(weight.size(1) <= 1 || weight.size(0) == 0 || weight.stride(1) == 1,
-                    "argument '", name, "' must have contiguous rows (stride(1) == 1), got strides ",
-                    weight.strides());
-  TORCH_CHECK_VALUE(weight.size(0) <= 1 || weight.stride(0) >= weight.size(1),
-                    "argument '", name, "' must have non-overlapping rows (stride(0) >= row bytes ",
-                    weight.size(1), "), got strides ", weight.strides());
+                    "argument '", name,
+                    "' must have contiguous rows (stride(1) == 1), got strides ", weight.strides());
+  TORCH_CHECK_VALUE(weight.size(0) <= 1 || weight.stride(0) >= weight.size(1), "argument '", name,
+                    "' must have non-overlapping rows (stride(0) >= row bytes ", weight.size(1),
+                    "), got strides ", weight.strides());
   return weight.size(1) / unit * info.block_size;
 }
 
@@ -639,9 +639,16 @@ Isa linear_int8(const at::Tensor& x2, const std::vector<LinearMember>& members, 
   Isa slowest = Isa::AMX;
   for (const LinearMember& mb : members) {
     const Isa isa = quant_int8_path(mb.fmt);
-    QuantLinearInt8Block blk{mb.fmt, {}, {}, mb.w, mb.w_stride,
+    QuantLinearInt8Block blk{mb.fmt,
+                             {},
+                             {},
+                             mb.w,
+                             mb.w_stride,
                              mb.bias.defined() ? mb.bias.const_data_ptr<float>() : nullptr,
-                             y.data_ptr<float>() + mb.col, y.size(1), 0, 0};
+                             y.data_ptr<float>() + mb.col,
+                             y.size(1),
+                             0,
+                             0};
     if (is_k_format(file_format(mb.fmt))) {
       if (!xk) xk = quantize_xk(x2, isa);
       blk.xk = *xk;
@@ -650,8 +657,8 @@ Isa linear_int8(const at::Tensor& x2, const std::vector<LinearMember>& members, 
       if (x_by_offset.empty())
         x_by_offset.emplace(offset, quantize_x(x2, mb.fmt, isa));
       else if (!x_by_offset.count(offset))
-        x_by_offset.emplace(
-            offset, with_offset(x_by_offset.begin()->second, offset, offset_bufs[offset]));
+        x_by_offset.emplace(offset,
+                            with_offset(x_by_offset.begin()->second, offset, offset_bufs[offset]));
       blk.x = x_by_offset.at(offset);
     }
     blks.push_back(blk);
@@ -693,9 +700,10 @@ LinearMember check_member(const at::Tensor& x, int64_t K, const at::Tensor& weig
                           const std::optional<at::Tensor>& bias, int64_t activation, int64_t col,
                           const MemberNames& names) {
   const QuantFormatInfo info = check_fmt(fmt, names.fmt);
-  TORCH_CHECK_VALUE(K % info.block_size == 0,
-                    "argument 'x' must have a last dimension (K) that is a multiple of the block "
-                    "size of '", names.fmt, "' (", info.block_size, "), got ", K);
+  TORCH_CHECK_VALUE(
+      K % info.block_size == 0,
+      "argument 'x' must have a last dimension (K) that is a multiple of the block size of '",
+      names.fmt, "' (", info.block_size, "), got ", K);
   const int64_t row_bytes = K / info.block_size * info.block_bytes;  // of one weight row
   const int64_t G = info.group_rows;
   check_cpu(weight, names.weight.c_str());
@@ -737,7 +745,7 @@ at::Tensor run_members(const at::Tensor& x, int64_t K, const std::vector<LinearM
   int64_t rows = 1;  // M
   for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   const at::Tensor x2 = x.reshape({rows, K}).to(at::kFloat).contiguous();  // [M, K] fp32
-  at::Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));       // [M, N] fp32
+  at::Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));      // [M, N] fp32
   if (rows > 0 && N > 0) {
     if (K == 0) {
       for (const LinearMember& mb : members) {
@@ -784,8 +792,9 @@ at::Tensor quant_linear_cat(const at::Tensor& x, at::TensorList weights, at::Int
   check_activation(activation);
   const int64_t K = check_x(x);
   TORCH_CHECK_VALUE(!weights.empty(), "argument 'weights' must hold at least one weight");
-  TORCH_CHECK_VALUE(fmts.size() == weights.size(), "argument 'fmts' must have one entry per weight (",
-                    weights.size(), "), got ", fmts.size());
+  TORCH_CHECK_VALUE(fmts.size() == weights.size(),
+                    "argument 'fmts' must have one entry per weight (", weights.size(), "), got ",
+                    fmts.size());
   TORCH_CHECK_VALUE(biases.size() == weights.size(),
                     "argument 'biases' must have one entry per weight (", weights.size(), "), got ",
                     biases.size());

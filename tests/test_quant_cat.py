@@ -11,9 +11,8 @@ import torch
 from torch.library import opcheck
 
 import specdec_inductor
-from specdec_inductor.ops.quant import (FILE_FORMATS, QuantActivation, QuantFormat, group_rows,
-                                        is_repacked, quant_block, quant_linear, quant_linear_cat,
-                                        quant_repack)
+from specdec_inductor.ops.quant import (FILE_FORMATS, QuantActivation, QuantFormat, is_repacked,
+                                        quant_linear, quant_linear_cat, quant_repack)
 from specdec_inductor.ops.reference import quant_linear_cat_ref, quant_linear_int8_terms_ref
 from test_gguf_model import LAYERS, PROMPTS, TYPES, tokenizer_fields, write_tiny_gguf  # noqa: F401
 from test_quant import PATHS, int8_kernel_of, kernel_of, random_weight
