@@ -1,12 +1,14 @@
 // Quantized-weight ops over ggml block formats, reading a GGUF tensor's bytes in place (no repack):
 // quant_linear (y = x W^T + b, W dequantized on the fly while it streams from memory),
-// quant_embedding (rows of W by id) and quant_dequantize (the whole of W in fp32). Formats and
-// block layouts: quant_isa.h. Every weight the kernels use equals the file's value exactly (the
-// gguf package's dequantization, bit for bit).
+// quant_linear_cat (several weights against one x: their outputs side by side, each value bitwise
+// quant_linear's), quant_embedding (rows of W by id) and quant_dequantize (the whole of W in
+// fp32). Formats and block layouts: quant_isa.h. Every weight the kernels use equals the file's
+// value exactly (the gguf package's dequantization, bit for bit).
 // ISA paths: AVX-512 (quant_avx512.cpp) when active_isa() >= AVX512, AVX2 (quant_avx2.cpp) when it
 // is AVX2, portable otherwise. Output features are split across threads in blocks of rows: one
-// parallel region per call. Batch invariance: a row of quant_linear's output is bitwise the same
-// whatever the number of rows of x and wherever the row sits (see QuantLinearBlock).
+// parallel region per call (quant_linear_cat: the blocks of all its weights in one region).
+// Batch invariance: a row of quant_linear's output is bitwise the same whatever the number of
+// rows of x and wherever the row sits (see QuantLinearBlock).
 // INT8 activations (activation = 1; definition in quant_isa.h): x is quantized once per call
 // (32-value blocks, or 256 for the K formats) into per-thread buffers that only grow, then the
 // AVX-512 VNNI kernels (quant_avx512vnni.cpp) run when active_isa() >= AVX512 and the CPU has
@@ -19,6 +21,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -412,32 +416,33 @@ DequantizeRowFn dequantize_row_for(Isa isa) {
   return quant_dequantize_row_portable;
 }
 
-QuantFormatInfo check_fmt(int64_t fmt) {
+QuantFormatInfo check_fmt(int64_t fmt, const std::string& name = "fmt") {
   QuantFormatInfo info{};
   TORCH_CHECK_VALUE(fmt >= 0 && fmt < 512 && quant_format_info(static_cast<int>(fmt), &info),
-                    "argument 'fmt' must be a supported ggml type id (Q4_0=2, Q4_1=3, Q5_0=6, "
-                    "Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14) or repacked layout (256 + "
+                    "argument '", name, "' must be a supported ggml type id (Q4_0=2, Q4_1=3, "
+                    "Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14) or repacked layout (256 + "
                     "the id of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K), got ", fmt);
   return info;
 }
 
 // weight: uint8 [N, row_bytes] (a repacked layout: [N / 16, 16 * row_bytes]), each row's bytes
 // dense (stride(1) == 1; any row stride), never written. Returns K implied by row_bytes.
-int64_t check_weight(const at::Tensor& weight, const QuantFormatInfo& info) {
-  check_cpu(weight, "weight");
-  TORCH_CHECK_TYPE(weight.scalar_type() == at::kByte,
-                   "argument 'weight' must be uint8 (the GGUF tensor's bytes), got ",
-                   weight.scalar_type());
-  check_dim(weight, 2, "weight");
+int64_t check_weight(const at::Tensor& weight, const QuantFormatInfo& info,
+                     const std::string& name = "weight") {
+  check_cpu(weight, name.c_str());
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kByte, "argument '", name,
+                   "' must be uint8 (the GGUF tensor's bytes), got ", weight.scalar_type());
+  check_dim(weight, 2, name.c_str());
   const int64_t unit = info.block_bytes * info.group_rows;
-  TORCH_CHECK_VALUE(weight.size(1) % unit == 0, "argument 'weight' must have a whole number of ",
-                    unit, "-byte blocks per row for this fmt, got shape ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.size(1) % unit == 0, "argument '", name,
+                    "' must have a whole number of ", unit,
+                    "-byte blocks per row for this fmt, got shape ", weight.sizes());
   TORCH_CHECK_VALUE(weight.size(1) <= 1 || weight.size(0) == 0 || weight.stride(1) == 1,
-                    "argument 'weight' must have contiguous rows (stride(1) == 1), got strides ",
-                    weight.strides());
-  TORCH_CHECK_VALUE(weight.size(0) <= 1 || weight.stride(0) >= weight.size(1),
-                    "argument 'weight' must have non-overlapping rows (stride(0) >= row bytes ",
-                    weight.size(1), "), got strides ", weight.strides());
+                    "argument '", name,
+                    "' must have contiguous rows (stride(1) == 1), got strides ", weight.strides());
+  TORCH_CHECK_VALUE(weight.size(0) <= 1 || weight.stride(0) >= weight.size(1), "argument '", name,
+                    "' must have non-overlapping rows (stride(0) >= row bytes ", weight.size(1),
+                    "), got strides ", weight.strides());
   return weight.size(1) / unit * info.block_size;
 }
 
@@ -450,13 +455,40 @@ int64_t row_grain(int64_t item_bytes, int64_t M) {
       1, (int64_t{1} << 18) / std::max<int64_t>(1, item_bytes * std::max<int64_t>(1, M)));
 }
 
-// Output rows [0, N) in blocks of 8 (a repacked layout: its 16-row groups) across threads:
-// fn(n_begin, n_end) per chunk, the chunk sized by row_grain (FLOAT and INT8 split alike).
+// One weight of a quant_linear / quant_linear_cat call, checked (check_member): its output
+// features are columns [col, col + N) of y.
+struct LinearMember {
+  QuantFmt fmt;
+  const uint8_t* w;
+  int64_t w_stride, row_bytes, N, col;
+  at::Tensor bias;  // [N] fp32, or undefined
+};
+
+// Output rows of a member per work item: 8, or a repacked layout's 16-row group.
+int64_t row_block(QuantFmt fmt) { return is_repacked(fmt) ? kRepackRows : 8; }
+
+// The row blocks of all members end to end, split across threads in ONE parallel region:
+// fn(i, n_begin, n_end) for each part of a chunk that lies in member i (n counts member i's
+// rows; every part starts on one of its row blocks, as with one member). The chunk is sized by
+// row_grain of the members' mean block bytes, so one member splits as quant_linear always has.
 template <class Fn>
-void for_row_blocks(int64_t N, int64_t row_bytes, int64_t M, const Fn& fn, int64_t kRowBlock = 8) {
-  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, blocks, row_grain(kRowBlock * row_bytes, M), [&](int64_t begin, int64_t end) {
-    fn(begin * kRowBlock, std::min(N, end * kRowBlock));
+void for_member_blocks(const std::vector<LinearMember>& members, int64_t M, const Fn& fn) {
+  std::vector<int64_t> first(members.size() + 1, 0);  // first block of each member
+  int64_t bytes = 0;
+  for (size_t i = 0; i < members.size(); ++i) {
+    const int64_t rb = row_block(members[i].fmt), blocks = (members[i].N + rb - 1) / rb;
+    first[i + 1] = first[i] + blocks;
+    bytes += blocks * rb * members[i].row_bytes;
+  }
+  const int64_t blocks = first.back();
+  if (blocks == 0) return;
+  at::parallel_for(0, blocks, row_grain(bytes / blocks, M), [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < members.size(); ++i) {
+      const int64_t b = std::max(begin, first[i]), e = std::min(end, first[i + 1]);
+      if (b >= e) continue;
+      const int64_t rb = row_block(members[i].fmt);
+      fn(i, (b - first[i]) * rb, std::min(members[i].N, (e - first[i]) * rb));
+    }
   });
 }
 
@@ -523,149 +555,278 @@ QuantizedXK quantize_xk(const at::Tensor& x2, Isa isa) {
   return {M, K, q, d, d_bsum32, bsum16, bsum32};
 }
 
-// y [M, N] = x2 [M, K] W^T + bias with INT8 activations (quant_isa.h). Returns the path that ran.
-Isa quant_linear_int8(const at::Tensor& x2, const at::Tensor& weight, int64_t fmt,
-                      const float* bias, at::Tensor& y, int64_t row_bytes) {
-  const QuantFmt f = static_cast<QuantFmt>(fmt);
-  const bool repacked = is_repacked(f);
-  const int64_t M = x2.size(0), N = y.size(1);
-  const Isa isa = quant_int8_path(f);
-  QuantLinearInt8Block blk{f,
-                           {},
-                           {},
-                           static_cast<const uint8_t*>(weight.const_data_ptr()),
-                           weight.size(0) > 1 ? weight.stride(0) : weight.size(1),
-                           bias,
-                           y.data_ptr<float>(),
-                           N,
-                           0,
-                           0};
-  if (is_k_format(file_format(f)))
-    blk.xk = quantize_xk(x2, isa);
-  else
-    blk.x = quantize_x(x2, file_format(f), isa);
-  if (repacked && !is_k_format(file_format(f))) quant_block_sums(file_format(f), blk.x);
-  for_row_blocks(N, row_bytes, M, [&](int64_t n_begin, int64_t n_end) {
-    QuantLinearInt8Block part = blk;
-    part.n_begin = n_begin;
-    part.n_end = n_end;
-#ifdef SPECDEC_BUILT_AVX512VNNI
-    if (isa == Isa::AVX512) {
-      if (repacked)
-        quant_linear_int8_r16_avx512vnni(part);
-      else
-        quant_linear_int8_avx512vnni(part);
-      return;
-    }
+// The FLOAT kernel of one row block on path `isa` (quant_path()).
+void run_float_block(const QuantLinearBlock& part, Isa isa) {
+#ifdef SPECDEC_BUILT_AVX512
+  if (isa == Isa::AVX512) {
+    quant_linear_avx512(part);
+    return;
+  }
 #endif
-    if (repacked) {
-      quant_linear_int8_r16_portable(part);
-      return;
-    }
 #ifdef SPECDEC_BUILT_AVX2
-    if (isa == Isa::AVX2) {
-      quant_linear_int8k_avx2(part);
-      return;
-    }
+  if (isa == Isa::AVX2) {
+    quant_linear_avx2(part);
+    return;
+  }
 #endif
-    quant_linear_int8_portable(part);
-  }, repacked ? kRepackRows : 8);
+  (void)isa;
+  quant_linear_portable(part);
+}
+
+// The INT8 kernel of one row block on path `isa` (quant_int8_path(part.fmt)).
+void run_int8_block(const QuantLinearInt8Block& part, Isa isa) {
+  const bool repacked = is_repacked(part.fmt);
+#ifdef SPECDEC_BUILT_AVX512VNNI
+  if (isa == Isa::AVX512) {
+    if (repacked)
+      quant_linear_int8_r16_avx512vnni(part);
+    else
+      quant_linear_int8_avx512vnni(part);
+    return;
+  }
+#endif
+  if (repacked) {
+    quant_linear_int8_r16_portable(part);
+    return;
+  }
+#ifdef SPECDEC_BUILT_AVX2
+  if (isa == Isa::AVX2) {
+    quant_linear_int8k_avx2(part);
+    return;
+  }
+#endif
+  quant_linear_int8_portable(part);
+}
+
+// y [M, sum N] = x2 [M, K] W_i^T + b_i of every member with FLOAT activations. Returns the path.
+Isa linear_float(const at::Tensor& x2, const std::vector<LinearMember>& members, at::Tensor& y) {
+  const Isa isa = quant_path();
+  const int64_t M = x2.size(0), K = x2.size(1);
+  for_member_blocks(members, M, [&](size_t i, int64_t n_begin, int64_t n_end) {
+    const LinearMember& mb = members[i];
+    run_float_block({mb.fmt, M, K, x2.const_data_ptr<float>(), K, mb.w, mb.w_stride,
+                     mb.bias.defined() ? mb.bias.const_data_ptr<float>() : nullptr,
+                     y.data_ptr<float>() + mb.col, y.size(1), n_begin, n_end},
+                    isa);
+  });
   return isa;
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fmt,
-                        const std::optional<at::Tensor>& bias, int64_t activation) {
-  const QuantFormatInfo info = check_fmt(fmt);
+// X with the lane sums of another weight offset (quant_isa.h) in `buf`: the exact integers
+// quantize_x gives for a format of that offset (the quants do not depend on it).
+QuantizedX with_offset(const QuantizedX& X, int offset, std::vector<int32_t>& buf) {
+  const int64_t lanes = X.M * (X.Kp / 4);
+  buf.resize(static_cast<size_t>(lanes));
+  for (int64_t l = 0; l < lanes; ++l) {
+    const int8_t* q = X.q + 4 * l;
+    buf[l] = -offset * (q[0] + q[1] + q[2] + q[3]);
+  }
+  QuantizedX out = X;
+  out.neg_offset_sum = buf.data();
+  return out;
+}
+
+// y [M, sum N] = x2 [M, K] W_i^T + b_i of every member with INT8 activations (quant_isa.h). x2 is
+// quantized once per block kind the members need (256 values for the K formats, 32 for the
+// others, whose lane sums follow each weight offset), then every member's row blocks run in one
+// parallel region. Returns the slowest member's path.
+Isa linear_int8(const at::Tensor& x2, const std::vector<LinearMember>& members, at::Tensor& y) {
+  thread_local std::map<int, std::vector<int32_t>> offset_bufs;  // only grow
+  std::optional<QuantizedXK> xk;
+  std::map<int, QuantizedX> x_by_offset;
+  std::vector<QuantLinearInt8Block> blks;
+  std::vector<Isa> isas;
+  Isa slowest = Isa::AMX;
+  for (const LinearMember& mb : members) {
+    const Isa isa = quant_int8_path(mb.fmt);
+    QuantLinearInt8Block blk{mb.fmt,
+                             {},
+                             {},
+                             mb.w,
+                             mb.w_stride,
+                             mb.bias.defined() ? mb.bias.const_data_ptr<float>() : nullptr,
+                             y.data_ptr<float>() + mb.col,
+                             y.size(1),
+                             0,
+                             0};
+    if (is_k_format(file_format(mb.fmt))) {
+      if (!xk) xk = quantize_xk(x2, isa);
+      blk.xk = *xk;
+    } else {
+      const int offset = int8_weight_offset(file_format(mb.fmt));
+      if (x_by_offset.empty())
+        x_by_offset.emplace(offset, quantize_x(x2, file_format(mb.fmt), isa));
+      else if (!x_by_offset.count(offset))
+        x_by_offset.emplace(offset,
+                            with_offset(x_by_offset.begin()->second, offset, offset_bufs[offset]));
+      blk.x = x_by_offset.at(offset);
+    }
+    blks.push_back(blk);
+    isas.push_back(isa);
+    slowest = std::min(slowest, isa);
+  }
+  // The R16 kernel of the 32-weight formats also reads x's block sums (one set for all members).
+  const bool small_r16 = std::any_of(members.begin(), members.end(), [](const LinearMember& mb) {
+    return is_repacked(mb.fmt) && !is_k_format(file_format(mb.fmt));
+  });
+  if (small_r16) {
+    QuantizedX sums = x_by_offset.begin()->second;
+    quant_block_sums(sums);
+    for (QuantLinearInt8Block& blk : blks) {
+      blk.x.bsum32 = sums.bsum32;
+      blk.x.d_sum32 = sums.d_sum32;
+    }
+  }
+  for_member_blocks(members, x2.size(0), [&](size_t i, int64_t n_begin, int64_t n_end) {
+    QuantLinearInt8Block part = blks[i];
+    part.n_begin = n_begin;
+    part.n_end = n_end;
+    run_int8_block(part, isas[i]);
+  });
+  return slowest;
+}
+
+void check_activation(int64_t activation) {
   TORCH_CHECK_VALUE(activation == 0 || activation == 1,
                     "argument 'activation' must be a QuantActivation (FLOAT=0, INT8=1), got ",
                     activation);
+}
+
+// x [..., K] of quant_linear / quant_linear_cat: float32 or bfloat16, any strides. Returns K.
+int64_t check_x(const at::Tensor& x) {
   check_cpu(x, "x");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                    "argument 'x' must be float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK_VALUE(x.dim() >= 1, "argument 'x' must have at least 1 dimension, got a scalar");
-  const int64_t K = x.size(-1);
+  return x.size(-1);
+}
+
+// The names a member's arguments go by in error messages.
+struct MemberNames {
+  std::string weight, fmt, bias;
+};
+
+// One (weight, fmt, bias) against x [..., K] (checked by check_x) and the activation: the
+// member whose columns start at `col`.
+LinearMember check_member(const at::Tensor& x, int64_t K, const at::Tensor& weight, int64_t fmt,
+                          const std::optional<at::Tensor>& bias, int64_t activation, int64_t col,
+                          const MemberNames& names) {
+  const QuantFormatInfo info = check_fmt(fmt, names.fmt);
   TORCH_CHECK_VALUE(
       K % info.block_size == 0,
-      "argument 'x' must have a last dimension (K) that is a multiple of the fmt's block size ",
-      info.block_size, ", got ", K);
+      "argument 'x' must have a last dimension (K) that is a multiple of the block size of '",
+      names.fmt, "' (", info.block_size, "), got ", K);
   const int64_t row_bytes = K / info.block_size * info.block_bytes;  // of one weight row
   const int64_t G = info.group_rows;
-  check_cpu(weight, "weight");
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == G * row_bytes,
-                    "argument 'weight' must have shape [", G > 1 ? "N / 16" : "N", ", ",
+  check_cpu(weight, names.weight.c_str());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == G * row_bytes, "argument '",
+                    names.weight, "' must have shape [", G > 1 ? "N / 16" : "N", ", ",
                     G * row_bytes, "] (the bytes of K = ", K, " weights in this fmt), got ",
                     weight.sizes());
-  check_weight(weight, info);
+  check_weight(weight, info, names.weight);
   TORCH_CHECK_VALUE(G == 1 || activation == 1,
-                    "argument 'activation' must be INT8 (1) for the repacked fmt ", fmt,
-                    " (its only kernel), got ", activation);
+                    "argument 'activation' must be INT8 (1) for the repacked fmt ", fmt, " ('",
+                    names.fmt, "', its only kernel), got ", activation);
   const int64_t N = weight.size(0) * G;
+  at::Tensor b32;  // [N] fp32
   if (bias.has_value()) {
-    check_cpu(*bias, "bias");
-    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "argument 'bias' must have x's dtype ",
-                     x.scalar_type(), ", got ", bias->scalar_type());
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "argument 'bias' must have shape [",
-                      N, "], got ", bias->sizes());
+    check_cpu(*bias, names.bias.c_str());
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "argument '", names.bias,
+                     "' must have x's dtype ", x.scalar_type(), ", got ", bias->scalar_type());
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "argument '", names.bias,
+                      "' must have shape [", N, "], got ", bias->sizes());
+    b32 = bias->to(at::kFloat).contiguous();
   }
+  return {static_cast<QuantFmt>(fmt),
+          static_cast<const uint8_t*>(weight.const_data_ptr()),
+          weight.size(0) > 1 ? weight.stride(0) : weight.size(1),
+          row_bytes,
+          N,
+          col,
+          b32};
+}
+
+// y [..., sum N] (x's dtype): every member's x W^T + b side by side. Sets *ran to the path
+// that ran (linear_float / linear_int8), leaves it empty when no kernel ran (no rows, no
+// outputs or K = 0).
+at::Tensor run_members(const at::Tensor& x, int64_t K, const std::vector<LinearMember>& members,
+                       int64_t activation, std::optional<Isa>* ran) {
+  const int64_t N = members.back().col + members.back().N;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   int64_t rows = 1;  // M
   for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   const at::Tensor x2 = x.reshape({rows, K}).to(at::kFloat).contiguous();  // [M, K] fp32
-  const at::Tensor b32 =
-      bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();  // [N]
-  at::Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));       // [M, N] fp32
+  at::Tensor y = at::empty({rows, N}, x.options().dtype(at::kFloat));      // [M, N] fp32
   if (rows > 0 && N > 0) {
     if (K == 0) {
-      if (b32.defined())
-        y.copy_(b32.unsqueeze(0).expand({rows, N}));
-      else
-        y.zero_();
-    } else if (activation == 1) {
-      const Isa ran = quant_linear_int8(
-          x2, weight, fmt, b32.defined() ? b32.const_data_ptr<float>() : nullptr, y, row_bytes);
-      if (G > 1)
-        SPECDEC_RECORD_PATH("quant_linear_int8_r16", ran);
-      else
-        SPECDEC_RECORD_PATH("quant_linear_int8", ran);
+      for (const LinearMember& mb : members) {
+        at::Tensor cols = y.narrow(1, mb.col, mb.N);
+        if (mb.bias.defined())
+          cols.copy_(mb.bias.unsqueeze(0).expand({rows, mb.N}));
+        else
+          cols.zero_();
+      }
     } else {
-      const Isa isa = quant_path();
-      QuantLinearBlock blk{static_cast<QuantFmt>(fmt),
-                           rows,
-                           K,
-                           x2.const_data_ptr<float>(),
-                           K,
-                           static_cast<const uint8_t*>(weight.const_data_ptr()),
-                           weight.stride(0),
-                           b32.defined() ? b32.const_data_ptr<float>() : nullptr,
-                           y.data_ptr<float>(),
-                           N,
-                           0,
-                           0};
-      for_row_blocks(N, row_bytes, rows, [&](int64_t n_begin, int64_t n_end) {
-        QuantLinearBlock part = blk;
-        part.n_begin = n_begin;
-        part.n_end = n_end;
-#ifdef SPECDEC_BUILT_AVX512
-        if (isa == Isa::AVX512) {
-          quant_linear_avx512(part);
-          return;
-        }
-#endif
-#ifdef SPECDEC_BUILT_AVX2
-        if (isa == Isa::AVX2) {
-          quant_linear_avx2(part);
-          return;
-        }
-#endif
-        quant_linear_portable(part);
-      });
-      SPECDEC_RECORD_PATH("quant_linear", isa);
+      *ran = activation == 1 ? linear_int8(x2, members, y) : linear_float(x2, members, y);
     }
   }
   // A bf16 result is rounded once, from the fp32 sum (bias included).
   if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
   return y.view(out_shape);
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t fmt,
+                        const std::optional<at::Tensor>& bias, int64_t activation) {
+  check_activation(activation);
+  const int64_t K = check_x(x);
+  const std::vector<LinearMember> members{
+      check_member(x, K, weight, fmt, bias, activation, 0, {"weight", "fmt", "bias"})};
+  std::optional<Isa> ran;
+  at::Tensor y = run_members(x, K, members, activation, &ran);
+  if (ran) {
+    if (activation == 0)
+      SPECDEC_RECORD_PATH("quant_linear", *ran);
+    else if (is_repacked(members[0].fmt))
+      SPECDEC_RECORD_PATH("quant_linear_int8_r16", *ran);
+    else
+      SPECDEC_RECORD_PATH("quant_linear_int8", *ran);
+  }
+  return y;
+}
+
+// quant_linear of each (weights[i], fmts[i], biases[i]) against x, side by side: x quantized
+// once (INT8) and all members' row blocks in one parallel region; each output value bitwise
+// quant_linear's for that member alone (same kernels on the same rows).
+at::Tensor quant_linear_cat(const at::Tensor& x, at::TensorList weights, at::IntArrayRef fmts,
+                            const c10::List<std::optional<at::Tensor>>& biases,
+                            int64_t activation) {
+  check_activation(activation);
+  const int64_t K = check_x(x);
+  TORCH_CHECK_VALUE(!weights.empty(), "argument 'weights' must hold at least one weight");
+  TORCH_CHECK_VALUE(fmts.size() == weights.size(),
+                    "argument 'fmts' must have one entry per weight (", weights.size(), "), got ",
+                    fmts.size());
+  TORCH_CHECK_VALUE(biases.size() == weights.size(),
+                    "argument 'biases' must have one entry per weight (", weights.size(), "), got ",
+                    biases.size());
+  std::vector<LinearMember> members;
+  int64_t col = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const std::string at = "[" + std::to_string(i) + "]";
+    members.push_back(check_member(x, K, weights[i], fmts[i], biases.get(i), activation, col,
+                                   {"weights" + at, "fmts" + at, "biases" + at}));
+    col += members.back().N;
+  }
+  std::optional<Isa> ran;
+  at::Tensor y = run_members(x, K, members, activation, &ran);
+  if (ran) {
+    if (activation == 0)
+      SPECDEC_RECORD_PATH("quant_linear_cat", *ran);
+    else
+      SPECDEC_RECORD_PATH("quant_linear_cat_int8", *ran);
+  }
+  return y;
 }
 
 // Rows `ids` (all rows when ids is null) of the dequantized weight into out [R, K] fp32 (ids
@@ -796,6 +957,8 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("quant_embedding(Tensor ids, Tensor weight, int fmt, ScalarType? dtype=None) -> Tensor");
   m.def("quant_dequantize(Tensor weight, int fmt) -> Tensor");
   m.def("quant_repack(Tensor weight, int fmt) -> Tensor");
+  m.def(
+      "quant_linear_cat(Tensor x, Tensor[] weights, int[] fmts, Tensor?[] biases, int activation=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
@@ -803,6 +966,7 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("quant_embedding", &quant_embedding);
   m.impl("quant_dequantize", &quant_dequantize);
   m.impl("quant_repack", &quant_repack);
+  m.impl("quant_linear_cat", &quant_linear_cat);
 }
 
 }  // namespace specdec

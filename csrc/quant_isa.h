@@ -146,9 +146,9 @@ struct QuantizedX {
   const float* d;                 // [M, Kp / 4] the block's d of each lane
   const float* d_sum;             // [M, Kp / 4] d * (sum of the lane's 4 quants)
   const int32_t* neg_offset_sum;  // [M, Kp / 4] -offset * (sum of the lane's 4 quants), see below
-  // The R16 kernel's per-block terms (quant_block_sums), [M, Kp / 32] each: -offset * the
-  // block's quant sum (the start of its integer dot) and d * the quant sum (the min's factor).
-  const int32_t* start32 = nullptr;
+  // The R16 kernel's per-block terms (quant_block_sums), [M, Kp / 32] each: the block's quant
+  // sum (times -offset, the start of its integer dot) and d * the quant sum (the min's factor).
+  const int32_t* bsum32 = nullptr;
   const float* d_sum32 = nullptr;
 };
 // The VNNI kernel multiplies unsigned weight bytes by signed quants (vpdpbusd): a format whose

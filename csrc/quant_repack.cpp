@@ -257,11 +257,11 @@ void quant_linear_int8_r16_portable(const QuantLinearInt8Block& b) {
   }
 }
 
-void quant_block_sums(QuantFmt base, QuantizedX& x) {
-  thread_local std::vector<int32_t> starts;
+void quant_block_sums(QuantizedX& x) {
+  thread_local std::vector<int32_t> sums;
   thread_local std::vector<float> d_sums;
-  const int64_t blocks = x.Kp / 32, offset = int8_weight_offset(base);
-  starts.resize(static_cast<size_t>(x.M * blocks));
+  const int64_t blocks = x.Kp / 32;
+  sums.resize(static_cast<size_t>(x.M * blocks));
   d_sums.resize(static_cast<size_t>(x.M * blocks));
   for (int64_t m = 0; m < x.M; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
@@ -269,11 +269,11 @@ void quant_block_sums(QuantFmt base, QuantizedX& x) {
       int32_t s = 0;
       for (int j = 0; j < 32; ++j) s += q[j];
       const size_t at = static_cast<size_t>(m * blocks + b);
-      starts[at] = static_cast<int32_t>(-offset * s);
+      sums[at] = s;
       d_sums[at] = x.d[m * (x.Kp / 4) + 8 * b] * static_cast<float>(s);  // one rounding
     }
   }
-  x.start32 = starts.data();
+  x.bsum32 = sums.data();
   x.d_sum32 = d_sums.data();
 }
 

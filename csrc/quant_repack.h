@@ -84,9 +84,9 @@ void quant_repack_group(QuantFmt base, const uint8_t* src, int64_t src_stride, i
                         uint8_t* dst);
 // Lane r (0..15) of a repacked tensor row back into the file's row_bytes bytes at dst.
 void quant_unpack_group_row(QuantFmt base, const uint8_t* group, int64_t K, int r, uint8_t* dst);
-// x's per-block terms for the R16 kernel of the 32-weight formats (QuantizedX::start32 and
-// d_sum32; `base` gives the offset) into per-thread buffers of the calling thread that only grow.
-void quant_block_sums(QuantFmt base, QuantizedX& x);
+// x's per-block terms for the R16 kernel of the 32-weight formats (QuantizedX::bsum32 and
+// d_sum32, whatever the format) into per-thread buffers of the calling thread that only grow.
+void quant_block_sums(QuantizedX& x);
 // INT8 activations over a repacked weight (quant_isa.h's K definition; n_begin / n_end are
 // output features, multiples of 16; w_stride the bytes between tensor rows). Portable: each group
 // unpacked into the file's rows and run by quant_linear_int8_portable.

@@ -188,22 +188,27 @@ struct SmallR16 {
   static constexpr bool kMin = kBase == QuantFmt::Q4_1 || kBase == QuantFmt::Q5_1;
   static constexpr bool kFifth = kBase == QuantFmt::Q5_0 || kBase == QuantFmt::Q5_1;
   static constexpr bool kQ8 = kBase == QuantFmt::Q8_0;
+  // quant_isa.h's int8_weight_offset: wq = u - offset.
+  static constexpr int kOffset = kBase == QuantFmt::Q4_0   ? 8
+                                 : kBase == QuantFmt::Q5_0 ? 16
+                                 : kQ8                     ? 128
+                                                           : 0;
   static constexpr int64_t kQhAt = kMin ? 128 : 64, kQsAt = kQhAt + (kFifth ? 128 : 0);
   static constexpr int64_t kChunk = kQsAt + (kQ8 ? 1024 : 512);
 };
 
-// One row of x as the 32-weight kernel reads it: quants, and per block d, the start of the
-// integer dot (-offset * quant sum) and d * quant sum.
+// One row of x as the 32-weight kernel reads it: quants, and per block d, the quant sum and
+// d * quant sum.
 struct SmallXRow {
   const int8_t* q;
   const float* d;  // the d of each 4-quant lane: block b's at 8b
-  const int32_t* start;
+  const int32_t* bsum;
   const float* d_sum;
   SmallXRow() = default;
   SmallXRow(const QuantizedX& x, int64_t m)
       : q(x.q + m * x.Kp),
         d(x.d + m * (x.Kp / 4)),
-        start(x.start32 + m * (x.Kp / 32)),
+        bsum(x.bsum32 + m * (x.Kp / 32)),
         d_sum(x.d_sum32 + m * (x.Kp / 32)) {}
 };
 
@@ -221,7 +226,7 @@ inline void small_block_dots(const uint8_t* ch, int blk, const SmallXRow* x, int
   using L = SmallR16<kBase>;
   __m512i other[MB];  // a second chain: the nibbles' high halves, Q8_0's odd vectors
   for (int i = 0; i < MB; ++i) {
-    dot[i] = _mm512_set1_epi32(x[i].start[b]);
+    dot[i] = _mm512_set1_epi32(-L::kOffset * x[i].bsum[b]);
     other[i] = _mm512_setzero_si512();
   }
   if constexpr (L::kQ8) {

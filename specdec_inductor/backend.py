@@ -24,9 +24,13 @@ INDUCTOR_CONFIG: Dict[str, object] = {
 # - linear_cat: skinny_linear calls that share their x (q/k/v, gate/up) -> one
 #   specdec.skinny_linear_cat (one packed stream per group); README: the interleaved A/B
 #   (+6-8% decode tok/s on the AVX2 machine) and bench_linear.py's grouped column.
+# - quant_cat: specdec.quant_linear calls that share their x -> one specdec.quant_linear_cat
+#   (one activation quantization and one parallel region per group, bitwise the same values);
+#   benchmarks/bench_quant_cat.py times it on and off.
 PASS_DEFAULTS: Dict[str, bool] = {
     "skinny_linear": True,
     "linear_cat": True,
+    "quant_cat": True,
 }
 
 # Backend switches besides the passes, also set by "specdec.<name>" options:

@@ -11,8 +11,8 @@ from torch.library import opcheck
 import specdec_inductor
 from specdec_inductor.ops.quant import (QuantActivation, QuantFormat, file_format, int8_path,
                                         quant_block, quant_dequantize, quant_embedding,
-                                        quant_linear, quant_repack, quant_row_bytes,
-                                        repacked_format)
+                                        quant_linear, quant_linear_cat, quant_repack,
+                                        quant_row_bytes, repacked_format)
 from specdec_inductor.ops.reference import (quant_dequantize_ref, quant_linear_int8_terms_ref,
                                             quant_repack_ref, quant_unpack_ref)
 from test_quant import (PATHS, _int8_x, _saturating_weight, _saturating_x, assert_one_thread_equals_all, bits,
@@ -159,6 +159,23 @@ def test_int8_path_names_the_kernel_that_runs():
             assert specdec_inductor.kernel_path_counts() == {f"quant_linear_int8_r16:{r16_kernel_of(path)}": 1}
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_cat_members_of_every_layout_equal_their_calls_alone(path):
+    """quant_linear_cat over members of different layouts and weight offsets (x's 32-value block
+    sums shared by the 32-weight R16 members): each member's columns bitwise its call alone."""
+    k = 512
+    members = [packed(QuantFormat.Q4_1, 32, k, seed=51), packed(QuantFormat.Q8_0, 16, k, seed=52),
+               packed(QuantFormat.Q4_0, 48, k, seed=53), packed(QuantFormat.Q4_K, 16, k, seed=54)]
+    weights = [r for _, r, _ in members] + [members[2][0]]  # and Q4_0 in the file layout
+    fmts = [f for _, _, f in members] + [QuantFormat.Q4_0]
+    for m in (1, 5):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        with specdec_inductor.forced_isa(path):
+            cat = quant_linear_cat(x, weights, fmts, activation=INT8)
+            alone = torch.cat([quant_linear(x, w, f, activation=INT8) for w, f in zip(weights, fmts)], 1)
+        assert torch.equal(cat, alone), m
+
+
 def _samples():
     gen = torch.Generator().manual_seed(11)
     out = []
@@ -215,7 +232,7 @@ def test_eager_equals_compiled(monkeypatch, tmp_path):
     (lambda: quant_repack(random_weight(QuantFormat.Q8_0, 16, 96, 1), QuantFormat.Q8_0),
      "multiple of 64 weights per row"),
     (lambda: quant_linear(torch.randn(2, 96), torch.zeros(1, 16 * 3 * 34, dtype=torch.uint8),
-                          QuantFormat.Q8_0_R16, activation=INT8), "multiple of the fmt's block size 64"),
+                          QuantFormat.Q8_0_R16, activation=INT8), r"argument 'x' must have .* multiple of the block size of 'fmt' \(64\)"),
     (lambda: quant_linear(torch.randn(2, 256), quant_repack(random_weight(QuantFormat.Q4_1, 16, 256, 1),
                                                              QuantFormat.Q4_1),
                           QuantFormat.Q4_1_R16), "argument 'activation' must be INT8"),

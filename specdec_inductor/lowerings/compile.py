@@ -10,11 +10,12 @@ from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from specdec_inductor.engine import threads
+from specdec_inductor.lowerings.quant_cat import QuantCatPass
 from specdec_inductor.lowerings.skinny_linear import LinearCatPass, SkinnyLinearPass
 
 # Graph passes by name, in the order they run; the backend's `specdec.<name>` options switch
 # them (default on).
-PASSES = {"skinny_linear": SkinnyLinearPass, "linear_cat": LinearCatPass}
+PASSES = {"skinny_linear": SkinnyLinearPass, "linear_cat": LinearCatPass, "quant_cat": QuantCatPass}
 
 
 class PassSequence(CustomGraphPass):

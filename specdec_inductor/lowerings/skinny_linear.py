@@ -102,11 +102,45 @@ _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 def _x_key(x):
     """The tensor x reads, seen through views (each projection views the normed hidden state
-    itself), with x's shape: skinny_linear calls with equal keys read the same values."""
+    itself), with x's shape: calls with equal keys read the same values. The sizes as text: a
+    symbolic size (dynamic shapes) is not hashable, and equal expressions are equal sizes."""
     base = x
     while isinstance(base, torch.fx.Node) and base.op == "call_function" and base.target in _VIEWS:
         base = base.args[0]
-    return base, tuple(_val(x).shape)
+    return base, tuple(str(d) for d in _val(x).shape)
+
+
+def merge_into_cat(graph: torch.fx.Graph, first, members, x, cat_op, cat_args) -> torch.fx.Node:
+    """Inserts `cat_op(*cat_args)` -- the members' outputs side by side along the last dim, in
+    the order of `members` -- before `first`, the member that comes first in the graph (cat_args'
+    nodes must all come before it), and replaces each
+    member by its columns, sliced back out as views; erases the members, and each member's own
+    x (a view of the shared `x`) once unused. Returns the new node."""
+    fake_mode = torch._guards.detect_fake_mode([_val(x)])
+    with fake_mode:
+        cat_val = cat_op(*torch.fx.node.map_arg(cat_args, _val))
+    dim = cat_val.dim() - 1
+    with graph.inserting_before(first):
+        cat = graph.call_function(cat_op, cat_args)
+    # The first member's meta (stack trace, ...), less the eager input values Inductor would
+    # constrain the cat's arguments to (they are the member's, not the cat's).
+    cat.meta.update({k: v for k, v in first.meta.items() if k != "eager_input_vals"})
+    cat.meta["val"] = cat_val
+    start, anchor = 0, cat
+    for node in members:
+        n_out = _val(node).shape[-1]
+        with graph.inserting_after(anchor):
+            part = graph.call_function(aten.slice.Tensor, (cat, dim, start, start + n_out))
+        anchor = part
+        part.meta.update({k: v for k, v in node.meta.items() if k != "eager_input_vals"})
+        part.meta["val"] = aten.slice.Tensor(cat_val, dim, start, start + n_out)
+        node.replace_all_uses_with(part)
+        own_x = node.args[0]
+        graph.erase_node(node)
+        if own_x is not x and not own_x.users:
+            graph.erase_node(own_x)
+        start += n_out
+    return cat
 
 
 def group_skinny_linear(graph: torch.fx.Graph) -> int:
@@ -132,30 +166,8 @@ def group_skinny_linear(graph: torch.fx.Graph) -> int:
             continue
         weights = [n.args[1] for n in members]
         biases = [n.args[2] if len(n.args) > 2 else None for n in members]
-        fake_mode = torch._guards.detect_fake_mode([_val(x)])
-        with fake_mode:
-            cat_val = torch.ops.specdec.skinny_linear_cat.default(
-                _val(x), [_val(w) for w in weights], [_val(b) for b in biases])
-        dim = cat_val.dim() - 1
-        with graph.inserting_before(first):
-            cat = graph.call_function(torch.ops.specdec.skinny_linear_cat.default,
-                                      (x, weights, biases))
-        cat.meta.update(first.meta)
-        cat.meta["val"] = cat_val
-        start, anchor = 0, cat
-        for node in members:
-            n_out = _val(node.args[1]).shape[0]
-            with graph.inserting_after(anchor):
-                part = graph.call_function(aten.slice.Tensor, (cat, dim, start, start + n_out))
-            anchor = part
-            part.meta.update(node.meta)
-            part.meta["val"] = aten.slice.Tensor(cat_val, dim, start, start + n_out)
-            node.replace_all_uses_with(part)
-            own_x = node.args[0]
-            graph.erase_node(node)
-            if own_x is not x and not own_x.users:
-                graph.erase_node(own_x)
-            start += n_out
+        merge_into_cat(graph, first, members, x, torch.ops.specdec.skinny_linear_cat.default,
+                       (x, weights, biases))
         groups += 1
     counters["specdec"]["linear_cat"] += groups
     return groups

@@ -10,7 +10,7 @@ a row of its output is bitwise the same whatever the number of rows of x (batch 
 verifying 8 draft rows at once reproduces the 1-row decode exactly).
 """
 import enum
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -201,6 +201,32 @@ def quant_linear(x: Tensor, weight: Tensor, fmt: QuantFormat, bias: Optional[Ten
 @torch.library.register_fake("specdec::quant_linear")
 def _(x, weight, fmt, bias=None, activation=0):
     return x.new_empty((*x.shape[:-1], weight.shape[0] * group_rows(fmt)))
+
+
+def quant_linear_cat(x: Tensor, weights: Sequence[Tensor], fmts: Sequence[QuantFormat],
+                     biases: Optional[Sequence[Optional[Tensor]]] = None,
+                     activation: QuantActivation = QuantActivation.FLOAT) -> Tensor:
+    """quant_linear of each (weights[i], fmts[i], biases[i]) against x, side by side:
+    y [..., sum N_i], y[..., columns of member i] bitwise quant_linear(x, weights[i], fmts[i],
+    biases[i], activation) (the same kernels on the same rows).
+
+    One call instead of one per projection (q/k/v, gate/up): with INT8, x is quantized once per
+    activation block kind the members need (256 values for the K formats, 32 for the others), and
+    all members' output rows are split across threads in one parallel region, so small matrices
+    that would each stay on one thread share the threads. Members may differ in fmt (file or
+    repacked layouts) and N; they share x's K and `activation` (arguments as quant_linear's;
+    biases None: no bias anywhere).
+    """
+    weights = list(weights)
+    biases = [None] * len(weights) if biases is None else list(biases)
+    return torch.ops.specdec.quant_linear_cat.default(
+        x, weights, [int(_format(f)) for f in fmts], biases, int(_activation(activation)))
+
+
+@torch.library.register_fake("specdec::quant_linear_cat")
+def _(x, weights, fmts, biases, activation=0):
+    n = sum(w.shape[0] * group_rows(f) for w, f in zip(weights, fmts))
+    return x.new_empty((*x.shape[:-1], n))
 
 
 def quant_embedding(ids: Tensor, weight: Tensor, fmt: QuantFormat,

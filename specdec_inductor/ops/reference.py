@@ -755,6 +755,12 @@ def quant_linear_ref(x: Tensor, weight: Tensor, fmt, bias: Optional[Tensor] = No
     return y.to(x.dtype)
 
 
+def quant_linear_cat_ref(x: Tensor, weights, fmts, biases, activation=0) -> Tensor:
+    """The quant_linear_ref of each (weight, fmt, bias) against x, side by side: [..., sum N_i]."""
+    return torch.cat([quant_linear_ref(x, w, f, b, activation)
+                      for w, f, b in zip(weights, fmts, biases)], dim=-1)
+
+
 def quant_embedding_ref(ids: Tensor, weight: Tensor, fmt, dtype=torch.float32) -> Tensor:
     """Rows `ids` of the dequantized weight: [*ids.shape, K] in `dtype`."""
     return quant_dequantize_ref(weight, fmt)[ids.long()].to(dtype)
