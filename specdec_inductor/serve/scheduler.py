@@ -23,6 +23,11 @@ smallest of the engine's buckets that holds its requests (Batch.fit_bucket): one
 decodes in bucket 1, sixteen in bucket 16, and requests that arrive one after another share
 one step whatever their count (every bucket's graphs compile in the warm-up).
 
+A group's prompts prefill in chunks of the smallest of `prefill_sizes` (multiples of
+PREFILL_STEP up to the engine's prefill_chunk) that holds its longest prompt: a prefill chunk
+costs about its row count (a short prompt padded to the engine's chunk pays for the padding
+rows), and every size's graphs compile in the warm-up, with every bucket's.
+
 The step API admits a group with one max_new_tokens: a group shares its largest request's
 budget and the scheduler ends each request at its own max_tokens (it retires the request
 right after the step that reached it, and never hands out tokens past it).
@@ -45,11 +50,19 @@ from specdec_inductor.engine.kv_pool import PoolExhaustedError
 from specdec_inductor.sampler import SamplingParams
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
 from specdec_inductor.speculative.loop import ActiveRequest
+from specdec_inductor.serve.trace import ADMITTED, PICKED, QUEUED, STEPPED, TOKEN
 
 log = logging.getLogger("specdec.serve")
 
 # finish_reason of a Delta that ends a request
 STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"
+PREFILL_STEP = 16  # prefill chunk sizes: multiples of this, up to the engine's prefill_chunk
+
+
+def prefill_sizes(prefill_chunk: int, step: int = PREFILL_STEP) -> List[int]:
+    """The prefill chunk sizes a scheduler uses: step, 2 * step, ... below prefill_chunk, and
+    prefill_chunk itself."""
+    return list(range(step, prefill_chunk, step)) + [prefill_chunk]
 
 
 class QueueFullError(RuntimeError):
@@ -89,6 +102,14 @@ class ServeRequest:
     active: Optional[ActiveRequest] = None
     first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
+    # perf_counter time of each phase the request passed first (TRACE_PHASES; `specdec serve
+    # --trace` writes them per request)
+    marks: Dict[str, float] = field(default_factory=dict)
+
+    def mark(self, phase: str, now: Optional[float] = None) -> None:
+        """Note when the request first reached `phase`."""
+        if phase not in self.marks:
+            self.marks[phase] = time.perf_counter() if now is None else now
 
 
 class Lane:
@@ -131,6 +152,7 @@ class Scheduler:
         if proposer is not None:
             self.lanes.append(Lane("none", SpeculativeGenerator(engine, None), max_batch))
         self._warmup = (list(warmup_prompt), warmup_tokens) if warmup_prompt else None
+        self.prefill_sizes = prefill_sizes(engine.prefill_chunk)
         self._cond = threading.Condition()
         self._inbox: List[ServeRequest] = []
         self._calls: List[Tuple[Callable[[], object], Future]] = []
@@ -193,6 +215,7 @@ class Scheduler:
                 raise QueueFullError(f"{self._queued} requests are queued already (--max-queue "
                                      f"{self.max_queue}); retry later")
             self._queued += 1
+            request.mark(QUEUED)
             self._inbox.append(request)
             self._notify()
 
@@ -277,12 +300,13 @@ class Scheduler:
             for size in reversed(sizes):
                 gen.compile_verify(batch_size=size)
             for size in sizes:
-                with gen.batch(lane.capacity) as batch:
-                    gen.admit(batch, [prompt] * size, tokens + gen.num_draft_tokens,
-                              prefill_chunk=self.engine.prefill_chunk)
-                    while batch.live:
-                        batch.fit_bucket(self.engine)
-                        gen.step(batch)
+                for chunk in self.prefill_sizes:
+                    with gen.batch(lane.capacity) as batch:
+                        gen.admit(batch, [prompt] * size, tokens + gen.num_draft_tokens,
+                                  prefill_chunk=chunk)
+                        while batch.live:
+                            batch.fit_bucket(self.engine)
+                            gen.step(batch)
 
     def _busy(self) -> bool:
         return any(lane.running for lane in self.lanes)
@@ -298,7 +322,9 @@ class Scheduler:
                 return False
             inbox, self._inbox = self._inbox, []
             calls, self._calls = self._calls, []
+        now = time.perf_counter()
         for request in inbox:
+            request.mark(PICKED, now)
             self.lane_for(request.speculative).waiting.append(request)
         for fn, future in calls:
             try:
@@ -339,6 +365,12 @@ class Scheduler:
             longest, most, prompt_slots = l_, m_, prompt_slots + n
         return group, most
 
+    def prefill_chunk_for(self, group: Sequence[ServeRequest]) -> int:
+        """The smallest prefill size that holds the group's longest prompt (else the
+        largest: the prompt takes several chunks)."""
+        longest = max(len(r.prompt) for r in group)
+        return next((t for t in self.prefill_sizes if t >= longest), self.prefill_sizes[-1])
+
     def _admit_waiting(self, lane: Lane) -> None:
         while lane.waiting:
             group, most = self._next_group(lane)
@@ -349,7 +381,7 @@ class Scheduler:
                 # steps, so a long prompt does not stall the batch (the prefill graph's T).
                 actives = lane.generator.admit(lane.batch, [r.prompt for r in group], most,
                                                [r.sampling for r in group], self.eos_token_id,
-                                               prefill_chunk=self.engine.prefill_chunk)
+                                               prefill_chunk=self.prefill_chunk_for(group))
             except PoolExhaustedError:
                 if self._busy():
                     return  # a draft model's pool is full: retried after the next retire
@@ -362,6 +394,7 @@ class Scheduler:
             now = time.perf_counter()
             for request, active in zip(group, actives):
                 lane.waiting.popleft()
+                request.mark(ADMITTED, now)
                 request.active = active
                 lane.running[active] = request
             self._dequeued(len(group))
@@ -370,6 +403,10 @@ class Scheduler:
             self._retire_finished(lane)
 
     def _step(self, lane: Lane) -> None:
+        now = time.perf_counter()
+        for request in lane.running.values():
+            if request.first_token_at is None:
+                request.mark(STEPPED, now)
         try:
             lane.batch.fit_bucket(self.engine)
             emitted = lane.generator.step(lane.batch)
@@ -404,6 +441,7 @@ class Scheduler:
             self.metrics.tokens_delivered(request, len(tokens), now)
         if request.first_token_at is None:
             request.first_token_at = now
+            request.mark(TOKEN, now)
         request.last_token_at = now
         request.finished = reason is not None
         request.on_delta(Delta(tokens, reason))
