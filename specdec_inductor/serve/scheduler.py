@@ -147,8 +147,11 @@ class Scheduler:
                  flush: Optional[Callable[[], None]] = None):
         self.engine, self.eos_token_id, self.max_queue = engine, eos_token_id, max_queue
         self.metrics, self.flush = metrics, flush
+        # cost_aware: each step verifies the size with the most expected tokens per second at
+        # the batch's bucket (policies.CostAwareVerifySize), a plain decode where drafts do
+        # not pay for a verify's rows.
         self.lanes = [Lane(method if proposer is not None else "none",
-                           SpeculativeGenerator(engine, proposer), max_batch)]
+                           SpeculativeGenerator(engine, proposer, cost_aware=True), max_batch)]
         if proposer is not None:
             self.lanes.append(Lane("none", SpeculativeGenerator(engine, None), max_batch))
         self._warmup = (list(warmup_prompt), warmup_tokens) if warmup_prompt else None
@@ -289,8 +292,9 @@ class Scheduler:
         """Scratch requests through every lane in groups of every bucket size, so the graphs
         the batch's buckets step with (and a draft model's, which take the live count's
         bucket) compile before serving; an eager engine pays its first-call costs once.
-        compile_verify runs the largest bucket first: the policies' step costs stay those it
-        measures last, at bucket 1 (as `specdec generate` measures them)."""
+        compile_verify measures each bucket's step costs (the cost-aware verify size weighs
+        them); it runs the largest bucket first, so the single-bucket costs (probe_cost,
+        verify_cost) stay those of bucket 1, as `specdec generate` measures them."""
         if self._warmup is None:
             return
         prompt, tokens = self._warmup
