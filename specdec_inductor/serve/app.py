@@ -131,7 +131,7 @@ class Service:
         pieces = self._pieces(None if body.stream else http, request, queue, text, shape.id)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._events(shape, pieces, len(ids), text, usage),
+            return StreamingResponse(self._events(shape, pieces, request, text, usage),
                                      media_type="text/event-stream")
         answer, reason = [], None
         async for piece, reason in pieces:
@@ -166,7 +166,6 @@ class Service:
                     return
                 if piece:
                     yield piece, None
-                    request.mark(SENT)  # resumed: the piece went out
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -175,17 +174,19 @@ class Service:
             if self.trace is not None:
                 self.trace.write(answer_id, request, text.tokens_used)
 
-    async def _events(self, shape: ResponseShape, pieces, prompt_tokens: int, text: StopText,
+    async def _events(self, shape: ResponseShape, pieces, request: ServeRequest, text: StopText,
                       include_usage: bool) -> AsyncIterator[str]:
         if shape.chat:
             yield _sse(shape.chunk(None, first=True))
         try:
             async for piece, reason in pieces:
                 yield _sse(shape.chunk(piece, reason))
+                if piece:
+                    request.mark(SENT)  # resumed by the server: the event was written
         except APIError as exc:
             yield _sse(exc.body())
         if include_usage:
-            yield _sse(shape.usage_chunk(prompt_tokens, text.tokens_used))
+            yield _sse(shape.usage_chunk(len(request.prompt), text.tokens_used))
         yield "data: [DONE]\n\n"
 
 
