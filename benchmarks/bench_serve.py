@@ -205,31 +205,41 @@ def print_table(table: Dict[str, Dict[int, dict]], concurrency: List[int]) -> No
                   f"{ratio(r, rows.get(concurrency[0]))} |")
 
 
-def ttft_phases(trace_path: str, requests: List[dict]) -> Dict[str, float]:
-    """Median seconds between consecutive phases of the requests' time to first token: the
-    client's send, the server's trace marks (serve/trace.py), the client's first chunk."""
+def trace_phases(trace_path: str, requests: List[dict]) -> Dict[str, float]:
+    """Median seconds between consecutive phases of the requests' time to first token (the
+    client's send, the server's trace marks (serve/trace.py), the client's first chunk), and
+    per step after the first token: the step API's call, the scheduler's step-to-step time
+    (the first to the last token handed out) and the client's inter-token latency."""
     with open(trace_path) as f:
-        marks = {line["id"]: line["marks"] for line in map(json.loads, f)}
+        lines = {line["id"]: line for line in map(json.loads, f)}
     gaps: Dict[str, List[float]] = {}
     for r in requests:
-        if r["id"] not in marks or r["first_at"] is None:
+        line = lines.get(r["id"])
+        if line is None or r["first_at"] is None:
             continue
-        times = [("client", r["sent_at"])] + list(marks[r["id"]].items())
+        times = [("client", r["sent_at"])] + list(line["marks"].items())
         times.append(("client first chunk", r["first_at"]))
         for (a, ta), (b, tb) in zip(times, times[1:]):
             gaps.setdefault(f"{a} -> {b}", []).append(tb - ta)
+        if line["steps"] > 1 and r["itl"] is not None:
+            per_step = {"step (the step API's call)": line["step_s"] / line["steps"],
+                        "step to step (server)": (line["last_token"] - line["marks"]["token"])
+                        / (line["steps"] - 1),
+                        "client ITL": r["itl"]}
+            for k, v in per_step.items():
+                gaps.setdefault(k, []).append(v)
     return {k: statistics.median(v) for k, v in gaps.items()}
 
 
 def print_phases(runs: Dict[str, Dict[int, List[dict]]], servers: List[ServerProcess],
                  concurrency: List[int]) -> None:
-    print("\n| server | clients | TTFT phase | median ms |\n|---|---|---|---|")
+    print("\n| server | clients | TTFT phase, or per step | median ms |\n|---|---|---|---|")
     for server in servers:
         if server.trace is None:
             continue
         for c in concurrency:
             requests = [r for run in runs[server.label][c] for r in run["requests"]]
-            for phase, seconds in ttft_phases(server.trace, requests).items():
+            for phase, seconds in trace_phases(server.trace, requests).items():
                 print(f"| {server.label} | {c} | {phase} | {seconds * 1e3:.1f} |")
 
 

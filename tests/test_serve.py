@@ -559,9 +559,9 @@ def test_eagle3_server_answers_greedy_as_its_draftless_lane(tokenizer, tmp_path)
 
 
 def test_the_trace_marks_each_phase_of_an_answer_in_order(tiny, tmp_path):
-    """--trace: a streamed answer's line has every phase, in order, between the client's send
-    and its first text chunk (perf_counter is one clock for both); a whole answer's lacks
-    `sent` only."""
+    """--trace: a streamed answer's line has every phase, in order, after the client's send
+    and (all but `sent`) before its first text chunk (perf_counter is one clock for both); a
+    whole answer's lacks `sent` only."""
     path = tmp_path / "trace.jsonl"
     tiny.service.trace = Trace(str(path))
     try:
@@ -583,8 +583,15 @@ def test_the_trace_marks_each_phase_of_an_answer_in_order(tiny, tmp_path):
     streamed = lines[answer_id]
     assert list(streamed["marks"]) == list(PHASES)
     times = list(streamed["marks"].values())
-    assert t0 <= times[0] and times == sorted(times) and times[-1] <= first
+    # (`sent` is marked once the write returned: the client may have read it just before)
+    assert t0 <= times[0] and times == sorted(times) and times[-2] <= first
     assert streamed["completion_tokens"] == 6 and streamed["prompt_tokens"] > 0
+    # At most 6 steps made its 6 tokens (one when it prefilled), within its first step's start
+    # and its last tokens.
+    marks = streamed["marks"]
+    assert marks["token"] <= streamed["last_token"] <= time.perf_counter()
+    assert 1 <= streamed["steps"] <= 6
+    assert 0 < streamed["step_s"] <= streamed["last_token"] - marks["stepped"]
     assert list(lines[whole.id]["marks"]) == [p for p in PHASES if p != "sent"]
 
 

@@ -102,9 +102,11 @@ class ServeRequest:
     active: Optional[ActiveRequest] = None
     first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
-    # perf_counter time of each phase the request passed first (TRACE_PHASES; `specdec serve
-    # --trace` writes them per request)
+    # perf_counter time of each phase the request passed first (trace.PHASES; `specdec serve
+    # --trace` writes them per request), and the steps it took part in and their seconds
     marks: Dict[str, float] = field(default_factory=dict)
+    steps: int = 0
+    step_s: float = 0.0
 
     def mark(self, phase: str, now: Optional[float] = None) -> None:
         """Note when the request first reached `phase`."""
@@ -407,10 +409,7 @@ class Scheduler:
             self._retire_finished(lane)
 
     def _step(self, lane: Lane) -> None:
-        now = time.perf_counter()
-        for request in lane.running.values():
-            if request.first_token_at is None:
-                request.mark(STEPPED, now)
+        start = time.perf_counter()
         try:
             lane.batch.fit_bucket(self.engine)
             emitted = lane.generator.step(lane.batch)
@@ -424,6 +423,10 @@ class Scheduler:
             self._flush()
             return
         now = time.perf_counter()
+        for request in lane.running.values():
+            request.mark(STEPPED, start)
+            request.steps += 1
+            request.step_s += now - start
         for active, tokens in emitted.items():
             self._deliver(lane.running[active], tokens, now)
         self._flush()
