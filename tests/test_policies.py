@@ -325,3 +325,34 @@ def test_chain_accepted():
     assert chain_accepted(0.5, 0) == 0.0
     assert chain_accepted(0.5, 3) == pytest.approx(0.875)
     assert chain_accepted(1.0, 7) == 7.0
+
+
+def test_cost_aware_policy_rests_from_drafting_while_no_verify_comes_near_paying():
+    seconds = _costs(1, s1=1.0, s2=1.5, s8=3.0)
+    policy = CostAwareVerifySize([1, 2, 8], VerifySizePlanner([1, 2, 8], seconds))
+    state = policy.new_request()
+    draft = _chain_draft([7], depth=3)
+
+    def run(steps, hit):
+        """Steps of the loop (wants_draft, then plan and observe when drafting); returns
+        which ones drafted."""
+        drafted = []
+        for _ in range(steps):
+            drafted.append(policy.wants_draft())
+            if drafted[-1]:
+                plan = policy.plan([7], [True], [state], draft, bucket=1)
+                policy.observe(plan, [True], [state], [0], [7 if hit else 3])
+        return drafted
+
+    state.hit_rate = 0.1  # verify(2): 1.1 tokens / 1.5 s = 0.73 of a decode's rate: rest
+    assert run(16, hit=False) == [True, False, True] + [False] * 2 + [True] + [False] * 4 + [
+        True] + [False] * 5
+    state.hit_rate = 0.3  # 1.3 / 1.5 = 0.87 >= 0.8: a decode, but no rest after it
+    policy.rest = 0
+    assert run(3, hit=False) == [True, True, True] and state.hit_rate < 0.3
+    policy.admitted()  # a new request: drafting at once, the rests start at 1 again
+    state.hit_rate = 0.1
+    assert run(4, hit=False) == [True, False, True, False]
+    state.hit_rate = 1.0  # the drafts hit: verifies, no rest
+    policy.rest = 0
+    assert run(3, hit=True) == [True, True, True]

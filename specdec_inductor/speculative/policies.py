@@ -33,7 +33,9 @@ request (`new_request`). Neither policy changes which tokens come out, only the 
   draft as deep (pulled back towards the chain estimate while that size is not run, so a
   size that stopped paying is tried again once first drafts hit again). Under concurrency a
   verify's rows grow with the bucket, and where the drafts do not pay for them every step
-  is a plain decode: speculation then costs its drafting, never a verify.
+  is a plain decode; while no verify comes near paying, steps rest from drafting too (1, 2,
+  4, ... at most 8 between drafted steps), so speculation then costs little more than plain
+  decoding.
 - StartPolicy (wraps either; opt-in): when a request starts paying for full drafts. After an
   admission the first plain_steps steps are plain decodes. Then, while a request has fewer
   than probe_hits accepted first drafts, its drafts are cut to the probe size (the smallest
@@ -256,12 +258,13 @@ class VerifySizePlanner:
         unknown = [z for z in self.tree_sizes if (bucket, z) not in self.seconds]
         if unknown:
             return unknown[0]
-        best, rate = self.tree_sizes[0], -1.0
-        for z in self.tree_sizes:
-            r = expected[z] / self.seconds[(bucket, z)]
-            if r > rate:
-                best, rate = z, r
-        return best
+        rates = self.rates(bucket, expected)
+        return max(self.tree_sizes, key=lambda z: (rates[z], -z))
+
+    def rates(self, bucket: int, expected: Dict[int, float]) -> Dict[int, float]:
+        """Expected tokens per second of each size whose cost at the bucket is known."""
+        return {z: expected[z] / self.seconds[(bucket, z)] for z in self.tree_sizes
+                if (bucket, z) in self.seconds}
 
     def observe(self, bucket: int, size: int, seconds: float) -> None:
         old = self.seconds.get((bucket, size))
@@ -290,15 +293,42 @@ class CostAwareVerifySize(DraftPolicy):
 
     planner: the batch's VerifySizePlanner; prior_hit: a new request's first-draft hit rate;
     smoothing: weight of a step's outcome in a request's running rates; drift: how far a
-    size's running mean moves towards the chain estimate in each step that does not run it."""
+    size's running mean moves towards the chain estimate in each step that does not run it.
+
+    Resting: a decode step planned while the best verify was expected to bring less than
+    rest_below times the decode's tokens per second is followed by steps without drafting
+    (the proposer's lookup and the plan are not free either): 1, then twice as many after
+    each further such plan, at most max_rest; a planned verify, or an admission, ends it."""
 
     def __init__(self, tree_sizes: Sequence[int], planner: VerifySizePlanner,
-                 prior_hit: float = 0.5, smoothing: float = 0.3, drift: float = 0.05):
+                 prior_hit: float = 0.5, smoothing: float = 0.3, drift: float = 0.05,
+                 rest_below: float = 0.8, max_rest: int = 8):
         super().__init__(tree_sizes)
         self.planner, self.prior_hit = planner, prior_hit
         self.smoothing, self.drift = smoothing, drift
+        self.rest_below, self.max_rest = rest_below, max_rest
+        self.rest, self._next_rest = 0, 1  # steps left without drafting; the next rest's
         self._bucket = 1
         self._depths: List[Dict[int, int]] = []  # the planned step's per-request cut depths
+
+    def admitted(self) -> None:
+        self.rest, self._next_rest = 0, 1
+
+    def wants_draft(self) -> bool:
+        if self.rest > 0:
+            self.rest -= 1
+            return False
+        return True
+
+    def _rest_after(self, size: int, rates: Dict[int, float]) -> None:
+        """Start a rest after a decode plan whose best verify was far from paying."""
+        if size > 1:
+            self._next_rest = 1
+            return
+        verifies = [r for z, r in rates.items() if z > 1]
+        if 1 in rates and verifies and max(verifies) < self.rest_below * rates[1]:
+            self.rest, self._next_rest = self._next_rest, min(self.max_rest,
+                                                               2 * self._next_rest)
 
     def new_request(self) -> _RateState:
         return _RateState(self.prior_hit)
@@ -326,7 +356,9 @@ class CostAwareVerifySize(DraftPolicy):
         expected = {z: sum(1.0 + self.expected(st, z, d[z]) for st, d in rows)
                     for z in self.tree_sizes}
         drafted = [k > 0 and a for k, a in zip(offered, live)]
-        return StepPlan(self.planner.plan(bucket, expected), offered, drafted,
+        size = self.planner.plan(bucket, expected)
+        self._rest_after(size, self.planner.rates(bucket, expected))
+        return StepPlan(size, offered, drafted,
                         first_drafts=draft.tokens[:, 1].tolist() if draft.tokens.shape[1] > 1
                         else None)
 
