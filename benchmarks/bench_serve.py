@@ -208,8 +208,9 @@ def print_table(table: Dict[str, Dict[int, dict]], concurrency: List[int]) -> No
 def trace_phases(trace_path: str, requests: List[dict]) -> Dict[str, float]:
     """Median seconds between consecutive phases of the requests' time to first token (the
     client's send, the server's trace marks (serve/trace.py), the client's first chunk), and
-    per step after the first token: the step API's call, the scheduler's step-to-step time
-    (the first to the last token handed out) and the client's inter-token latency."""
+    per step after the one of the first token: the step API's call, the scheduler's
+    step-to-step time (the first to the last token handed out) and the client's inter-token
+    latency (per token: below a step's time where steps emit several)."""
     with open(trace_path) as f:
         lines = {line["id"]: line for line in map(json.loads, f)}
     gaps: Dict[str, List[float]] = {}
@@ -222,9 +223,10 @@ def trace_phases(trace_path: str, requests: List[dict]) -> Dict[str, float]:
         for (a, ta), (b, tb) in zip(times, times[1:]):
             gaps.setdefault(f"{a} -> {b}", []).append(tb - ta)
         if line["steps"] > 1 and r["itl"] is not None:
-            per_step = {"step (the step API's call)": line["step_s"] / line["steps"],
-                        "step to step (server)": (line["last_token"] - line["marks"]["token"])
-                        / (line["steps"] - 1),
+            marks, later = line["marks"], line["steps"] - 1  # the steps after the first token's
+            first_step = marks["token"] - marks["stepped"]
+            per_step = {"step (the step API's call)": (line["step_s"] - first_step) / later,
+                        "step to step (server)": (line["last_token"] - marks["token"]) / later,
                         "client ITL": r["itl"]}
             for k, v in per_step.items():
                 gaps.setdefault(k, []).append(v)
