@@ -383,8 +383,8 @@ class Scheduler:
             if not group:
                 return
             try:
-                # Prompts prefill one engine chunk per step, between the other requests'
-                # steps, so a long prompt does not stall the batch (the prefill graph's T).
+                # Prompts prefill one chunk per step, between the other requests' steps, so
+                # a long prompt does not stall the batch (module docstring: the chunk's size).
                 actives = lane.generator.admit(lane.batch, [r.prompt for r in group], most,
                                                [r.sampling for r in group], self.eos_token_id,
                                                prefill_chunk=self.prefill_chunk_for(group))

@@ -373,12 +373,12 @@ class CostAwareVerifySize(DraftPolicy):
             if not k:
                 continue
             for z in self.tree_sizes:
-                key, chain = (z, d[z]), chain_accepted(st.hit_rate, d[z])
                 if z <= 2 or d[z] == 0:
                     continue
+                key, chain = (z, d[z]), chain_accepted(st.hit_rate, d[z])
                 if z == plan.size:  # from what the plan expected
-                    st.accepted[key] = st.accepted.get(key, chain) + w * (
-                        a - st.accepted.get(key, chain))
+                    mean = st.accepted.get(key, chain)
+                    st.accepted[key] = mean + w * (a - mean)
                 elif key in st.accepted:
                     st.accepted[key] += self.drift * (chain - st.accepted[key])
             # Whatever the size, the first emitted token is the target's answer to the
