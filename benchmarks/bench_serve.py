@@ -17,14 +17,22 @@ server in a process of its own, so no server shares its interpreter (or GIL) wit
 they do share the machine's cores, alike for every server. Each run line and the table's
 header give the load average (other processes' load makes every tok/s here slower).
 
+--trace: our servers also write their per-request phase times (`specdec serve --trace`,
+serve/trace.py), and a second table splits each server's time to first token into the
+median time between consecutive phases, from the client's send (perf_counter, the same
+clock as the server's on Linux) to the client's first text chunk.
+
     bash benchmarks/build_llamacpp.sh      # once (llama-server)
     python benchmarks/bench_serve.py                                  # none, ngram, eagle3
     python benchmarks/bench_serve.py --eager --concurrency 1,4 --prompts 4 --max-tokens 16 \\
         --requests-per-client 1 --repeats 1                           # a quick smoke run
     python benchmarks/bench_serve.py --methods none,ngram --baseline ../other-checkout
                                       # same-run A/B of a change: also that checkout's servers
+    python benchmarks/bench_serve.py --methods none --concurrency 1 --no-llamacpp --trace
+                                      # where a request's time to first token goes
 """
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -63,6 +71,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      env={**os.environ, "PYTHONPATH": ROOT})
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.trace: Optional[str] = None  # our servers' --trace file (bench --trace)
 
     def up(self, timeout: float) -> float:
         t0 = time.monotonic()
@@ -90,6 +99,7 @@ def ours(method: str, args, log_dir: str, root: Optional[str] = None) -> ServerP
     """Our server with `method`; root: run another checkout's package (--baseline)."""
     # The console script the package installs next to this interpreter.
     specdec = os.path.join(os.path.dirname(sys.executable), "specdec")
+    label = f"{'baseline' if root else 'ours'} {method}"
     cmd = ["env", f"PYTHONPATH={root}"] if root else []
     cmd += [specdec, "serve", "--port", "{port}",
            "--method", method, "--max-batch", str(args.max_batch), "--max-len",
@@ -97,7 +107,11 @@ def ours(method: str, args, log_dir: str, root: Optional[str] = None) -> ServerP
            "--served-model-name", NAME, "--max-new-tokens", str(args.max_tokens)]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--eager"] if args.eager else []
-    return ServerProcess(f"{'baseline' if root else 'ours'} {method}", cmd, log_dir)
+    trace = os.path.join(log_dir, label.replace(" ", "_") + ".trace.jsonl")
+    cmd += ["--trace", trace] if args.trace else []
+    server = ServerProcess(label, cmd, log_dir)
+    server.trace = trace if args.trace else None
+    return server
 
 
 def llama_server(bindir: str, args, log_dir: str) -> ServerProcess:
@@ -113,11 +127,12 @@ def one_request(base_url: str, prompt: str, max_tokens: int) -> dict:
     import openai
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     t0 = time.perf_counter()
-    first = last = None
+    first = last = answer_id = None
     chunks, used = 0, None
     for chunk in client.chat.completions.create(
             model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
             temperature=0.0, stream=True, stream_options={"include_usage": True}):
+        answer_id = chunk.id
         if chunk.usage is not None:
             used = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].delta.content:
@@ -127,7 +142,7 @@ def one_request(base_url: str, prompt: str, max_tokens: int) -> dict:
     tokens = used if used is not None else chunks
     return {"ttft": (first if first is not None else time.perf_counter()) - t0,
             "itl": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None,
-            "tokens": tokens}
+            "tokens": tokens, "id": answer_id, "sent_at": t0, "first_at": first}
 
 
 def run_load(server: ServerProcess, prompts: List[str], clients: int, per_client: int,
@@ -190,6 +205,46 @@ def print_table(table: Dict[str, Dict[int, dict]], concurrency: List[int]) -> No
                   f"{ratio(r, rows.get(concurrency[0]))} |")
 
 
+def trace_phases(trace_path: str, requests: List[dict]) -> Dict[str, float]:
+    """Median seconds between consecutive phases of the requests' time to first token (the
+    client's send, the server's trace marks (serve/trace.py), the client's first chunk), and
+    per step after the one of the first token: the step API's call, the scheduler's
+    step-to-step time (the first to the last token handed out) and the client's inter-token
+    latency (per token: below a step's time where steps emit several)."""
+    with open(trace_path) as f:
+        lines = {line["id"]: line for line in map(json.loads, f)}
+    gaps: Dict[str, List[float]] = {}
+    for r in requests:
+        line = lines.get(r["id"])
+        if line is None or r["first_at"] is None:
+            continue
+        times = [("client", r["sent_at"])] + list(line["marks"].items())
+        times.append(("client first chunk", r["first_at"]))
+        for (a, ta), (b, tb) in zip(times, times[1:]):
+            gaps.setdefault(f"{a} -> {b}", []).append(tb - ta)
+        if line["steps"] > 1 and r["itl"] is not None:
+            marks, later = line["marks"], line["steps"] - 1  # the steps after the first token's
+            first_step = marks["token"] - marks["stepped"]
+            per_step = {"step (the step API's call)": (line["step_s"] - first_step) / later,
+                        "step to step (server)": (line["last_token"] - marks["token"]) / later,
+                        "client ITL": r["itl"]}
+            for k, v in per_step.items():
+                gaps.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in gaps.items()}
+
+
+def print_phases(runs: Dict[str, Dict[int, List[dict]]], servers: List[ServerProcess],
+                 concurrency: List[int]) -> None:
+    print("\n| server | clients | TTFT phase, or per step | median ms |\n|---|---|---|---|")
+    for server in servers:
+        if server.trace is None:
+            continue
+        for c in concurrency:
+            requests = [r for run in runs[server.label][c] for r in run["requests"]]
+            for phase, seconds in trace_phases(server.trace, requests).items():
+                print(f"| {server.label} | {c} | {phase} | {seconds * 1e3:.1f} |")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -214,6 +269,8 @@ def main() -> int:
                    help="also serve each method from this checkout of the repository (a "
                         "same-run A/B of a change: its rows are 'baseline METHOD')")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
+    p.add_argument("--trace", action="store_true",
+                   help="split our servers' time to first token into phases (serve/trace.py)")
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     methods = args.methods.split(",")
@@ -262,6 +319,8 @@ def main() -> int:
           f"in {log_dir}")
     print_table({label: {c: summarize(r) for c, r in rows.items()}
                  for label, rows in runs.items()}, args.concurrency)
+    if args.trace:
+        print_phases(runs, servers, args.concurrency)
     return 0
 
 

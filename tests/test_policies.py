@@ -1,13 +1,15 @@
 """Draft-budget policies (speculative/policies.py) on their own, fed hand-made observations:
 the verify size each step gets, when the acceptance gate switches drafting off and back on,
-how the adaptive size cuts and regrows drafts, and which draft timings the gate prices. The
+how the adaptive size cuts and regrows drafts, which draft timings the gate prices, and the
+cost-aware size's choice from synthetic step costs and acceptance. The
 expected decisions are those the loop made before the policies became objects."""
 import pytest
 import torch
 
 from specdec_inductor.speculative import (AcceptanceGate, AdaptiveVerifySize, DraftPolicy,
                                           DraftTree, StepCosts, StepPlan)
-from specdec_inductor.speculative.policies import StartPolicy
+from specdec_inductor.speculative.policies import (CostAwareVerifySize, StartPolicy,
+                                                   VerifySizePlanner, chain_accepted)
 
 
 def _draft(first_tokens):
@@ -203,3 +205,154 @@ def test_start_policy_shows_the_inner_policys_own_probe_sized_steps_to_it():
     assert plan.size == 2 and not policy.probe_step
     policy.observe(plan, [True], states, [1], [0])
     assert states[0].inner.hit_rate > 0.5  # the inner policy scored its own probe
+
+
+# -- the cost-aware verify size (VerifySizePlanner, CostAwareVerifySize) ----------------------
+
+def _costs(bucket, **by_size):
+    """{(bucket, size): seconds} from size=seconds keywords (s1=..., s2=..., s8=...)."""
+    return {(bucket, int(k[1:])): v for k, v in by_size.items()}
+
+
+def test_planner_picks_the_most_tokens_per_second_at_the_bucket():
+    seconds = {**_costs(1, s1=1.0, s2=1.1, s8=1.6), **_costs(16, s1=4.0, s2=7.0, s8=29.0)}
+    planner = VerifySizePlanner([1, 2, 8], seconds)
+    # One request: 1 token for a decode, 1.5 for verify(2), 3 for verify(8).
+    assert planner.plan(1, {1: 1.0, 2: 1.5, 8: 3.0}) == 8  # 1.875 tokens/s beats 1.36 and 1
+    assert planner.plan(1, {1: 1.0, 2: 1.5, 8: 1.7}) == 2  # 1.36 beats 1.06
+    assert planner.plan(1, {1: 1.0, 2: 1.05, 8: 1.5}) == 1  # 1 beats 0.95 and 0.94
+    # Sixteen requests with the same drafts: verify rows cost more at bucket 16.
+    assert planner.plan(16, {1: 16.0, 2: 24.0, 8: 48.0}) == 1  # 4 tokens/s beats 3.4 and 1.7
+    assert planner.plan(16, {1: 16.0, 2: 30.0, 8: 48.0}) == 2  # 4.3 beats 4
+    assert planner.plan(1, {1: 1.0, 2: 1.1, 8: 1.6}) == 1  # ties: the smaller size
+
+
+def test_planner_measures_an_unknown_size_first_and_learns_costs_online():
+    planner = VerifySizePlanner([1, 2, 8], _costs(4, s1=1.0, s8=2.0))
+    assert planner.plan(4, {1: 4.0, 2: 4.0, 8: 20.0}) == 2  # verify(2) at bucket 4: untimed
+    planner.observe(4, 2, 1.2)
+    assert planner.seconds[(4, 2)] == 1.2  # a first time is taken as it is
+    assert planner.plan(4, {1: 4.0, 2: 4.0, 8: 20.0}) == 8
+    planner.observe(4, 8, 2.5)  # a running mean: 2.0 + 0.2 * 0.5
+    assert planner.seconds[(4, 8)] == pytest.approx(2.1)
+    planner.observe(4, 8, 100.0)  # a stalled step moves it by at most 0.2 * (2 * old - old)
+    assert planner.seconds[(4, 8)] == pytest.approx(2.1 + 0.2 * 2.1)
+    for _ in range(40):  # verify(8) became expensive: its running mean follows
+        planner.observe(4, 8, 12.0)
+    assert planner.seconds[(4, 8)] == pytest.approx(12.0, rel=0.01)
+    assert planner.plan(4, {1: 4.0, 2: 4.0, 8: 20.0}) == 1
+    assert planner.plan(2, {1: 2.0, 2: 2.0, 8: 2.0}) == 1  # bucket 2: nothing known, decode first
+
+
+def _chain_draft(first_tokens, depth, n=8):
+    """Drafts whose first `depth` nodes after the root form a chain and the rest are children
+    of the root (a breadth of 1 then n - 1 - depth leaves), with positions seq_len + depth."""
+    bs = len(first_tokens)
+    tokens = torch.zeros(bs, n, dtype=torch.int64)
+    tokens[:, 1] = torch.tensor(first_tokens)
+    node_depth = [0] + list(range(1, depth + 1)) + [1] * (n - 1 - depth)
+    positions = (torch.tensor(node_depth) + 100).repeat(bs)  # [B*N], seq_len 100
+    return DraftTree(tokens, None, positions, None, None, None, None)
+
+
+def test_cost_aware_policy_weighs_each_requests_hit_rate_against_the_bucket_costs():
+    seconds = {**_costs(1, s1=1.0, s2=1.1, s8=1.6), **_costs(4, s1=1.5, s2=2.4, s8=7.0)}
+    policy = CostAwareVerifySize([1, 2, 8], VerifySizePlanner([1, 2, 8], seconds))
+    state = policy.new_request()
+    assert state.hit_rate == 0.5
+    draft = _chain_draft([7], depth=3)
+    assert policy.cut_depths([7], draft) == [{1: 0, 2: 1, 8: 3}]
+    assert policy.cut_depths([1], draft) == [{1: 0, 2: 1, 8: 1}]  # one real draft: 1 deep
+    assert policy.cut_depths([0], draft) == [{1: 0, 2: 0, 8: 0}]
+    # Expected tokens at bucket 1: decode 1, verify(2) 1.5, verify(8) 1 + .5 + .25 + .125:
+    # per second 1, 1.36, 1.17.
+    assert policy.plan([7], [True], [state], draft, bucket=1).size == 2
+    # First drafts that keep missing: the rate falls, and the planner turns to plain decodes.
+    for _ in range(6):
+        plan = policy.plan([7], [True], [state], draft, bucket=1)
+        policy.observe(plan, [True], [state], [0], [3])
+    assert state.hit_rate < 0.1
+    assert policy.plan([7], [True], [state], draft, bucket=1).size == 1
+    # A decode step still scores the first draft: hits bring the verifies back.
+    for _ in range(6):
+        plan = policy.plan([7], [True], [state], draft, bucket=1)
+        policy.observe(plan, [True], [state], [plan.size > 1 and 3 or 0], [7])
+    assert state.hit_rate > 0.8  # verify(8): 1 + .8 + .64 + .51 tokens per 1.6 s beat 1.8 per 1.1
+    assert policy.plan([7], [True], [state], draft, bucket=1).size == 8
+
+
+def test_cost_aware_policy_decodes_a_bucket_whose_verify_rows_do_not_pay():
+    seconds = {**_costs(1, s1=1.0, s2=1.1, s8=1.6), **_costs(4, s1=1.5, s2=2.4, s8=7.0)}
+    policy = CostAwareVerifySize([1, 2, 8], VerifySizePlanner([1, 2, 8], seconds))
+    states = [policy.new_request() for _ in range(4)]
+    for st in states:
+        st.hit_rate = 0.4
+    draft = _chain_draft([7] * 4, depth=3)
+    assert policy.plan([7], [True], states[:1], _chain_draft([7], 3), bucket=1).size == 2
+    # Four requests at bucket 4: 4 tokens / 1.5 beats 5.6 / 2.4 and 6.5 / 7.
+    assert policy.plan([7] * 4, [True] * 4, states, draft, bucket=4).size == 1
+    # Requests that are done, or offered no draft, bring no drafts.
+    for st in states:
+        st.hit_rate = 0.9
+    assert policy.plan([7] * 4, [True] * 4, states, draft, bucket=4).size == 2
+    assert policy.plan([0, 0, 0, 7], [True] * 4, states, draft, bucket=4).size == 1
+    # Three done: 1.9 tokens / 2.4 s beat 1 / 1.5 (their rows are padding either way).
+    assert policy.plan([7] * 4, [False, False, False, True], states, draft, bucket=4).size == 2
+
+
+def test_cost_aware_policy_learns_what_a_size_brings_and_drifts_back_to_the_chain():
+    seconds = _costs(1, s1=1.0, s2=1.1, s8=1.6)
+    policy = CostAwareVerifySize([1, 2, 8], VerifySizePlanner([1, 2, 8], seconds))
+    state = policy.new_request()
+    state.hit_rate = 0.8  # verify(8): 2.95 tokens per 1.6 s beat 1.8 per 1.1
+    draft = _chain_draft([7], depth=3)
+    plan = policy.plan([7], [True], [state], draft, bucket=1)
+    assert plan.size == 8
+    policy.observe(plan, [True], [state], [3], [7], seconds=1.6)  # all three accepted
+    # The running mean of verify(8) with a 3-deep draft starts at the chain estimate the
+    # plan used (.8 + .64 + .512) and moves 0.3 towards 3; the hit rate 0.3 towards 1.
+    assert state.accepted[(8, 3)] == pytest.approx(1.952 + 0.3 * (3 - 1.952))
+    assert state.hit_rate == pytest.approx(0.86)
+    assert policy.expected(state, 8, 3) == state.accepted[(8, 3)]
+    assert policy.expected(state, 8, 2) == pytest.approx(state.hit_rate + state.hit_rate ** 2)
+    before = state.accepted[(8, 3)]
+    state.hit_rate = 0.0  # (as if first drafts had missed)
+    policy.observe(StepPlan(1, [7], [True], first_drafts=[7]), [True], [state], [0], [3])
+    assert state.accepted[(8, 3)] == pytest.approx(before * 0.95)  # drift towards 0
+
+
+def test_chain_accepted():
+    assert chain_accepted(0.5, 0) == 0.0
+    assert chain_accepted(0.5, 3) == pytest.approx(0.875)
+    assert chain_accepted(1.0, 7) == 7.0
+
+
+def test_cost_aware_policy_rests_from_drafting_while_no_verify_comes_near_paying():
+    seconds = _costs(1, s1=1.0, s2=1.5, s8=3.0)
+    policy = CostAwareVerifySize([1, 2, 8], VerifySizePlanner([1, 2, 8], seconds))
+    state = policy.new_request()
+    draft = _chain_draft([7], depth=3)
+
+    def run(steps, hit):
+        """Steps of the loop (wants_draft, then plan and observe when drafting); returns
+        which ones drafted."""
+        drafted = []
+        for _ in range(steps):
+            drafted.append(policy.wants_draft())
+            if drafted[-1]:
+                plan = policy.plan([7], [True], [state], draft, bucket=1)
+                policy.observe(plan, [True], [state], [0], [7 if hit else 3])
+        return drafted
+
+    state.hit_rate = 0.1  # verify(2): 1.1 tokens / 1.5 s = 0.73 of a decode's rate: rest
+    assert run(16, hit=False) == [True, False, True] + [False] * 2 + [True] + [False] * 4 + [
+        True] + [False] * 5
+    state.hit_rate = 0.3  # 1.3 / 1.5 = 0.87 >= 0.8: a decode, but no rest after it
+    policy.rest = 0
+    assert run(3, hit=False) == [True, True, True] and state.hit_rate < 0.3
+    policy.admitted()  # a new request: drafting at once, the rests start at 1 again
+    state.hit_rate = 0.1
+    assert run(4, hit=False) == [True, False, True, False]
+    state.hit_rate = 1.0  # the drafts hit: verifies, no rest
+    policy.rest = 0
+    assert run(3, hit=True) == [True, True, True]

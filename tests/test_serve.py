@@ -32,7 +32,10 @@ from specdec_inductor.engine.engine import Engine  # noqa: E402
 from specdec_inductor.sampler import SamplingParams  # noqa: E402
 from specdec_inductor.serve.app import Deliveries, chat_ids  # noqa: E402
 from specdec_inductor.serve.launch import build_service, start_in_thread  # noqa: E402
-from specdec_inductor.serve.scheduler import Delta, Scheduler, ServeRequest  # noqa: E402
+from specdec_inductor.proposers.ngram import NgramProposer  # noqa: E402
+from specdec_inductor.serve.scheduler import (Delta, Scheduler, ServeRequest,  # noqa: E402
+                                              prefill_sizes)
+from specdec_inductor.serve.trace import PHASES, Trace  # noqa: E402
 from specdec_inductor.testing import write_random_eagle3_checkpoint  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -553,3 +556,107 @@ def test_eagle3_server_answers_greedy_as_its_draftless_lane(tokenizer, tmp_path)
         server.wait_idle()
     finally:
         server.close()
+
+
+def test_the_trace_marks_each_phase_of_an_answer_in_order(tiny, tmp_path):
+    """--trace: a streamed answer's line has every phase, in order, after the client's send
+    and (all but `sent`) before its first text chunk (perf_counter is one clock for both); a
+    whole answer's lacks `sent` only."""
+    path = tmp_path / "trace.jsonl"
+    tiny.service.trace = Trace(str(path))
+    try:
+        t0 = time.perf_counter()
+        stream = tiny.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=6,
+            temperature=0, stream=True)
+        first, answer_id = None, None
+        for chunk in stream:
+            answer_id = chunk.id
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter()
+        whole = tiny.client().completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=3,
+                                                 temperature=0)
+        tiny.wait_idle()
+    finally:
+        tiny.service.trace = None
+    lines = {line["id"]: line for line in map(json.loads, path.read_text().splitlines())}
+    streamed = lines[answer_id]
+    assert list(streamed["marks"]) == list(PHASES)
+    times = list(streamed["marks"].values())
+    # (`sent` is marked once the write returned: the client may have read it just before)
+    assert t0 <= times[0] and times == sorted(times) and times[-2] <= first
+    assert streamed["completion_tokens"] == 6 and streamed["prompt_tokens"] > 0
+    # At most 6 steps made its 6 tokens (one when it prefilled), within its first step's start
+    # and its last tokens.
+    marks = streamed["marks"]
+    assert marks["token"] <= streamed["last_token"] <= time.perf_counter()
+    assert 1 <= streamed["steps"] <= 6
+    assert 0 < streamed["step_s"] <= streamed["last_token"] - marks["stepped"]
+    assert list(lines[whole.id]["marks"]) == [p for p in PHASES if p != "sent"]
+
+
+def test_prompts_prefill_in_the_smallest_chunk_size_that_holds_them(tokenizer):
+    assert prefill_sizes(64) == [16, 32, 48, 64]
+    assert prefill_sizes(40) == [16, 32, 40] and prefill_sizes(16) == [16]
+    assert prefill_sizes(8) == [8]
+    engine = Engine(_tiny_llama(len(tokenizer)), max_batch=2, max_len=128, compile=False,
+                    prefill_chunk=32)
+    scheduler = Scheduler(engine, None, method="none", max_batch=2, max_queue=4,
+                          eos_token_id=None)
+
+    def group(*lengths):
+        return [ServeRequest([1] * n, 4, SamplingParams(), print) for n in lengths]
+
+    assert scheduler.prefill_sizes == [16, 32]
+    assert scheduler.prefill_chunk_for(group(3)) == 16
+    assert scheduler.prefill_chunk_for(group(16)) == 16
+    assert scheduler.prefill_chunk_for(group(3, 17)) == 32  # the group's longest prompt
+    assert scheduler.prefill_chunk_for(group(90)) == 32  # three chunks
+
+
+def test_serving_after_the_warm_up_compiles_nothing(tokenizer):
+    """A compiled engine (dynamo with the eager backend: the same graphs and guards, without
+    Inductor's compile time): after the warm-up, requests of every prefill size, alone and
+    together, in buckets 1 and 2, with drafts verified at the sizes the cost-aware policy
+    picks and steps where it decodes, run under fail_on_recompile."""
+    torch._dynamo.reset()
+    engine = Engine(_tiny_llama(len(tokenizer)), max_batch=2, max_len=160, compile=True,
+                    compile_backend="eager", prefill_chunk=32)
+    proposer = NgramProposer(num_draft_tokens=4, breadth=(2, 1))
+    scheduler = Scheduler(engine, proposer, method="ngram", max_batch=2, max_queue=8,
+                          eos_token_id=None, warmup_prompt=[5, 6, 7, 8] * 3)
+    lane = scheduler.lanes[0]
+    assert lane.batch is None and lane.generator.cost_aware
+    results, done = {}, threading.Event()
+    prompts = [[3, 4, 5] * 2, [7, 8, 9, 10] * 6, [3, 4] * 30, [11, 12, 13] * 4]
+
+    def on_delta(i):
+        def deliver(delta):
+            results.setdefault(i, []).append(delta)
+            if delta.finish_reason is not None and len(results) == len(prompts) and all(
+                    r[-1].finish_reason is not None for r in results.values()):
+                done.set()
+        return deliver
+
+    scheduler.start()
+    try:
+        assert scheduler.ready.wait(600) and scheduler.failed is None
+        # The cost-aware policy has each bucket's measured step costs to weigh.
+        assert {(b, z) for b in engine.buckets for z in lane.generator.tree_sizes} <= set(
+            lane.generator.costs.step_s)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for i, prompt in enumerate(prompts):
+                scheduler.submit(ServeRequest(prompt, 24 + 4 * i, SamplingParams(), on_delta(i)))
+                if i == 1:
+                    time.sleep(0.2)  # the later ones join a running batch
+            assert done.wait(300)
+            scheduler.inspect(scheduler.assert_idle).result(60)
+    finally:
+        scheduler.stop(60)
+    assert scheduler.failed is None
+    for i, deltas in results.items():
+        assert deltas[-1].error is None, deltas[-1].error
+        assert sum(len(d.tokens) for d in deltas) == 24 + 4 * i
+    # The batch verified drafts at some step (repeating prompts) and decoded at others.
+    sizes = lane.stats.steps_by_size
+    assert sum(n for z, n in sizes.items() if z > 1) > 0 and sizes.get(1, 0) > 0, sizes

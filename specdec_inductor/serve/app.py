@@ -6,6 +6,7 @@ request, which then leaves its batch at the next step boundary."""
 import asyncio
 import json
 import logging
+import time
 from typing import AsyncIterator, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
@@ -19,6 +20,7 @@ from specdec_inductor.serve.protocol import (APIError, ChatCompletionRequest, Co
 from specdec_inductor.serve.scheduler import (CANCELLED, STOP, ContextLengthError, Delta,
                                               QueueFullError, ServeRequest)
 from specdec_inductor.serve.text import StopText
+from specdec_inductor.serve.trace import HANDED, RECEIVED, SENT, TOKENIZED, Trace
 
 log = logging.getLogger("specdec.serve")
 
@@ -67,10 +69,10 @@ class Service:
     the scheduler calls."""
 
     def __init__(self, scheduler, tokenizer, model_name: str, metrics, default_max_tokens: int,
-                 deliveries: Deliveries):
+                 deliveries: Deliveries, trace: Optional[Trace] = None):
         self.scheduler, self.tokenizer, self.model_name = scheduler, tokenizer, model_name
         self.metrics, self.default_max_tokens = metrics, default_max_tokens
-        self.deliveries = deliveries
+        self.deliveries, self.trace = deliveries, trace
 
     # -- a request, checked -------------------------------------------------------------------
     def prompt_ids(self, body, chat: bool) -> List[int]:
@@ -103,14 +105,18 @@ class Service:
                             speculative=body.speculative is not False)
 
     # -- answering ------------------------------------------------------------------------------
-    async def answer(self, http: Request, body, chat: bool):
+    async def answer(self, http: Request, body, chat: bool, received: float):
+        """received: when the handler began (perf_counter; before the body was read)."""
         ids = self.prompt_ids(body, chat)
+        tokenized = time.perf_counter()
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def on_delta(delta: Delta) -> None:  # the scheduler thread
             self.deliveries.put(loop, queue, delta)
 
         request = self.serve_request(body, chat, ids, on_delta)
+        request.mark(RECEIVED, received)
+        request.mark(TOKENIZED, tokenized)
         text = StopText(self.tokenizer, body.stop_strings())
         try:
             self.scheduler.submit(request)
@@ -122,10 +128,10 @@ class Service:
         shape = ResponseShape(chat, self.model_name)
         # A streamed answer learns of a disconnect from Starlette, which cancels the stream;
         # a whole answer from a watcher that polls the connection.
-        pieces = self._pieces(None if body.stream else http, request, queue, text)
+        pieces = self._pieces(None if body.stream else http, request, queue, text, shape.id)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._events(shape, pieces, len(ids), text, usage),
+            return StreamingResponse(self._events(shape, pieces, request, text, usage),
                                      media_type="text/event-stream")
         answer, reason = [], None
         async for piece, reason in pieces:
@@ -135,12 +141,13 @@ class Service:
         return JSONResponse(shape.full("".join(answer), reason, len(ids), text.tokens_used))
 
     async def _pieces(self, http: Optional[Request], request: ServeRequest,
-                      queue: asyncio.Queue, text: StopText
+                      queue: asyncio.Queue, text: StopText, answer_id: str
                       ) -> AsyncIterator[Tuple[str, Optional[str]]]:
         """(new text, finish_reason on the last piece) as the request's tokens arrive; ends
         without a finish_reason when the client disconnected (http: watched for that, None:
         the caller learns of it otherwise). Whatever ends it early (a stop string, a
-        disconnect, an error, a cancelled stream) cancels the request."""
+        disconnect, an error, a cancelled stream) cancels the request. The request's trace
+        line (--trace) is written when it ends."""
         watcher = (asyncio.ensure_future(_watch_disconnect(http, queue)) if http is not None
                    else None)
         try:
@@ -148,6 +155,7 @@ class Service:
                 delta = await queue.get()
                 if delta is None or delta.finish_reason == CANCELLED:
                     return
+                request.mark(HANDED)
                 if delta.error:
                     raise APIError(500, delta.error, type="server_error")
                 piece, stopped = text.push(delta.tokens)
@@ -163,18 +171,22 @@ class Service:
                 watcher.cancel()
             if not request.finished:
                 self.scheduler.cancel(request)
+            if self.trace is not None:
+                self.trace.write(answer_id, request, text.tokens_used)
 
-    async def _events(self, shape: ResponseShape, pieces, prompt_tokens: int, text: StopText,
+    async def _events(self, shape: ResponseShape, pieces, request: ServeRequest, text: StopText,
                       include_usage: bool) -> AsyncIterator[str]:
         if shape.chat:
             yield _sse(shape.chunk(None, first=True))
         try:
             async for piece, reason in pieces:
                 yield _sse(shape.chunk(piece, reason))
+                if piece:
+                    request.mark(SENT)  # resumed by the server: the event was written
         except APIError as exc:
             yield _sse(exc.body())
         if include_usage:
-            yield _sse(shape.usage_chunk(prompt_tokens, text.tokens_used))
+            yield _sse(shape.usage_chunk(len(request.prompt), text.tokens_used))
         yield "data: [DONE]\n\n"
 
 
@@ -257,10 +269,14 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(http: Request):
-        return await service.answer(http, parse(CompletionRequest, await http.body()), False)
+        received = time.perf_counter()
+        return await service.answer(http, parse(CompletionRequest, await http.body()), False,
+                                    received)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request):
-        return await service.answer(http, parse(ChatCompletionRequest, await http.body()), True)
+        received = time.perf_counter()
+        return await service.answer(http, parse(ChatCompletionRequest, await http.body()), True,
+                                    received)
 
     return app

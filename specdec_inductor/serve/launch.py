@@ -17,6 +17,7 @@ from specdec_inductor.loading import encode
 from specdec_inductor.serve.app import Deliveries, Service, create_app
 from specdec_inductor.serve.metrics import Metrics
 from specdec_inductor.serve.scheduler import Scheduler
+from specdec_inductor.serve.trace import Trace
 
 WARMUP_PROMPT = "Say hello."
 
@@ -39,8 +40,9 @@ def build_service(args, engine, proposer, tokenizer) -> Service:
                           max_queue=args.max_queue, eos_token_id=tokenizer.eos_token_id,
                           metrics=metrics, flush=deliveries.flush,
                           warmup_prompt=encode(tokenizer, WARMUP_PROMPT, chat=True))
+    trace = Trace(args.trace) if args.trace else None
     return Service(scheduler, tokenizer, served_name(args), metrics, args.max_new_tokens,
-                   deliveries)
+                   deliveries, trace)
 
 
 def main(args, engine, proposer, tokenizer, t0: float) -> int:

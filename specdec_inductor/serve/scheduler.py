@@ -23,6 +23,11 @@ smallest of the engine's buckets that holds its requests (Batch.fit_bucket): one
 decodes in bucket 1, sixteen in bucket 16, and requests that arrive one after another share
 one step whatever their count (every bucket's graphs compile in the warm-up).
 
+A group's prompts prefill in chunks of the smallest of `prefill_sizes` (multiples of
+PREFILL_STEP up to the engine's prefill_chunk) that holds its longest prompt: a prefill chunk
+costs about its row count (a short prompt padded to the engine's chunk pays for the padding
+rows), and every size's graphs compile in the warm-up, with every bucket's.
+
 The step API admits a group with one max_new_tokens: a group shares its largest request's
 budget and the scheduler ends each request at its own max_tokens (it retires the request
 right after the step that reached it, and never hands out tokens past it).
@@ -45,11 +50,19 @@ from specdec_inductor.engine.kv_pool import PoolExhaustedError
 from specdec_inductor.sampler import SamplingParams
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
 from specdec_inductor.speculative.loop import ActiveRequest
+from specdec_inductor.serve.trace import ADMITTED, PICKED, QUEUED, STEPPED, TOKEN
 
 log = logging.getLogger("specdec.serve")
 
 # finish_reason of a Delta that ends a request
 STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"
+PREFILL_STEP = 16  # prefill chunk sizes: multiples of this, up to the engine's prefill_chunk
+
+
+def prefill_sizes(prefill_chunk: int, step: int = PREFILL_STEP) -> List[int]:
+    """The prefill chunk sizes a scheduler uses: step, 2 * step, ... below prefill_chunk, and
+    prefill_chunk itself."""
+    return list(range(step, prefill_chunk, step)) + [prefill_chunk]
 
 
 class QueueFullError(RuntimeError):
@@ -89,6 +102,16 @@ class ServeRequest:
     active: Optional[ActiveRequest] = None
     first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
+    # perf_counter time of each phase the request passed first (trace.PHASES; `specdec serve
+    # --trace` writes them per request), and the steps it took part in and their seconds
+    marks: Dict[str, float] = field(default_factory=dict)
+    steps: int = 0
+    step_s: float = 0.0
+
+    def mark(self, phase: str, now: Optional[float] = None) -> None:
+        """Note when the request first reached `phase`."""
+        if phase not in self.marks:
+            self.marks[phase] = time.perf_counter() if now is None else now
 
 
 class Lane:
@@ -126,11 +149,15 @@ class Scheduler:
                  flush: Optional[Callable[[], None]] = None):
         self.engine, self.eos_token_id, self.max_queue = engine, eos_token_id, max_queue
         self.metrics, self.flush = metrics, flush
+        # cost_aware: each step verifies the size with the most expected tokens per second at
+        # the batch's bucket (policies.CostAwareVerifySize), a plain decode where drafts do
+        # not pay for a verify's rows.
         self.lanes = [Lane(method if proposer is not None else "none",
-                           SpeculativeGenerator(engine, proposer), max_batch)]
+                           SpeculativeGenerator(engine, proposer, cost_aware=True), max_batch)]
         if proposer is not None:
             self.lanes.append(Lane("none", SpeculativeGenerator(engine, None), max_batch))
         self._warmup = (list(warmup_prompt), warmup_tokens) if warmup_prompt else None
+        self.prefill_sizes = prefill_sizes(engine.prefill_chunk)
         self._cond = threading.Condition()
         self._inbox: List[ServeRequest] = []
         self._calls: List[Tuple[Callable[[], object], Future]] = []
@@ -193,6 +220,7 @@ class Scheduler:
                 raise QueueFullError(f"{self._queued} requests are queued already (--max-queue "
                                      f"{self.max_queue}); retry later")
             self._queued += 1
+            request.mark(QUEUED)
             self._inbox.append(request)
             self._notify()
 
@@ -266,8 +294,9 @@ class Scheduler:
         """Scratch requests through every lane in groups of every bucket size, so the graphs
         the batch's buckets step with (and a draft model's, which take the live count's
         bucket) compile before serving; an eager engine pays its first-call costs once.
-        compile_verify runs the largest bucket first: the policies' step costs stay those it
-        measures last, at bucket 1 (as `specdec generate` measures them)."""
+        compile_verify measures each bucket's step costs (the cost-aware verify size weighs
+        them); it runs the largest bucket first, so the single-bucket costs (probe_cost,
+        verify_cost) stay those of bucket 1, as `specdec generate` measures them."""
         if self._warmup is None:
             return
         prompt, tokens = self._warmup
@@ -277,12 +306,13 @@ class Scheduler:
             for size in reversed(sizes):
                 gen.compile_verify(batch_size=size)
             for size in sizes:
-                with gen.batch(lane.capacity) as batch:
-                    gen.admit(batch, [prompt] * size, tokens + gen.num_draft_tokens,
-                              prefill_chunk=self.engine.prefill_chunk)
-                    while batch.live:
-                        batch.fit_bucket(self.engine)
-                        gen.step(batch)
+                for chunk in self.prefill_sizes:
+                    with gen.batch(lane.capacity) as batch:
+                        gen.admit(batch, [prompt] * size, tokens + gen.num_draft_tokens,
+                                  prefill_chunk=chunk)
+                        while batch.live:
+                            batch.fit_bucket(self.engine)
+                            gen.step(batch)
 
     def _busy(self) -> bool:
         return any(lane.running for lane in self.lanes)
@@ -298,7 +328,9 @@ class Scheduler:
                 return False
             inbox, self._inbox = self._inbox, []
             calls, self._calls = self._calls, []
+        now = time.perf_counter()
         for request in inbox:
+            request.mark(PICKED, now)
             self.lane_for(request.speculative).waiting.append(request)
         for fn, future in calls:
             try:
@@ -339,17 +371,23 @@ class Scheduler:
             longest, most, prompt_slots = l_, m_, prompt_slots + n
         return group, most
 
+    def prefill_chunk_for(self, group: Sequence[ServeRequest]) -> int:
+        """The smallest prefill size that holds the group's longest prompt (else the
+        largest: the prompt takes several chunks)."""
+        longest = max(len(r.prompt) for r in group)
+        return next((t for t in self.prefill_sizes if t >= longest), self.prefill_sizes[-1])
+
     def _admit_waiting(self, lane: Lane) -> None:
         while lane.waiting:
             group, most = self._next_group(lane)
             if not group:
                 return
             try:
-                # Prompts prefill one engine chunk per step, between the other requests'
-                # steps, so a long prompt does not stall the batch (the prefill graph's T).
+                # Prompts prefill one chunk per step, between the other requests' steps, so
+                # a long prompt does not stall the batch (module docstring: the chunk's size).
                 actives = lane.generator.admit(lane.batch, [r.prompt for r in group], most,
                                                [r.sampling for r in group], self.eos_token_id,
-                                               prefill_chunk=self.engine.prefill_chunk)
+                                               prefill_chunk=self.prefill_chunk_for(group))
             except PoolExhaustedError:
                 if self._busy():
                     return  # a draft model's pool is full: retried after the next retire
@@ -362,6 +400,7 @@ class Scheduler:
             now = time.perf_counter()
             for request, active in zip(group, actives):
                 lane.waiting.popleft()
+                request.mark(ADMITTED, now)
                 request.active = active
                 lane.running[active] = request
             self._dequeued(len(group))
@@ -370,6 +409,7 @@ class Scheduler:
             self._retire_finished(lane)
 
     def _step(self, lane: Lane) -> None:
+        start = time.perf_counter()
         try:
             lane.batch.fit_bucket(self.engine)
             emitted = lane.generator.step(lane.batch)
@@ -383,6 +423,10 @@ class Scheduler:
             self._flush()
             return
         now = time.perf_counter()
+        for request in lane.running.values():
+            request.mark(STEPPED, start)
+            request.steps += 1
+            request.step_s += now - start
         for active, tokens in emitted.items():
             self._deliver(lane.running[active], tokens, now)
         self._flush()
@@ -404,6 +448,7 @@ class Scheduler:
             self.metrics.tokens_delivered(request, len(tokens), now)
         if request.first_token_at is None:
             request.first_token_at = now
+            request.mark(TOKEN, now)
         request.last_token_at = now
         request.finished = reason is not None
         request.on_delta(Delta(tokens, reason))

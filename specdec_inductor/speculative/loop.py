@@ -43,7 +43,8 @@ from specdec_inductor.sampler import Sampler, SamplingParams, request_generator,
 from specdec_inductor.speculative.commit import (GreedyStep, SampledStep, StepResult, commit_step,
                                                  sampling_inputs, step_result)
 from specdec_inductor.speculative.policies import (NO_DRAFT, AcceptanceGate, AdaptiveVerifySize,
-                                                   DraftPolicy, StartPolicy, StepCosts)
+                                                   CostAwareVerifySize, DraftPolicy, StartPolicy,
+                                                   StepCosts, VerifySizePlanner)
 from specdec_inductor.speculative.proposer import Proposer
 from specdec_inductor.speculative.stats import SpeculativeStats, dynamo_counts, step_times
 from specdec_inductor.speculative.tree import DraftTree, VerifyInputs, truncate_draft
@@ -199,7 +200,9 @@ class SpeculativeGenerator:
     compile_verify measured them), backoff_steps and gate_min_steps. start_policy: keyword
     arguments of a StartPolicy put in front of that policy (when a request starts paying for
     full drafts: probes of verify size 2 first; None: no start rule); it adds size 2 to the
-    default tree_sizes.
+    default tree_sizes. cost_aware: with the adaptive size, each step's size by expected
+    tokens per second at the batch's bucket instead (CostAwareVerifySize; batches that change
+    bucket, as the server's).
     """
 
     # The step's timer: the draft policies price drafts by it (tests swap in a scripted clock so
@@ -216,7 +219,8 @@ class SpeculativeGenerator:
                  min_accepted: Optional[float] = None, backoff_steps: int = 4,
                  verify_cost_per_node: float = 0.03, adaptive: Optional[bool] = None,
                  grow_at: float = 0.5, probe_cost: Optional[float] = None,
-                 gate_min_steps: int = 4, start_policy: Optional[Dict[str, int]] = None):
+                 gate_min_steps: int = 4, start_policy: Optional[Dict[str, int]] = None,
+                 cost_aware: bool = False):
         self.engine = engine
         self.proposer = proposer
         n = proposer.num_draft_tokens if proposer is not None else 1
@@ -224,6 +228,7 @@ class SpeculativeGenerator:
         if adaptive is None:
             adaptive = proposer is not None and proposer.cheap_drafts
         self.adaptive = adaptive
+        self.cost_aware = cost_aware
         self._gate_from_costs = min_accepted is None and not self.adaptive
         if min_accepted is None:
             min_accepted = verify_cost_per_node * (n - 1)
@@ -288,7 +293,10 @@ class SpeculativeGenerator:
         """A fresh draft policy for one batch (its running state is the batch's)."""
         if self.proposer is None:
             return DraftPolicy(self.tree_sizes)
-        if self.adaptive:
+        if self.adaptive and self.cost_aware:
+            policy = CostAwareVerifySize(self.tree_sizes,
+                                         VerifySizePlanner(self.tree_sizes, self.costs.step_s))
+        elif self.adaptive:
             policy = AdaptiveVerifySize(self.tree_sizes, self.costs, self.grow_at)
         else:
             policy = AcceptanceGate(self.tree_sizes, self.costs, self._min_accepted,
@@ -305,8 +313,9 @@ class SpeculativeGenerator:
         sampled requests (SampledStep). A warm-up `generate` may never verify (NGRAM before any
         context suffix recurs), and the graph would then compile inside the first timed step.
         Runs one step per size on a scratch request (step_times); with the adaptive size it
-        also measures probe_cost, with the cost-based acceptance gate verify_cost (the greedy
-        programs of verify(N) against a decode step)."""
+        also measures every size's greedy program at batch_size's bucket (costs.step_s) and
+        probe_cost, with the cost-based acceptance gate verify_cost (the greedy programs of
+        verify(N) against a decode step)."""
         engine = self.engine
         if not engine.compiled:
             return
@@ -323,10 +332,11 @@ class SpeculativeGenerator:
                                batch_size=batch_size, program=self._greedy)
             self.costs.verify_cost, self.costs.decode_s = times[n] / times[1], times[1]
         if self.adaptive and self._calibrate and self.tree_sizes[0] == 1:
-            probe = self._probe_size()
-            times = step_times(engine, [1, probe], rounds=self.calibration_rounds,
+            times = step_times(engine, [1] + sizes, rounds=self.calibration_rounds,
                                batch_size=batch_size, program=self._greedy)
-            self.costs.probe_cost = times[probe] / times[1]
+            self.costs.probe_cost = times[self._probe_size()] / times[1]
+            bucket = engine.bucket_for(batch_size)
+            self.costs.step_s.update({(bucket, z): t for z, t in times.items()})
 
     # -- the step API --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -532,7 +542,7 @@ class SpeculativeGenerator:
             policy.drafted(self.clock() - t0)
             offered = (draft.num_drafts.tolist() if draft.num_drafts is not None
                        else [self.num_draft_tokens - 1] * bs)  # before the cut to the plan's size
-            plan = policy.plan(offered, live, [r.policy_state for r in reqs], draft)
+            plan = policy.plan(offered, live, [r.policy_state for r in reqs], draft, batch.bucket)
         if plan.size > 1:
             draft = truncate_draft(draft, plan.size, batch.seq_lens[:bs])
         t1 = self.clock()
@@ -542,7 +552,7 @@ class SpeculativeGenerator:
         t2 = self.clock()
         if plan is not NO_DRAFT:
             policy.observe(plan, live, [r.policy_state for r in reqs], [h[0] for h in host],
-                           [h[1] for h in host])
+                           [h[1] for h in host], t2 - t1)
         emitted = self._emit(batch, live, host)
         if self.proposer is not None:
             lists = [emitted.get(r, []) for r in reqs]

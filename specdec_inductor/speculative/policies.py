@@ -21,6 +21,21 @@ request (`new_request`). Neither policy changes which tokens come out, only the 
   verify_cost + draft / decode - 1 accepted drafts per step. Drafts are priced per step: the
   first draft, and the first after a cooldown or a join, catch up on tokens the draft model
   has not seen and are not timed.
+- CostAwareVerifySize (proposers with `cheap_drafts`, opt-in: SpeculativeGenerator's
+  cost_aware; the server's lanes): each step of the batch verifies the compiled size (1: a
+  plain decode step of the whole batch) with the most expected emitted tokens per second of
+  step at the batch's bucket (VerifySizePlanner: step costs per (bucket, size) from
+  compile_verify's measurements, refined by the steps' own times). A request's expected
+  accepted drafts at a size come from its running rate of first drafts the target agreed
+  with (known after every step with a draft, a decode step too: the decoded token is the
+  target's) as a chain (rate + rate^2 + ... to the depth of its draft cut to that size), or,
+  at a size above 2 it verified, from the running mean of what it accepted there with a
+  draft as deep (pulled back towards the chain estimate while that size is not run, so a
+  size that stopped paying is tried again once first drafts hit again). Under concurrency a
+  verify's rows grow with the bucket, and where the drafts do not pay for them every step
+  is a plain decode; while no verify comes near paying, steps rest from drafting too (1, 2,
+  4, ... at most 8 between drafted steps), so speculation then costs little more than plain
+  decoding.
 - StartPolicy (wraps either; opt-in): when a request starts paying for full drafts. After an
   admission the first plain_steps steps are plain decodes. Then, while a request has fewer
   than probe_hits accepted first drafts, its drafts are cut to the probe size (the smallest
@@ -32,7 +47,7 @@ request (`new_request`). Neither policy changes which tokens come out, only the 
   drafts.
 """
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,6 +62,9 @@ class StepCosts:
     verify_cost: Optional[float] = None  # verify(N) / decode step
     probe_cost: float = 1.0  # probe-size verify / decode step (1.0: free, until measured)
     draft_s: Optional[float] = None  # running mean of a priced draft's seconds
+    # (bucket, tree size) -> seconds of a greedy step program (compile_verify; the
+    # cost-aware policy refines them online)
+    step_s: Dict[Tuple[int, int], float] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +74,7 @@ class StepPlan:
     offered: List[int] = field(default_factory=list)  # real drafts per request before any cut
     drafted: List[bool] = field(default_factory=list)  # live requests that had a draft
     shadow: Optional[List[int]] = None  # first drafts of a probe dropped for a decode step
+    first_drafts: Optional[List[int]] = None  # each request's first draft (cost-aware policy)
 
 
 NO_DRAFT = StepPlan(1)
@@ -83,14 +102,16 @@ class DraftPolicy:
         """The proposer took `seconds` to draft this step."""
 
     def plan(self, offered: List[int], live: List[bool], states: list,
-             draft: DraftTree) -> StepPlan:
-        """This step's verify size from the drafts each request offered."""
+             draft: DraftTree, bucket: int = 1) -> StepPlan:
+        """This step's verify size from the drafts each request offered; bucket: the rows
+        the step runs (the batch's bucket)."""
         return StepPlan(self.size_for(offered, live, [self.tree_sizes[-1]] * len(offered)),
                         offered, [k > 0 and a for k, a in zip(offered, live)])
 
     def observe(self, plan: StepPlan, live: List[bool], states: list, accepted: List[int],
-                first_tokens: List[int]) -> None:
-        """The step's outcome per request: drafts accepted, and the first token emitted."""
+                first_tokens: List[int], seconds: Optional[float] = None) -> None:
+        """The step's outcome per request: drafts accepted, and the first token emitted;
+        seconds: the step's target pass, acceptance and commit (None: not timed)."""
 
     def size_for(self, offered: List[int], live: List[bool], caps: List[int]) -> int:
         """The smallest compiled size that holds every live request's draft (offered: its
@@ -138,7 +159,7 @@ class AcceptanceGate(DraftPolicy):
             self.costs.draft_s = seconds if d is None else 0.8 * d + 0.2 * seconds
         self.catch_up = False
 
-    def observe(self, plan, live, states, accepted, first_tokens) -> None:
+    def observe(self, plan, live, states, accepted, first_tokens, seconds=None) -> None:
         if plan.size == 1:
             return
         live_accepted = torch.tensor([a for a, x in zip(accepted, live) if x], dtype=torch.float32)
@@ -176,7 +197,7 @@ class AdaptiveVerifySize(DraftPolicy):
         """All N nodes while drafts keep being accepted, else the probe size."""
         return self.tree_sizes[-1] if accepted_ema >= self.grow_at else self.probe
 
-    def plan(self, offered, live, states, draft) -> StepPlan:
+    def plan(self, offered, live, states, draft, bucket=1) -> StepPlan:
         size = self.size_for(offered, live, [s.cap for s in states])
         drafted = [k > 0 and a for k, a in zip(offered, live)]
         if size == self.probe and self._drop_probe(states, drafted):
@@ -196,7 +217,7 @@ class AdaptiveVerifySize(DraftPolicy):
             if k:
                 s.hit_rate = 0.9 * s.hit_rate + 0.1 * h
 
-    def observe(self, plan, live, states, accepted, first_tokens) -> None:
+    def observe(self, plan, live, states, accepted, first_tokens, seconds=None) -> None:
         if plan.shadow is not None:  # the dropped probe's first drafts against the decode
             hits = [float(s == t) for s, t in zip(plan.shadow, first_tokens)]
             self._score_probe(states, hits, plan.drafted)
@@ -212,6 +233,157 @@ class AdaptiveVerifySize(DraftPolicy):
         if plan.size == self.probe:
             self._score_probe(states, [float(a > 0) for a in accepted], plan.drafted)
 
+
+
+class VerifySizePlanner:
+    """The batch-level verify size: among the compiled sizes, the one with the most expected
+    emitted tokens per second of step at the step's bucket (ties: the smaller size).
+
+    seconds: (bucket, size) -> seconds of that step (shared: StepCosts.step_s, which
+    compile_verify fills); observe refines an entry with each step's own time, a running mean
+    whose sample is first clipped to [1/2, 2] times the entry (a step that a busy machine
+    stalled moves it by at most `smoothing`). A size whose cost at a bucket is unknown is
+    planned before any known one, once, so that it is measured (engines that compile_verify
+    does not time: eager ones)."""
+
+    def __init__(self, tree_sizes: Sequence[int],
+                 seconds: Optional[Dict[Tuple[int, int], float]] = None,
+                 smoothing: float = 0.2):
+        self.tree_sizes = sorted(tree_sizes)
+        self.seconds = {} if seconds is None else seconds
+        self.smoothing = smoothing
+
+    def plan(self, bucket: int, expected: Dict[int, float]) -> int:
+        """expected: size -> tokens the step would emit in all (bonus tokens included)."""
+        unknown = [z for z in self.tree_sizes if (bucket, z) not in self.seconds]
+        if unknown:
+            return unknown[0]
+        rates = self.rates(bucket, expected)
+        return max(self.tree_sizes, key=lambda z: (rates[z], -z))
+
+    def rates(self, bucket: int, expected: Dict[int, float]) -> Dict[int, float]:
+        """Expected tokens per second of each size whose cost at the bucket is known."""
+        return {z: expected[z] / self.seconds[(bucket, z)] for z in self.tree_sizes
+                if (bucket, z) in self.seconds}
+
+    def observe(self, bucket: int, size: int, seconds: float) -> None:
+        old = self.seconds.get((bucket, size))
+        if old is None:
+            self.seconds[(bucket, size)] = seconds
+            return
+        sample = min(max(seconds, 0.5 * old), 2.0 * old)
+        self.seconds[(bucket, size)] = old + self.smoothing * (sample - old)
+
+
+def chain_accepted(hit_rate: float, depth: int) -> float:
+    """Expected accepted drafts of a chain `depth` drafts deep whose drafts are each accepted
+    at hit_rate once their parent is: hit_rate + hit_rate^2 + ... + hit_rate^depth."""
+    return sum(hit_rate ** d for d in range(1, depth + 1))
+
+
+@dataclass
+class _RateState:
+    hit_rate: float  # running rate of its first drafts the target agreed with
+    # (size, depth of the cut draft) -> running mean of drafts accepted at that size (> 2)
+    accepted: Dict[Tuple[int, int], float] = field(default_factory=dict)
+
+
+class CostAwareVerifySize(DraftPolicy):
+    """The verify size of each step by expected tokens per second (module docstring).
+
+    planner: the batch's VerifySizePlanner; prior_hit: a new request's first-draft hit rate;
+    smoothing: weight of a step's outcome in a request's running rates; drift: how far a
+    size's running mean moves towards the chain estimate in each step that does not run it.
+
+    Resting: a decode step planned while the best verify was expected to bring less than
+    rest_below times the decode's tokens per second is followed by steps without drafting
+    (the proposer's lookup and the plan are not free either): 1, then twice as many after
+    each further such plan, at most max_rest; a planned verify, or an admission, ends it."""
+
+    def __init__(self, tree_sizes: Sequence[int], planner: VerifySizePlanner,
+                 prior_hit: float = 0.5, smoothing: float = 0.3, drift: float = 0.05,
+                 rest_below: float = 0.8, max_rest: int = 8):
+        super().__init__(tree_sizes)
+        self.planner, self.prior_hit = planner, prior_hit
+        self.smoothing, self.drift = smoothing, drift
+        self.rest_below, self.max_rest = rest_below, max_rest
+        self.rest, self._next_rest = 0, 1  # steps left without drafting; the next rest's
+        self._bucket = 1
+        self._depths: List[Dict[int, int]] = []  # the planned step's per-request cut depths
+
+    def admitted(self) -> None:
+        self.rest, self._next_rest = 0, 1
+
+    def wants_draft(self) -> bool:
+        if self.rest > 0:
+            self.rest -= 1
+            return False
+        return True
+
+    def _rest_after(self, size: int, rates: Dict[int, float]) -> None:
+        """Start a rest after a decode plan whose best verify was far from paying."""
+        if size > 1:
+            self._next_rest = 1
+            return
+        verifies = [r for z, r in rates.items() if z > 1]
+        if 1 in rates and verifies and max(verifies) < self.rest_below * rates[1]:
+            self.rest, self._next_rest = self._next_rest, min(self.max_rest,
+                                                               2 * self._next_rest)
+
+    def new_request(self) -> _RateState:
+        return _RateState(self.prior_hit)
+
+    def cut_depths(self, offered: List[int], draft: DraftTree) -> List[Dict[int, int]]:
+        """Per request: size -> depth of its draft cut to that size (0: no draft). Nodes are
+        numbered parents first, so the cut keeps the first min(size, 1 + offered) nodes."""
+        bs, n = draft.tokens.shape
+        positions = draft.positions.view(bs, n)  # seq_len + depth; the root's is seq_len
+        deepest = (positions - positions[:, :1]).cummax(dim=1).values.tolist()  # of nodes 0..i
+        return [{z: deepest[b][min(z, 1 + k) - 1] for z in self.tree_sizes}
+                for b, k in enumerate(offered)]
+
+    def expected(self, state: _RateState, size: int, depth: int) -> float:
+        """Accepted drafts a request whose draft is `depth` deep at `size` is expected to
+        bring when verified at that size."""
+        if depth == 0:
+            return 0.0
+        return state.accepted.get((size, depth), chain_accepted(state.hit_rate, depth))
+
+    def plan(self, offered, live, states, draft, bucket=1) -> StepPlan:
+        self._bucket = bucket
+        self._depths = self.cut_depths(offered, draft)
+        rows = [(st, d) for st, d, a in zip(states, self._depths, live) if a]
+        expected = {z: sum(1.0 + self.expected(st, z, d[z]) for st, d in rows)
+                    for z in self.tree_sizes}
+        drafted = [k > 0 and a for k, a in zip(offered, live)]
+        size = self.planner.plan(bucket, expected)
+        self._rest_after(size, self.planner.rates(bucket, expected))
+        return StepPlan(size, offered, drafted,
+                        first_drafts=draft.tokens[:, 1].tolist() if draft.tokens.shape[1] > 1
+                        else None)
+
+    def observe(self, plan, live, states, accepted, first_tokens, seconds=None) -> None:
+        if seconds is not None:
+            self.planner.observe(self._bucket, plan.size, seconds)
+        if plan.first_drafts is None:
+            return
+        w = self.smoothing
+        for st, d, k, a, first, token in zip(states, self._depths, plan.drafted, accepted,
+                                             plan.first_drafts, first_tokens):
+            if not k:
+                continue
+            for z in self.tree_sizes:
+                if z <= 2 or d[z] == 0:
+                    continue
+                key, chain = (z, d[z]), chain_accepted(st.hit_rate, d[z])
+                if z == plan.size:  # from what the plan expected
+                    mean = st.accepted.get(key, chain)
+                    st.accepted[key] = mean + w * (a - mean)
+                elif key in st.accepted:
+                    st.accepted[key] += self.drift * (chain - st.accepted[key])
+            # Whatever the size, the first emitted token is the target's answer to the
+            # first draft: the outcome a verify of size 2 would have had.
+            st.hit_rate += w * (float(first == token) - st.hit_rate)
 
 
 @dataclass
@@ -262,7 +434,7 @@ class StartPolicy(DraftPolicy):
     def probing(self, state: _StartState) -> bool:
         return self.probe is not None and state.hits < self.probe_hits
 
-    def plan(self, offered, live, states, draft) -> StepPlan:
+    def plan(self, offered, live, states, draft, bucket=1) -> StepPlan:
         # A batch probes while every live request probes; once one has its hits, full drafts
         # (which still score the others' first drafts).
         probing = [self.probing(s) for s, a in zip(states, live) if a]
@@ -271,9 +443,9 @@ class StartPolicy(DraftPolicy):
             drafted = [k > 0 and a for k, a in zip(offered, live)]
             return StepPlan(self.size_for(offered, live, [self.probe] * len(offered)), offered,
                             drafted)
-        return self.inner.plan(offered, live, [s.inner for s in states], draft)
+        return self.inner.plan(offered, live, [s.inner for s in states], draft, bucket)
 
-    def observe(self, plan, live, states, accepted, first_tokens) -> None:
+    def observe(self, plan, live, states, accepted, first_tokens, seconds=None) -> None:
         probed = [s for s, x in zip(states, live) if x and self.probing(s)]
         if plan.size > 1 and probed:
             for s, a, x in zip(states, accepted, live):
@@ -291,4 +463,5 @@ class StartPolicy(DraftPolicy):
                     s.misses = 0
             if self.probe_step:
                 return  # a probe says nothing about full drafts: the inner policy judges those
-        self.inner.observe(plan, live, [s.inner for s in states], accepted, first_tokens)
+        self.inner.observe(plan, live, [s.inner for s in states], accepted, first_tokens,
+                           seconds)
