@@ -903,7 +903,7 @@ at::Tensor quant_repack(const at::Tensor& weight, int64_t fmt) {
   const QuantFmt f = static_cast<QuantFmt>(fmt), base = file_format(f);
   TORCH_CHECK_VALUE(
       repacked_format(base) != base,
-      "argument 'fmt' must be one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K (2, 3, 6, 7, 8, 12, " "14) or their repacked layout (256 + the id), got ",
+      "argument 'fmt' must be one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K (2, 3, 6, 7, 8, 12, 14) or their repacked layout (256 + the id), got ",
       fmt);
   const int64_t K = check_weight(weight, info);
   TORCH_CHECK_VALUE(K % repack_k_unit(base) == 0, "argument 'weight' must hold a multiple of ",
