@@ -897,7 +897,8 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& weight, int6
 
 // A file-layout weight [N, row_bytes] of a format with a repacked layout (N a multiple of 16,
 // K of 64 for the 32-weight formats) -> that layout [N / 16, 16 * row_bytes]; a repacked weight
-// -> the file's rows [N, row_bytes], bitwise the bytes it was made from. The source is read once, group by group.
+// -> the file's rows [N, row_bytes], bitwise the bytes it was made from. The source is read
+// once, group by group.
 at::Tensor quant_repack(const at::Tensor& weight, int64_t fmt) {
   const QuantFormatInfo info = check_fmt(fmt);
   const QuantFmt f = static_cast<QuantFmt>(fmt), base = file_format(f);
