@@ -410,6 +410,9 @@ def test_sampled_and_greedy_requests_join_and_leave_a_compiled_batch_without_rec
         assert r.tokens == engine.generate([r.prompt], r.max_new_tokens)[0]
     _all_free(engine)
     _, eager, _ = _setup("ngram", tmp_path, capacity=4, compiled=False)
+    # The adaptive size's probe rule reads the probe's measured cost: the eager run must plan
+    # with the compiled run's measurement (a sampled row's tokens depend on its tree sizes).
+    eager.costs.probe_cost = spec.costs.probe_cost
     eager_done, _ = _join_and_leave(eager, prompts, budgets, 4, steps=128, sampling=sampling)
     assert ({tuple(r.prompt): r.tokens for r in eager_done} ==
             {tuple(r.prompt): r.tokens for r in done})
