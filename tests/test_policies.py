@@ -117,7 +117,7 @@ def test_adaptive_probe_turns_into_a_decode_while_first_drafts_miss():
     policy.observe(policy.plan([5], [True], [state], _draft([7])), [True], [state], [0], [3])
     assert state.hit_rate == pytest.approx(0.405)
     plan = policy.plan([5], [True], [state], _draft([7]))
-    assert (plan.size, plan.shadow) == (1, [7])  # dropped: a decode step, the draft kept aside
+    assert (plan.size, plan.first_drafts) == (1, [7])  # dropped: a decode step, the draft kept aside
     policy.observe(plan, [True], [state], [0], [7])  # the decoded token equals the first draft
     assert state.hit_rate == pytest.approx(0.9 * 0.405 + 0.1)
     assert policy.plan([5], [True], [state], _draft([7])).size == 2  # probing again

@@ -73,8 +73,10 @@ class StepPlan:
     size: int
     offered: List[int] = field(default_factory=list)  # real drafts per request before any cut
     drafted: List[bool] = field(default_factory=list)  # live requests that had a draft
-    shadow: Optional[List[int]] = None  # first drafts of a probe dropped for a decode step
-    first_drafts: Optional[List[int]] = None  # each request's first draft (cost-aware policy)
+    # Each request's first draft, scored in observe against the first token the step emits
+    # (the target's answer to it, whatever the size): set by AdaptiveVerifySize when it drops a
+    # probe for a decode step, by CostAwareVerifySize on every step with drafts.
+    first_drafts: Optional[List[int]] = None
 
 
 NO_DRAFT = StepPlan(1)
@@ -201,7 +203,7 @@ class AdaptiveVerifySize(DraftPolicy):
         size = self.size_for(offered, live, [s.cap for s in states])
         drafted = [k > 0 and a for k, a in zip(offered, live)]
         if size == self.probe and self._drop_probe(states, drafted):
-            return StepPlan(1, offered, drafted, shadow=draft.tokens[:, 1].tolist())
+            return StepPlan(1, offered, drafted, first_drafts=draft.tokens[:, 1].tolist())
         return StepPlan(size, offered, drafted)
 
     def _drop_probe(self, states, drafted) -> bool:
@@ -218,8 +220,8 @@ class AdaptiveVerifySize(DraftPolicy):
                 s.hit_rate = 0.9 * s.hit_rate + 0.1 * h
 
     def observe(self, plan, live, states, accepted, first_tokens, seconds=None) -> None:
-        if plan.shadow is not None:  # the dropped probe's first drafts against the decode
-            hits = [float(s == t) for s, t in zip(plan.shadow, first_tokens)]
+        if plan.first_drafts is not None:  # the dropped probe's first drafts against the decode
+            hits = [float(s == t) for s, t in zip(plan.first_drafts, first_tokens)]
             self._score_probe(states, hits, plan.drafted)
             return
         if plan.size == 1:
