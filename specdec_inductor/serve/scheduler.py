@@ -100,7 +100,6 @@ class ServeRequest:
     cancelled: bool = False  # set by cancel(): retired (or dropped from the queue) at the boundary
     finished: bool = False
     active: Optional[ActiveRequest] = None
-    first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
     # perf_counter time of each phase the request passed first (trace.PHASES; `specdec serve
     # --trace` writes them per request), and the steps it took part in and their seconds
@@ -112,6 +111,11 @@ class ServeRequest:
         """Note when the request first reached `phase`."""
         if phase not in self.marks:
             self.marks[phase] = time.perf_counter() if now is None else now
+
+    @property
+    def first_token_at(self) -> Optional[float]:
+        """When its first tokens were handed out (its TOKEN mark), None before."""
+        return self.marks.get(TOKEN)
 
 
 class Lane:
@@ -446,9 +450,7 @@ class Scheduler:
             return  # nothing yet (a prompt still being prefilled in chunks)
         if self.metrics is not None and tokens:
             self.metrics.tokens_delivered(request, len(tokens), now)
-        if request.first_token_at is None:
-            request.first_token_at = now
-            request.mark(TOKEN, now)
+        request.mark(TOKEN, now)
         request.last_token_at = now
         request.finished = reason is not None
         request.on_delta(Delta(tokens, reason))
