@@ -35,6 +35,21 @@ def load_note() -> str:
     return "load average {:.1f} / {:.1f} / {:.1f}".format(*os.getloadavg())
 
 
+def calls_per_step(engine, ids, args) -> float:
+    """quant_linear and quant_linear_cat calls (kernel path counters) per decode step of one
+    generation, its prefill's calls left out (those of a 1-token generation)."""
+    def calls(new_tokens):
+        specdec_inductor.reset_kernel_path_counts()
+        st = GenerationStats()
+        engine.generate([ids], new_tokens, None, st)
+        n = sum(c for p, c in specdec_inductor.kernel_path_counts().items()
+                if p.startswith("quant_linear"))
+        return n, st.decode_steps
+    prefill_calls, _ = calls(1)
+    n, steps = calls(args.max_new_tokens)
+    return (n - prefill_calls) / steps
+
+
 def e2e(model, tokenizer, args):
     """Decode tok/s with the pass on and off, the engines taking turns."""
     ids = encode(tokenizer, PROMPT, chat=True)
@@ -47,7 +62,8 @@ def e2e(model, tokenizer, args):
         torch._dynamo.utils.counters.clear()
         tokens[on] = engine.generate([ids], args.max_new_tokens)
         print(f"# quant_cat {'on ' if on else 'off'}: compile + first run {time.perf_counter() - t0:.0f} s, "
-              f"groups merged {torch._dynamo.utils.counters['specdec']['quant_cat']}", flush=True)
+              f"groups merged {torch._dynamo.utils.counters['specdec']['quant_cat']}, "
+              f"quantized calls per decode step {calls_per_step(engine, ids, args):.1f}", flush=True)
     rates = {True: [], False: []}
     for r in range(args.repeats):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
