@@ -57,6 +57,7 @@ log = logging.getLogger("specdec.serve")
 # finish_reason of a Delta that ends a request
 STOP, LENGTH, CANCELLED, ERROR = "stop", "length", "cancelled", "error"
 PREFILL_STEP = 16  # prefill chunk sizes: multiples of this, up to the engine's prefill_chunk
+SIGNAL_POLL_S = 0.25  # how often an idle scheduler in the main thread lets signal handlers run
 
 
 def prefill_sizes(prefill_chunk: int, step: int = PREFILL_STEP) -> List[int]:
@@ -324,9 +325,13 @@ class Scheduler:
     def _wait_for_work(self) -> bool:
         """Block until there is something to do; move new requests into their lanes and run
         the test hooks. False once stopping."""
+        # In the main thread the wait wakes now and then: a signal the kernel hands to another
+        # thread only sets a flag for the main thread's next bytecode, and a lock wait there
+        # never ends on its own, so SIGTERM would go unheard while the server is idle.
+        timeout = SIGNAL_POLL_S if threading.current_thread() is threading.main_thread() else None
         with self._cond:
             while not (self._wake or self._stopping or self._busy()):
-                self._cond.wait()
+                self._cond.wait(timeout)
             self._wake = False
             if self._stopping:
                 return False
