@@ -24,6 +24,12 @@ formats, K a multiple of 64) in the same rounds:
 "R16 ms", its rate in file bytes, "file/R16" (the file layout's INT8 time over the repacked one's:
 > 1 the repacked layout is faster), and each layout's M-row time over its own 1-row time.
 
+--streamed: each call reads its weights from memory, not from a cache, as a model's decode step
+does (every weight once a token): the case's weights are copied until the copies hold at least
+STREAMED_BYTES and the calls take them in turn. Without it a weight smaller than the last-level
+cache is read from there after the first call, which favours a kernel that is fast from cache
+(the file-layout Q6_K kernel: fast from L3, slower than Q6_K_R16 from memory).
+
 On a machine shared with other jobs, --threads 1 gives steadier numbers (an OpenMP barrier can
 wait a whole scheduler slice for a descheduled worker); the bandwidth probe then uses one thread
 too.
@@ -52,9 +58,21 @@ QWEN05 = [(896, 896), (4864, 896), (896, 4864), (151936, 896)]  # the 0.5B's Q8_
 CASES = ([(f, n, k) for f in (QuantFormat.Q4_K, QuantFormat.Q6_K) for n, k in QWEN]
          + [(f, n, k) for f in (QuantFormat.Q4_1, QuantFormat.Q8_0, QuantFormat.Q5_0, QuantFormat.Q4_0)
             for n, k in SMOL + QWEN05])
+STREAMED_BYTES = 512 << 20  # --streamed: above the last-level cache of any machine we run on
 F16_FIELDS = {QuantFormat.Q4_1: [0, 2], QuantFormat.Q8_0: [0], QuantFormat.Q4_K: [0, 2],
               QuantFormat.Q6_K: [208], QuantFormat.Q4_0: [0], QuantFormat.Q5_0: [0], QuantFormat.Q5_1: [0, 2],
               QuantFormat.Q5_K: [0, 2]}
+
+
+class Turns:
+    """Tensors handed out in turn (--streamed: copies of one weight)."""
+
+    def __init__(self, tensors):
+        self.tensors, self.i = tensors, -1
+
+    def next(self):
+        self.i = (self.i + 1) % len(self.tensors)
+        return self.tensors[self.i]
 
 
 def random_weight(fmt, n, k):
@@ -139,12 +157,17 @@ def main():
                     "INT8 kernels to time against ours in the same run")
     ap.add_argument("--repacked", action="store_true", help="also time the 16-row interleaved "
                     "layout (Q4_K_R16 / Q6_K_R16) with INT8 on the same weights")
+    ap.add_argument("--streamed", action="store_true", help="each call reads weights not in "
+                    "any cache (copies taken in turn), as a model's decode step does")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.worker:
         return worker()
+    if args.streamed and args.baseline:
+        raise SystemExit("--streamed: the --baseline process times one copy of the weights; "
+                         "use one of the two")
     base = Baseline(args.baseline, args.threads) if args.baseline else None
     rows = [int(r) for r in args.rows.split(",")]
     formats = None if args.formats is None else [QuantFormat[f] for f in args.formats.split(",")]
@@ -159,6 +182,9 @@ def main():
           f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}")
     if base:
         print(f"baseline INT8 kernels: {args.baseline}")
+    if args.streamed:
+        print(f"streamed: each call reads a copy of the weights not read in the last "
+              f"{STREAMED_BYTES >> 20} MB of quantized weights (F.linear's fp32 copies likewise)")
     print()
     print(f"{'':20} | {'FLOAT':^22} | {'INT8':^22} | {'':16} | {'speedup':^15}")
     print(f"{'fmt':5} {'N':>6} {'K':>5} {'M':>3} | {'ms':>8} {'GB/s':>6} {'of bw':>6} | "
@@ -177,14 +203,20 @@ def main():
         if packed is not None and k % quant_block(packed)[0]:
             packed = None  # K does not fill the layout's chunks (64 weights for the 32-weight formats)
         w_r = quant_repack(w, fmt) if packed else None  # [N / 16, 16 * row_bytes']
+        copies = -(-STREAMED_BYTES // w.numel()) if args.streamed else 1
+        ws, w_dqs = Turns([w] + [w.clone() for _ in range(copies - 1)]), Turns([w_dq] * copies)
+        if args.streamed:
+            w_dqs = Turns([w_dq] + [w_dq.clone() for _ in range(copies - 1)])
+        w_rs = Turns([w_r] + [w_r.clone() for _ in range(copies - 1)]) if packed else None
         one_row = {}  # baseline and ours at M = 1
         for m in rows:
             x = case_input(fmt, n, k, m)[1]  # [M, K]
-            calls = [lambda: quant_linear(x, w, fmt),
-                     lambda: quant_linear(x, w, fmt, activation=QuantActivation.INT8),
-                     lambda: F.linear(x, w_dq)]
+            calls = [lambda: quant_linear(x, ws.next(), fmt),
+                     lambda: quant_linear(x, ws.next(), fmt, activation=QuantActivation.INT8),
+                     lambda: F.linear(x, w_dqs.next())]
             if packed:
-                calls.append(lambda: quant_linear(x, w_r, packed, activation=QuantActivation.INT8))
+                calls.append(lambda: quant_linear(x, w_rs.next(), packed,
+                                                  activation=QuantActivation.INT8))
             t_q, t_8, t_ref, *t_r = median_times(calls, args.repeats)
             gbs, gbs8 = w.numel() / t_q / 1e9, w.numel() / t_8 / 1e9
             line = (f"{fmt.name:5} {n:6d} {k:5d} {m:3d} | {t_q * 1e3:8.3f} {gbs:6.1f} {gbs / bw:6.2f} | "
@@ -205,7 +237,7 @@ def main():
             elif args.repacked:
                 line += " | (no repacked layout)"
             print(line, flush=True)
-        w = w_dq = w_r = None  # freed before the next shape's weights
+        w = w_dq = w_r = ws = w_dqs = w_rs = None  # freed before the next shape's weights
 
 
 if __name__ == "__main__":

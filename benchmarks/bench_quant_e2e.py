@@ -14,6 +14,8 @@ time, time to the first token (load + compile + prefill, this process: cold with
 TORCHINDUCTOR_CACHE_DIR), resident memory against the file size plus the KV pool.
 --compare-rows: per prompt and method, how many verify rows reproduce our AR's decode logits
 bit for bit (greedy speculation can equal AR only where they do).
+--profile N: only a torch.profiler table of our AR decoding N tokens of the first prompt (after a
+warm-up): where a decode step's time goes, op by op, with the quantized linears' share.
 --int8-agreement: only the accuracy of INT8 activations against FLOAT on the target (eager, one
 forward over each prompt's chat text followed by FLOAT's greedy continuation): top-1 agreement
 by position and the median over positions of max |logit difference| / max |logit|.
@@ -244,6 +246,25 @@ def int8_agreement(args):
     return 0
 
 
+def profile_decode(engine, ids, new_tokens: int, rows: int = 25) -> int:
+    """Profile our AR decoding new_tokens (prefill included: one chunk against many steps):
+    self time by op, and the share of the specdec quantized-linear ops in it."""
+    from torch.profiler import ProfilerActivity, profile
+    engine.generate([ids], new_tokens)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        engine.generate([ids], new_tokens)
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
+    total = sum(e.self_cpu_time_total for e in events)
+    quant = sum(e.self_cpu_time_total for e in events if e.key.startswith("specdec::quant_linear"))
+    print(f"# {new_tokens} tokens in {wall * 1e3:.0f} ms under the profiler; quantized linears "
+          f"{100 * quant / total:.0f}% of the self time ({quant / 1e3 / new_tokens:.2f} ms a "
+          f"token), the rest {(total - quant) / 1e3 / new_tokens:.2f} ms a token")
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model name or .gguf (default: SmolLM2-135M Q4_1)")
@@ -265,6 +286,8 @@ def main():
     p.add_argument("--compare-rows", action="store_true",
                    help="check that each verify row's logits equal the decode step's bit for bit "
                         "(one extra AR and speculative run per prompt, untimed)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="only profile our AR decoding N tokens of the first prompt (no timing)")
     p.add_argument("--int8-agreement", action="store_true",
                    help="only compare INT8 activations' logits with FLOAT's (no timing)")
     args = p.parse_args()
@@ -303,6 +326,8 @@ def main():
     print(f"# resident memory added by the target, its engine and a first token: {rss / 1e6:.0f} MB"
           f" = {rss / (os.path.getsize(target_file) + kv):.2f}x (file + KV pool {kv / 1e6:.0f} MB);"
           f" peak RSS of the process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
+    if args.profile:
+        return profile_decode(engine, first, args.profile)
     methods = build_methods(args, model, engine)
     recorder = RowRecorder(engine) if args.compare_rows else None
 

