@@ -279,6 +279,8 @@ def main():
     p.add_argument("--eager", action="store_true")
     p.add_argument("--dequantize", action="store_true",
                    help="ours on the fp32-dequantized weights instead of the quantized blocks")
+    p.add_argument("--no-hugepages", action="store_true",
+                   help="the target's weights in ordinary pages (engine/hugepages.py)")
     p.add_argument("--quant-activations", choices=["float", "int8"], default="float",
                    help="our quantized layers' activations (ops.quant.QuantActivation)")
     p.add_argument("--llamacpp-bin", default=None, help="llama.cpp bin dir (default: build it)")
@@ -306,7 +308,7 @@ def main():
     rss0 = rss_bytes()
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, torch.float32, dequantize=args.dequantize,
-                                  quant_activation=args.act)
+                                  quant_activation=args.act, hugepages=not args.no_hugepages)
     load_s = time.perf_counter() - t0
     engine = Engine(model, max_batch=1, max_len=args.max_len, compile=not args.eager,
                     prefill_chunk=64)
@@ -320,6 +322,7 @@ def main():
           f"{getattr(model, 'quant_activation', None)}); {threads} threads, ISA "
           f"{specdec_inductor.active_isa()}, torch {torch.__version__}; {args.max_new_tokens} new "
           f"tokens, greedy, eos ignored; medians of {args.repeats}")
+    print(f"# weights in huge pages: {getattr(model, 'hugepage_bytes', 0) / 1e6:.0f} MB")
     print(f"# load {load_s:.1f} s; first token {first_token_s:.1f} s after the load started "
           f"(compile + prefill {time.perf_counter() - t1:.1f} s)")
     kv = engine.pool.nbytes()

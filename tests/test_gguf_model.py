@@ -238,9 +238,10 @@ def test_tiny_model_through_engine_eager_and_compiled(tiny, dequantize, tmp_path
 
 @pytest.mark.parametrize("arch", list(TYPES))
 def test_quantized_weights_in_hugepages(tiny, arch, monkeypatch):
-    """load_gguf copies a quantized model's weights into huge-page memory (every weight here:
-    MIN_BYTES 1): the same bytes, tied tensors still one tensor, the same logits as in ordinary
-    pages, and the kernel backs the copies with huge pages where THP is available."""
+    """load_gguf copies a quantized model's streamed weights into huge-page memory (every one
+    here: MIN_BYTES 1): the same bytes, tied tensors still one tensor, an untied embedding left
+    in the file, the same logits as in ordinary pages, and the kernel backs the copies with huge
+    pages where THP is available."""
     from specdec_inductor.engine import hugepages
     from specdec_inductor.ops.quant import QuantActivation
     monkeypatch.setattr(hugepages, "MIN_BYTES", 1)
@@ -252,17 +253,28 @@ def test_quantized_weights_in_hugepages(tiny, arch, monkeypatch):
         plain_layers = dict(plain.named_modules())
         for name, m in layers.items():
             assert torch.equal(m.weight, plain_layers[name].weight) and m.fmt == plain_layers[name].fmt
-        weights = {id(m.weight): m.weight for m in layers.values()}
+        weights = {id(m.weight): m.weight for m in layers.values() if isinstance(m, QuantLinear)}
         if not hugepages.available():
             assert huge.hugepage_bytes == 0
             continue
-        every = {id(t): t for t in list(huge.parameters()) + list(huge.buffers())}.values()
-        assert huge.hugepage_bytes == sum(t.numel() * t.element_size() for t in every)
+        assert huge.hugepage_bytes == sum(w.numel() for w in weights.values())
         assert len({w.untyped_storage().data_ptr() for w in weights.values()}) == len(weights)
         assert hugepages.backed_bytes(weights.values()) > 0
+        embed = huge.model.embed_tokens.weight
         if "output" not in TYPES[arch]:  # tied: the head and the embedding share one tensor
-            assert huge.lm_head.weight is huge.model.embed_tokens.weight
+            assert huge.lm_head.weight is embed
+        else:  # an untied embedding is a lookup: it stays in the file (a few rows resident)
+            assert _mapped_file(embed.data_ptr()) == os.path.realpath(tiny[arch])
         assert torch.equal(_logits(huge, tokenizer, PROMPTS[0]), _logits(plain, tokenizer, PROMPTS[0]))
+
+
+def test_no_huge_pages_where_thp_is_off(tiny, monkeypatch):
+    from specdec_inductor.engine import hugepages
+    monkeypatch.setattr(hugepages, "available", lambda: False)
+    model, _ = load_gguf(tiny["qwen2"])
+    assert model.hugepage_bytes == 0
+    down = model.model.layers[0].mlp.down_proj.weight
+    assert _mapped_file(down.data_ptr()) == os.path.realpath(tiny["qwen2"])
 
 
 def test_bad_inputs(tiny, tmp_path, tokenizer_fields):

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from specdec_inductor.engine.hugepages import place_weights
+from specdec_inductor.engine import hugepages as huge_pages
 from specdec_inductor.ops.quant import (QuantActivation, QuantFormat, file_format, group_rows,
                                         int8_path, is_repacked, quant_block, quant_dequantize,
                                         quant_embedding, quant_linear, quant_repack,
@@ -351,9 +351,12 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
     ...) are repacked at load into their 16-row interleaved layout (kernel_layout;
     `model.quantized_formats` counts them under their *_R16 name; a tied embedding then reads the
     LM head's repacked copy) and the file's pages are dropped from this process's mapping.
-    `hugepages` (default; quantized models): the weights are then copied into huge-page memory
-    (engine/hugepages.py; `model.hugepage_bytes`), and the file pages of those that were views
-    of the mapping are dropped too: the model no longer reads the file."""
+    `hugepages` (default; quantized models, where THP is available): each quantized weight that
+    a step streams (not an untied embedding: a lookup reads a few rows, and a copy would make all
+    of them resident) is copied into huge-page memory as it loads (engine/hugepages.py;
+    `model.hugepage_bytes`), and its file pages are dropped. Dense models stay in
+    torch's memory: the engine reads their weights from packed copies of its own, and placing
+    them measured 0.95x (benchmarks/bench_hugepages.py)."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
     if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
@@ -364,7 +367,9 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
         raise ValueError(f"argument 'path': GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(ARCHITECTURES)})")
     supported = set() if dequantize else {f.name for f in QuantFormat}
-    file_views: List[Tuple[Tensor, np.ndarray]] = []  # zero-copy weights, their file bytes
+    # One tensor at a time: a repacked weight is freed as soon as it is copied, so the next one
+    # reuses its memory (a whole model's worth of them would stay in the malloc heap).
+    arena = huge_pages.Arena() if hugepages and not dequantize and huge_pages.available() else None
     meta = gguf_metadata_dir(path)
     config = AutoConfig.from_pretrained(meta)
     tokenizer = AutoTokenizer.from_pretrained(meta)
@@ -415,15 +420,18 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
             raise ValueError(f"argument 'path': quantized tensor {name!r} is not 2-D")
         raw = t.data if rows is None else np.ascontiguousarray(t.data[rows])  # [N, row_bytes]
         weight, k = _tensor(raw), int(t.shape[0])
-        if rows is None:
-            file_views.append((weight, t.data))
         fmt = QuantFormat(int(t.tensor_type))
         module_name = target[:-len(".weight")]
         if name == "token_embd.weight":
             _set(model, module_name, QuantEmbedding(weight, fmt, k, dtype))
         else:
             weight, fmt = kernel_layout(weight, fmt, activation)
-            if is_repacked(fmt):
+            if arena is not None and weight.numel() >= huge_pages.MIN_BYTES:
+                repacked, weight = weight, arena.copy(weight)
+                if repacked.data_ptr() != raw.ctypes.data:
+                    del repacked
+                    huge_pages.trim_heap()
+            if weight.data_ptr() != raw.ctypes.data:  # repacked, placed or a row-permuted copy
                 _release_file_pages(t.data)
             _set(model, module_name, QuantLinear(weight, fmt, k, bias_t, activation))
         formats[fmt.name] += 1
@@ -432,11 +440,14 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
         embed = model.model.embed_tokens
         if isinstance(embed, QuantEmbedding):
             weight, fmt = kernel_layout(embed.weight, embed.fmt, activation)
+            if arena is not None and weight.numel() >= huge_pages.MIN_BYTES:
+                weight = arena.copy(weight)
             model.lm_head = QuantLinear(weight, fmt, embed.embedding_dim, activation=activation)
-            if fmt != embed.fmt:  # repacked: the embedding reads the head's copy (one in memory)
-                model.model.embed_tokens = QuantEmbedding(weight, fmt, embed.embedding_dim,
-                                                          embed.dtype)
+            # The embedding reads the head's copy (one in memory), repacked or placed.
+            model.model.embed_tokens = QuantEmbedding(weight, fmt, embed.embedding_dim, embed.dtype)
+            if weight.data_ptr() != embed.weight.data_ptr():
                 _release_file_pages(tensors["token_embd.weight"].data)
+            if fmt != embed.fmt:
                 formats[embed.fmt.name] -= 1
                 formats[fmt.name] += 1
         else:
@@ -445,15 +456,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
     missing += [n for n, b in model.named_buffers() if b.is_meta]
     if missing:
         raise ValueError(f"argument 'path': the GGUF lacks tensors for {', '.join(missing[:4])}")
-    # Dense models stay in torch's memory: the engine reads their weights from packed copies
-    # of its own, and placing them measured 0.95x (benchmarks/bench_hugepages.py).
-    if hugepages and not dequantize:
-        moved = place_weights(model)
-        for weight, data in file_views:
-            if id(weight) in moved:
-                _release_file_pages(data)
-    else:
-        model.hugepage_bytes = 0
+    model.hugepage_bytes = 0 if arena is None else arena.placed_bytes
     model.quantized_formats = dict(+formats)  # (a format whose only tensor was repacked: gone)
     acts = {m.activation.name for m in model.modules() if isinstance(m, QuantLinear)}
     model.quant_activation = acts.pop() if len(acts) == 1 else None  # None: dense model
