@@ -30,6 +30,8 @@ clock as the server's on Linux) to the client's first text chunk.
                                       # same-run A/B of a change: also that checkout's servers
     python benchmarks/bench_serve.py --methods none --concurrency 1 --no-llamacpp --trace
                                       # where a request's time to first token goes
+    python benchmarks/bench_serve.py --methods none --baseline ../other-checkout --cold-cache
+                                      # startup from an empty compile cache, A/B
 """
 import argparse
 import json
@@ -63,13 +65,14 @@ def free_port() -> int:
 class ServerProcess:
     """A server subprocess on a free port; `up()` waits for GET /health to answer 200."""
 
-    def __init__(self, label: str, cmd: List[str], log_dir: str):
+    def __init__(self, label: str, cmd: List[str], log_dir: str,
+                 env: Optional[Dict[str, str]] = None):
         self.label, self.port = label, free_port()
         self.log_path = os.path.join(log_dir, label.replace(" ", "_") + ".log")
         self.log = open(self.log_path, "w")
         cmd = [c.replace("{port}", str(self.port)) for c in cmd]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, "PYTHONPATH": ROOT})
+                                     env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.trace: Optional[str] = None  # our servers' --trace file (bench --trace)
 
@@ -109,9 +112,21 @@ def ours(method: str, args, log_dir: str, root: Optional[str] = None) -> ServerP
     cmd += ["--eager"] if args.eager else []
     trace = os.path.join(log_dir, label.replace(" ", "_") + ".trace.jsonl")
     cmd += ["--trace", trace] if args.trace else []
-    server = ServerProcess(label, cmd, log_dir)
+    # --cold-cache: a compile cache of its own, empty, so every server's startup compiles
+    # everything (later servers would otherwise load the graphs an earlier one compiled).
+    env = ({"TORCHINDUCTOR_CACHE_DIR": os.path.join(log_dir, label.replace(" ", "_") + "-cache")}
+           if args.cold_cache else None)
+    server = ServerProcess(label, cmd, log_dir, env)
     server.trace = trace if args.trace else None
     return server
+
+
+def print_warm_up(server: ServerProcess) -> None:
+    """The warm-up's log lines of one of our servers (graphs compiled per phase, seconds)."""
+    with open(server.log_path) as f:
+        for line in f:
+            if "warm-up:" in line:
+                print(f"#   {line.strip()}", flush=True)
 
 
 def llama_server(bindir: str, args, log_dir: str) -> ServerProcess:
@@ -269,6 +284,9 @@ def main() -> int:
                    help="also serve each method from this checkout of the repository (a "
                         "same-run A/B of a change: its rows are 'baseline METHOD')")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
+    p.add_argument("--cold-cache", action="store_true",
+                   help="each of our servers compiles into an empty Inductor cache of its own "
+                        "(its startup from cold; default: the environment's shared cache)")
     p.add_argument("--trace", action="store_true",
                    help="split our servers' time to first token into phases (serve/trace.py)")
     args = p.parse_args()
@@ -291,6 +309,7 @@ def main() -> int:
                 servers.append(ours(method, args, log_dir, root))
                 print(f"# {servers[-1].label}: up in {servers[-1].up(args.startup_timeout):.0f} s",
                       flush=True)
+                print_warm_up(servers[-1])
         if bindir is not None:
             servers.append(llama_server(bindir, args, log_dir))
             print(f"# llama-server: up in {servers[-1].up(args.startup_timeout):.0f} s", flush=True)

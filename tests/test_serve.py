@@ -626,21 +626,22 @@ def test_prompts_prefill_in_the_smallest_chunk_size_that_holds_them(tokenizer):
     scheduler = Scheduler(engine, None, method="none", max_batch=2, max_queue=4,
                           eos_token_id=None)
 
-    def group(*lengths):
-        return [ServeRequest([1] * n, 4, SamplingParams(), print) for n in lengths]
-
     assert scheduler.prefill_sizes == [16, 32]
-    assert scheduler.prefill_chunk_for(group(3)) == 16
-    assert scheduler.prefill_chunk_for(group(16)) == 16
-    assert scheduler.prefill_chunk_for(group(3, 17)) == 32  # the group's longest prompt
-    assert scheduler.prefill_chunk_for(group(90)) == 32  # three chunks
+    assert scheduler.prefill_chunk_for(3) == 16
+    assert scheduler.prefill_chunk_for(16) == 16
+    assert scheduler.prefill_chunk_for(17) == 32
+    assert scheduler.prefill_chunk_for(90) == 32  # three chunks
 
 
-def test_serving_after_the_warm_up_compiles_nothing(tokenizer):
+def test_the_warm_up_compiles_each_graph_once_and_serving_none(tokenizer):
     """A compiled engine (dynamo with the eager backend: the same graphs and guards, without
-    Inductor's compile time): after the warm-up, requests of every prefill size, alone and
-    together, in buckets 1 and 2, with drafts verified at the sizes the cost-aware policy
-    picks and steps where it decodes, run under fail_on_recompile."""
+    Inductor's compile time). The warm-up compiles, counted: per bucket the greedy and the
+    sampled program of every tree size (decode and each verify size), shared by both lanes,
+    and one one-row prefill graph per prefill size, whatever the bucket. After it, requests of
+    every prefill size class (one chunk of 16, of 32, several chunks), alone and together, in
+    buckets 1 and 2, greedy and sampled, in the speculative lane (drafts verified at the sizes
+    the cost-aware policy picks, and steps where it decodes) and in the draft-less one, run
+    under fail_on_recompile and compile nothing."""
     torch._dynamo.reset()
     engine = Engine(_tiny_llama(len(tokenizer)), max_batch=2, max_len=160, compile=True,
                     compile_backend="eager", prefill_chunk=32)
@@ -650,12 +651,17 @@ def test_serving_after_the_warm_up_compiles_nothing(tokenizer):
     lane = scheduler.lanes[0]
     assert lane.batch is None and lane.generator.cost_aware
     results, done = {}, threading.Event()
-    prompts = [[3, 4, 5] * 2, [7, 8, 9, 10] * 6, [3, 4] * 30, [11, 12, 13] * 4]
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    # (prompt, sampling, speculative): 6, 24, 60 (two chunks of 32), 12, 16 and 33 tokens
+    requests = [([3, 4, 5] * 2, SamplingParams(), True),
+                ([7, 8, 9, 10] * 6, SamplingParams(), True),
+                ([3, 4] * 30, SamplingParams(), True), ([11, 12, 13] * 4, sampled, True),
+                ([20, 21] * 8, SamplingParams(), False), ([22, 23, 24] * 11, sampled, False)]
 
     def on_delta(i):
         def deliver(delta):
             results.setdefault(i, []).append(delta)
-            if delta.finish_reason is not None and len(results) == len(prompts) and all(
+            if delta.finish_reason is not None and len(results) == len(requests) and all(
                     r[-1].finish_reason is not None for r in results.values()):
                 done.set()
         return deliver
@@ -663,22 +669,55 @@ def test_serving_after_the_warm_up_compiles_nothing(tokenizer):
     scheduler.start()
     try:
         assert scheduler.ready.wait(600) and scheduler.failed is None
+        sizes = lane.generator.tree_sizes
+        assert sizes == [1, 2, 4] and scheduler.prefill_sizes == [16, 32]
+        assert scheduler.warmup_graphs == {"step programs": 2 * len(engine.buckets) * len(sizes),
+                                           "prefill chunks": 2}
         # The cost-aware policy has each bucket's measured step costs to weigh.
-        assert {(b, z) for b in engine.buckets for z in lane.generator.tree_sizes} <= set(
+        assert {(b, z) for b in engine.buckets for z in sizes} <= set(
             lane.generator.costs.step_s)
         with torch.compiler.set_stance("fail_on_recompile"):
-            for i, prompt in enumerate(prompts):
-                scheduler.submit(ServeRequest(prompt, 24 + 4 * i, SamplingParams(), on_delta(i)))
-                if i == 1:
+            for i, (prompt, sampling, speculative) in enumerate(requests):
+                scheduler.submit(ServeRequest(prompt, 24 + 4 * i, sampling, on_delta(i),
+                                              speculative=speculative))
+                if i in (1, 3):
                     time.sleep(0.2)  # the later ones join a running batch
             assert done.wait(300)
             scheduler.inspect(scheduler.assert_idle).result(60)
     finally:
         scheduler.stop(60)
-    assert scheduler.failed is None
+    assert scheduler.failed is None and scheduler.serving_graphs == 0
     for i, deltas in results.items():
         assert deltas[-1].error is None, deltas[-1].error
         assert sum(len(d.tokens) for d in deltas) == 24 + 4 * i
     # The batch verified drafts at some step (repeating prompts) and decoded at others.
-    sizes = lane.stats.steps_by_size
-    assert sum(n for z, n in sizes.items() if z > 1) > 0 and sizes.get(1, 0) > 0, sizes
+    steps = lane.stats.steps_by_size
+    assert sum(n for z, n in steps.items() if z > 1) > 0 and steps.get(1, 0) > 0, steps
+    assert scheduler.lanes[1].stats.verify_steps > 0  # the draft-less lane stepped too
+
+
+def test_a_compile_while_serving_is_counted_and_logged(tokenizer, caplog):
+    """A shape the warm-up did not compile (here: a prefill size added after it) compiles in
+    the step that meets it, and the scheduler says so: a warning naming the lane and bucket,
+    and serving_graphs counts it."""
+    torch._dynamo.reset()
+    engine = Engine(_tiny_llama(len(tokenizer)), max_batch=2, max_len=160, compile=True,
+                    compile_backend="eager", prefill_chunk=32)
+    scheduler = Scheduler(engine, None, method="none", max_batch=2, max_queue=8,
+                          eos_token_id=None, warmup_prompt=[5, 6, 7, 8] * 3)
+    done = threading.Event()
+    scheduler.start()
+    try:
+        assert scheduler.ready.wait(600) and scheduler.failed is None
+        assert scheduler.warmup_graphs == {"step programs": 2 * len(engine.buckets),
+                                           "prefill chunks": 2}
+        scheduler.prefill_sizes = [8] + scheduler.prefill_sizes  # a size nothing compiled
+        with caplog.at_level("WARNING", logger="specdec.serve"):
+            scheduler.submit(ServeRequest([3, 4, 5] * 2, 4, SamplingParams(),
+                                          lambda d: d.finish_reason and done.set()))
+            assert done.wait(300)
+            scheduler.inspect(scheduler.assert_idle).result(60)
+    finally:
+        scheduler.stop(60)
+    assert scheduler.serving_graphs == 1
+    assert "compiled 1 graphs while serving (lane none, bucket 1)" in caplog.text

@@ -170,8 +170,8 @@ def test_admit_errors_and_failed_steps_leak_nothing(tmp_path):
 
 def _join_and_leave(spec, prompts, budgets, capacity, steps=256, chunk_every=3, sampling=None):
     """Up to `steps` steps of one batch while the requests of `prompts` join (every
-    chunk_every-th with a chunked prefill of the engine's prefill_chunk, so it runs the
-    prefill graph; request i with sampling[i] when given) as places free up and leave when
+    chunk_every-th with a chunked prefill of the engine's prefill_chunk: the one-row
+    prefill graph _warm_chunked_prefill compiles; request i with sampling[i] when given) as places free up and leave when
     done. Returns (the finished requests, the steps run)."""
     done, waiting, count = [], list(enumerate(zip(prompts, budgets))), 0
     chunk = spec.engine.prefill_chunk
@@ -190,6 +190,14 @@ def _join_and_leave(spec, prompts, budgets, capacity, steps=256, chunk_every=3, 
     return done, count
 
 
+def _warm_chunked_prefill(spec, prompt):
+    """Compile the one-row prefill graph of the engine's prefill_chunk (chunked admission)."""
+    with spec.batch(1) as batch:
+        spec.admit(batch, [prompt], 2, prefill_chunk=spec.engine.prefill_chunk)
+        while batch.live:
+            spec.step(batch)
+
+
 def test_compiled_steps_never_recompile_while_requests_join_and_leave(tmp_path):
     """256 steps of a compiled engine while requests of assorted prompt lengths and budgets
     join (some with a chunked prefill interleaved with the others' steps) and leave: after a
@@ -205,6 +213,7 @@ def test_compiled_steps_never_recompile_while_requests_join_and_leave(tmp_path):
     budgets = [rng.randrange(4, 40) for _ in prompts]
     spec.compile_verify(batch_size=4)
     spec.generate(prompts[:4], 4)  # the bucket's prefill and decode graphs
+    _warm_chunked_prefill(spec, prompts[0])
     counters = torch._dynamo.utils.counters
     graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
     programs = spec._greedy.compiled_runs
@@ -395,6 +404,7 @@ def test_sampled_and_greedy_requests_join_and_leave_a_compiled_batch_without_rec
                 else SamplingParams() for i in range(len(prompts))]
     spec.compile_verify(batch_size=4)  # the greedy and the sampled programs
     spec.generate(prompts[:4], 4)  # the bucket's prefill graph
+    _warm_chunked_prefill(spec, prompts[0])
     sampled = SampledStep.of(engine, spec.proposer.num_spec_steps, spec.tree_sampling)
     counters = torch._dynamo.utils.counters
     graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())

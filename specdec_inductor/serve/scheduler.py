@@ -6,8 +6,8 @@ receive each request's tokens through its `on_delta` callback.
 Between two steps the thread runs, in this order: the test hooks (`inspect`), the retirement of
 cancelled requests (their KV slots are free before anything else is admitted), then admission
 of queued requests while rows, KV slots and the batch capacity allow (first come, first
-served; requests that arrived together are prefilled together). A full queue refuses new
-requests (QueueFullError -> 429).
+served; each request reserves its own prompt + max_tokens; requests admitted at one boundary
+prefill in the next step). A full queue refuses new requests (QueueFullError -> 429).
 
 A request that opts out of speculation (`speculative=False`) decodes in a second lane: a
 SpeculativeGenerator without a proposer over the same Engine (same KV pool, same compiled
@@ -23,14 +23,15 @@ smallest of the engine's buckets that holds its requests (Batch.fit_bucket): one
 decodes in bucket 1, sixteen in bucket 16, and requests that arrive one after another share
 one step whatever their count (every bucket's graphs compile in the warm-up).
 
-A group's prompts prefill in chunks of the smallest of `prefill_sizes` (multiples of
-PREFILL_STEP up to the engine's prefill_chunk) that holds its longest prompt: a prefill chunk
-costs about its row count (a short prompt padded to the engine's chunk pays for the padding
-rows), and every size's graphs compile in the warm-up, with every bucket's.
+A prompt prefills in chunks of the smallest of `prefill_sizes` (multiples of PREFILL_STEP up
+to the engine's prefill_chunk) that holds it: a prefill chunk costs about its row count (a
+short prompt padded to the engine's chunk pays for the padding rows, and prompts prefilled
+together in one step of several rows cost what they cost one after the other), so each
+request's chunk is a one-row step of its own size (SpeculativeGenerator._prefill_chunks):
+one graph per size, whatever the bucket, each compiled in the warm-up.
 
-The step API admits a group with one max_new_tokens: a group shares its largest request's
-budget and the scheduler ends each request at its own max_tokens (it retires the request
-right after the step that reached it, and never hands out tokens past it).
+The scheduler ends each request at its own max_tokens (it retires the request right after
+the step that reached it, and never hands out tokens past it).
 
 Tokens leave through each request's `on_delta` (called in this thread, once per request and
 step), then one call of `flush` per step: on_delta may only buffer the Delta, and flush hands
@@ -50,6 +51,7 @@ from specdec_inductor.engine.kv_pool import PoolExhaustedError
 from specdec_inductor.sampler import SamplingParams
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
 from specdec_inductor.speculative.loop import ActiveRequest
+from specdec_inductor.speculative.stats import dynamo_counts
 from specdec_inductor.serve.trace import ADMITTED, PICKED, QUEUED, STEPPED, TOKEN
 
 log = logging.getLogger("specdec.serve")
@@ -162,6 +164,9 @@ class Scheduler:
         if proposer is not None:
             self.lanes.append(Lane("none", SpeculativeGenerator(engine, None), max_batch))
         self._warmup = (list(warmup_prompt), warmup_tokens) if warmup_prompt else None
+        self.warmup_graphs: Dict[str, int] = {}  # graphs each warm-up phase compiled
+        self.serving_graphs = 0  # graphs compiled after the warm-up (each one logged)
+        self._graphs_seen = 0
         self.prefill_sizes = prefill_sizes(engine.prefill_chunk)
         self._cond = threading.Condition()
         self._inbox: List[ServeRequest] = []
@@ -276,6 +281,7 @@ class Scheduler:
     def _run(self) -> None:
         try:
             self._warm_up()
+            self._graphs_seen = dynamo_counts()[0]
             with contextlib.ExitStack() as scopes:
                 for lane in self.lanes:
                     lane.batch = scopes.enter_context(lane.generator.batch(lane.capacity,
@@ -296,28 +302,52 @@ class Scheduler:
             self.ready.set()
 
     def _warm_up(self) -> None:
-        """Scratch requests through every lane in groups of every bucket size, so the graphs
-        the batch's buckets step with (and a draft model's, which take the live count's
-        bucket) compile before serving; an eager engine pays its first-call costs once.
-        compile_verify measures each bucket's step costs (the cost-aware verify size weighs
-        them); it runs the largest bucket first, so the single-bucket costs (probe_cost,
-        verify_cost) stay those of bucket 1, as `specdec generate` measures them."""
+        """Compile before serving every graph serving steps through (an eager engine pays its
+        first-call costs once), once each, and log what each phase compiled:
+        - the step programs of every bucket: compile_verify of the first lane (the largest
+          bucket first, so the single-bucket costs probe_cost and verify_cost stay those of
+          bucket 1, as `specdec generate` measures them; the cost-aware verify size weighs
+          every bucket's); a draft-less second lane runs the same engine's decode programs
+          (GreedyStep.of shares them), so it has nothing of its own to compile;
+        - one scratch request per prefill size: prefill chunks are one-row steps
+          (SpeculativeGenerator._prefill_chunks), one graph per size whatever the bucket;
+        - with a draft model (a proposer with an engine of its own, whose graphs take the live
+          count's bucket), a scratch group of every other bucket size through the first lane.
+        `warmup_graphs` keeps each phase's count."""
         if self._warmup is None:
             return
+        lane, gen = self.lanes[0], self.lanes[0].generator
         prompt, tokens = self._warmup
         sizes = self.engine.buckets if self.engine.compiled else [1]
-        for lane in self.lanes:
-            gen = lane.generator
-            for size in reversed(sizes):
-                gen.compile_verify(batch_size=size)
-            for size in sizes:
-                for chunk in self.prefill_sizes:
-                    with gen.batch(lane.capacity) as batch:
-                        gen.admit(batch, [prompt] * size, tokens + gen.num_draft_tokens,
-                                  prefill_chunk=chunk)
-                        while batch.live:
-                            batch.fit_bucket(self.engine)
-                            gen.step(batch)
+        start = time.perf_counter()
+        self._warm_phase("step programs", f"buckets {sizes}",
+                         lambda: [gen.compile_verify(batch_size=b) for b in reversed(sizes)])
+        self._warm_phase("prefill chunks", f"sizes {self.prefill_sizes}", lambda: [
+            self._scratch_group(lane, [prompt], tokens, c) for c in self.prefill_sizes])
+        if getattr(gen.proposer, "engine", None) is not None:
+            self._warm_phase("draft model", f"buckets {sizes[1:]}", lambda: [
+                self._scratch_group(lane, [prompt] * b, tokens) for b in sizes[1:]])
+        log.info(f"warm-up: {sum(self.warmup_graphs.values())} graphs in "
+                 f"{time.perf_counter() - start:.1f} s")
+
+    def _warm_phase(self, name: str, what: str, run: Callable[[], object]) -> None:
+        """Run one warm-up phase; count and log the graphs it compiled."""
+        graphs0, t0 = dynamo_counts()[0], time.perf_counter()
+        run()
+        self.warmup_graphs[name] = dynamo_counts()[0] - graphs0
+        log.info(f"warm-up: {name} ({what}): {self.warmup_graphs[name]} graphs in "
+                 f"{time.perf_counter() - t0:.1f} s")
+
+    def _scratch_group(self, lane: Lane, prompts: List[List[int]], tokens: int,
+                       prefill_chunk: Optional[int] = None) -> None:
+        """Scratch requests admitted together into a batch of the lane, stepped to their end."""
+        gen = lane.generator
+        with gen.batch(lane.capacity) as batch:
+            gen.admit(batch, prompts, tokens + gen.num_draft_tokens,
+                      prefill_chunk=prefill_chunk or self.prefill_sizes[-1])
+            while batch.live:
+                batch.fit_bucket(self.engine)
+                gen.step(batch)
 
     def _busy(self) -> bool:
         return any(lane.running for lane in self.lanes)
@@ -362,59 +392,46 @@ class Scheduler:
             self._admit_waiting(lane)
         self._flush()
 
-    def _next_group(self, lane: Lane) -> Tuple[List[ServeRequest], int]:
-        """The longest head of the lane's queue that fits its batch now, and its shared
-        max_new_tokens (the loop reserves prompt + max_new_tokens + extra slots per request)."""
+    def _fits(self, lane: Lane, request: ServeRequest) -> bool:
+        """Whether the request fits the lane's batch and the KV pool now (the loop reserves
+        prompt + max_tokens + extra slots)."""
         pool = self.engine.pool
-        rows = min(pool.num_free_rows, lane.room())
-        group: List[ServeRequest] = []
-        longest = most = prompt_slots = 0
-        for request in lane.waiting:
-            n = len(request.prompt)
-            l_, m_ = max(longest, n), max(most, request.max_tokens)
-            slots = prompt_slots + n + (len(group) + 1) * (m_ + lane.extra)
-            if (len(group) + 1 > rows or l_ + m_ + lane.extra > self.engine.max_len
-                    or slots > pool.num_free_slots):
-                break
-            group.append(request)
-            longest, most, prompt_slots = l_, m_, prompt_slots + n
-        return group, most
+        return (min(pool.num_free_rows, lane.room()) > 0 and
+                len(request.prompt) + request.max_tokens + lane.extra <= pool.num_free_slots)
 
-    def prefill_chunk_for(self, group: Sequence[ServeRequest]) -> int:
-        """The smallest prefill size that holds the group's longest prompt (else the
+    def prefill_chunk_for(self, prompt_len: int) -> int:
+        """The smallest prefill size that holds a prompt of prompt_len tokens (else the
         largest: the prompt takes several chunks)."""
-        longest = max(len(r.prompt) for r in group)
-        return next((t for t in self.prefill_sizes if t >= longest), self.prefill_sizes[-1])
+        return next((t for t in self.prefill_sizes if t >= prompt_len), self.prefill_sizes[-1])
 
     def _admit_waiting(self, lane: Lane) -> None:
-        while lane.waiting:
-            group, most = self._next_group(lane)
-            if not group:
-                return
+        """Admit the head of the lane's queue while it fits, one request at a time (each with
+        its own max_tokens and prefill size; those admitted at one boundary prefill in the
+        same step)."""
+        while lane.waiting and self._fits(lane, lane.waiting[0]):
+            request = lane.waiting[0]
             try:
                 # Prompts prefill one chunk per step, between the other requests' steps, so
                 # a long prompt does not stall the batch (module docstring: the chunk's size).
-                actives = lane.generator.admit(lane.batch, [r.prompt for r in group], most,
-                                               [r.sampling for r in group], self.eos_token_id,
-                                               prefill_chunk=self.prefill_chunk_for(group))
+                (active,) = lane.generator.admit(
+                    lane.batch, [request.prompt], request.max_tokens, [request.sampling],
+                    self.eos_token_id, prefill_chunk=self.prefill_chunk_for(len(request.prompt)))
             except PoolExhaustedError:
                 if self._busy():
                     return  # a draft model's pool is full: retried after the next retire
-                self._fail_group(lane, group, "no KV room for the request")
+                self._fail_admission(lane, request, "no KV room for the request")
                 continue
-            except Exception as exc:  # noqa: BLE001 -- this group fails, the server serves on
+            except Exception as exc:  # noqa: BLE001 -- this request fails, the server serves on
                 log.exception("admission failed")
-                self._fail_group(lane, group, f"admission failed: {exc}")
+                self._fail_admission(lane, request, f"admission failed: {exc}")
                 continue
             now = time.perf_counter()
-            for request, active in zip(group, actives):
-                lane.waiting.popleft()
-                request.mark(ADMITTED, now)
-                request.active = active
-                lane.running[active] = request
-            self._dequeued(len(group))
-            for request, active in zip(group, actives):
-                self._deliver(request, active.tokens, now)
+            lane.waiting.popleft()
+            request.mark(ADMITTED, now)
+            request.active = active
+            lane.running[active] = request
+            self._dequeued(1)
+            self._deliver(request, active.tokens, now)
             self._retire_finished(lane)
 
     def _step(self, lane: Lane) -> None:
@@ -432,6 +449,7 @@ class Scheduler:
             self._flush()
             return
         now = time.perf_counter()
+        self._count_compiles(lane)
         for request in lane.running.values():
             request.mark(STEPPED, start)
             request.steps += 1
@@ -440,6 +458,17 @@ class Scheduler:
             self._deliver(lane.running[active], tokens, now)
         self._flush()
         self._retire_finished(lane)
+
+    def _count_compiles(self, lane: Lane) -> None:
+        """Log a step that compiled graphs (a shape the warm-up did not cover: the request
+        that met it waited for the compile), and count them in `serving_graphs`."""
+        graphs = dynamo_counts()[0]
+        if graphs > self._graphs_seen:
+            self.serving_graphs += graphs - self._graphs_seen
+            log.warning(f"compiled {graphs - self._graphs_seen} graphs while serving (lane "
+                        f"{lane.method}, bucket {lane.batch.bucket}): a shape the warm-up did "
+                        "not compile")
+        self._graphs_seen = graphs
 
     def _deliver(self, request: ServeRequest, tokens: List[int], now: float) -> None:
         """Hand out a step's tokens, cut at the request's own max_tokens."""
@@ -477,11 +506,10 @@ class Scheduler:
     def _retire(lane: Lane, actives: List[ActiveRequest]) -> None:
         lane.generator.retire(lane.batch, *actives)
 
-    def _fail_group(self, lane: Lane, group: List[ServeRequest], message: str) -> None:
-        for request in group:
-            lane.waiting.remove(request)
-            self._end(request, ERROR, message)
-        self._dequeued(len(group))
+    def _fail_admission(self, lane: Lane, request: ServeRequest, message: str) -> None:
+        lane.waiting.remove(request)
+        self._end(request, ERROR, message)
+        self._dequeued(1)
 
     def _dequeued(self, n: int) -> None:
         with self._cond:

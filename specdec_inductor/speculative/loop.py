@@ -383,8 +383,9 @@ class SpeculativeGenerator:
         prefill_chunk: prefill each prompt in chunks of at most this many tokens instead, one
         chunk per `step` while the other requests keep decoding (a long prompt then never
         stalls them for its whole prefill); the request emits its first token in the step of
-        its last chunk, and that step's decode tokens after it. A chunk of T tokens runs the engine's
-        prefill graph when T equals the engine's prefill_chunk, else a graph of its own."""
+        its last chunk, and that step's decode tokens after it. Each request's chunk is a one-row
+        step (_prefill_chunks): T tokens run the engine's prefill graph of one row when T equals
+        the engine's prefill_chunk, else a one-row graph of its own, whatever the bucket."""
         self.engine.check_request(prompts, max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"argument 'max_new_tokens' must be >= 1 to admit, got "
@@ -453,37 +454,37 @@ class SpeculativeGenerator:
         batch.policy.admitted()
 
     def _prefill_chunks(self, batch: Batch) -> Dict[ActiveRequest, List[int]]:
-        """One prefill chunk of every prefilling request (the batch's bucket, T = the largest
-        of their prefill_chunk); those whose prompt is then cached join (_join). Returns their
-        first tokens."""
-        reqs, bucket = batch.prefilling, batch.bucket
-        t_max = max(r.prefill_chunk for r in reqs)
-        ids = torch.zeros(bucket, t_max, dtype=torch.int64)  # [B, T]
-        rows = torch.full((bucket,), self.engine.pool.padding_row, dtype=torch.int64)  # [B]
-        prefix = torch.zeros(bucket, dtype=torch.int64)  # [B]
-        lens = torch.zeros(bucket, dtype=torch.int64)  # [B]
-        chunks = [r.prompt[r.prefilled:r.prefilled + r.prefill_chunk] for r in reqs]
-        for b, (r, chunk) in enumerate(zip(reqs, chunks)):
-            ids[b, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
-            rows[b], prefix[b], lens[b] = r.row, r.prefilled, len(chunk)
-        positions = prefix.view(bucket, 1) + torch.arange(t_max).view(1, t_max)  # [B, T]
+        """One prefill chunk of every prefilling request, each as a one-row step of its own
+        prefill_chunk (a chunk costs about its rows, so rows batched together save nothing,
+        and a one-row graph per chunk size serves every batch bucket); those whose prompt is
+        then cached join (_join). Returns their first tokens."""
+        reqs, cached, last = batch.prefilling, [], []
         t0 = time.perf_counter()
-        _, logits, hidden = self.engine.prefill_chunk_step(ids, positions, rows, prefix, lens)
-        batch.stats.prefill_s += time.perf_counter() - t0
-        cached = []
-        for b, (r, chunk) in enumerate(zip(reqs, chunks)):
-            r.prefilled += len(chunk)
-            if hidden is not None and self.proposer is not None \
-                    and self.proposer.needs_target_hidden:
-                r.prompt_hidden.append(hidden[b, :len(chunk)])
+        for r in reqs:
+            logits = self._prefill_chunk(r)
             if not r.prefilling:
-                cached.append(b)
+                cached.append(r)
+                last.append(logits)
+        batch.stats.prefill_s += time.perf_counter() - t0
         if not cached:
             return {}
-        new = [reqs[b] for b in cached]
         batch.prefilling = [r for r in reqs if r.prefilling]
-        self._join(batch, new, logits[cached])
-        return {r: list(r.tokens) for r in new}
+        self._join(batch, cached, torch.cat(last))
+        return {r: list(r.tokens) for r in cached}
+
+    def _prefill_chunk(self, r: ActiveRequest) -> Tensor:
+        """Request r's next prompt chunk as a one-row step; the logits of its last row [1, V]."""
+        chunk = r.prompt[r.prefilled:r.prefilled + r.prefill_chunk]
+        ids = torch.zeros(1, r.prefill_chunk, dtype=torch.int64)  # [1, T]
+        ids[0, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+        prefix = torch.tensor([r.prefilled])  # [1]
+        positions = prefix.view(1, 1) + torch.arange(r.prefill_chunk).view(1, -1)  # [1, T]
+        _, logits, hidden = self.engine.prefill_chunk_step(
+            ids, positions, torch.tensor([r.row]), prefix, torch.tensor([len(chunk)]))
+        r.prefilled += len(chunk)
+        if hidden is not None and self.proposer is not None and self.proposer.needs_target_hidden:
+            r.prompt_hidden.append(hidden[0, :len(chunk)])
+        return logits
 
     def _check_capture(self) -> None:
         if (self.proposer is not None and self.proposer.needs_target_hidden
