@@ -51,8 +51,11 @@ inline __m512i even_member(__m512i pairs) {
 inline __m512i odd_member(__m512i pairs) { return _mm512_srai_epi32(pairs, 16); }
 
 // The chunk two blocks ahead into L1 (a group's chunks, and the next group's, are contiguous):
-// the unpacking reads a chunk in two streams (Q6_K: low and high bits), which the hardware
-// prefetchers alone leave latency-bound on a single thread.
+// the 32-weight formats' unpacking reads a chunk in two streams (quants and fifth bits), which
+// the hardware prefetchers alone leave latency-bound on a single thread. The K formats take no
+// software prefetch: from huge pages their chunks stream faster without it at every M (a
+// prefetch per cache line takes load slots and miss buffers from the hardware prefetchers, which
+// keep up on their own; 1.6-1.9x at one row of x, benchmarks/RESULTS.md).
 template <int64_t kChunk>
 inline void prefetch_ahead(const uint8_t* chunk) {
   for (int64_t off = 0; off < kChunk; off += 64)
@@ -64,54 +67,34 @@ inline __m512 scale_add(__m512i isum, __m512 d, float dx, __m512 acc) {
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc);
 }
 
-// Sub-block pairs j of a Q4_K chunk unpacked at once: 2 * kQ4Pairs<MB> * MB independent
-// vpdpbusd chains, enough to hide their latency at 1 and 2 rows of x (one pair at a time leaves
-// a single row's 8-deep chains latency-bound).
-template <int MB>
-constexpr int kQ4Pairs = MB == 1   ? 4
-                         : MB == 2 ? 2
-                                   : 1;
-
-// Q4_K, sub-block pairs j0 .. j0 + JU - 1 of block c for MB rows of x: each pair's two 32-weight
-// sums times their scales into isum (integer: any order gives the same sum).
-template <int MB, int JU>
-inline void q4_pairs(const uint8_t* p, const XRow* x, int64_t c, int j0, __m512i* isum) {
-  const __m512i nib = _mm512_set1_epi8(15);
-  __m512i lo[JU][MB], hi[JU][MB];
-  for (int jj = 0; jj < JU; ++jj)
-    for (int i = 0; i < MB; ++i) lo[jj][i] = hi[jj][i] = _mm512_setzero_si512();
-  for (int t = 0; t < 8; ++t) {
-    for (int jj = 0; jj < JU; ++jj) {
-      const int j = j0 + jj;
-      const __m512i v = _mm512_loadu_si512(p + 320 + j * 512 + 64 * t);
-      const __m512i ul = _mm512_and_si512(v, nib),
-                    uh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-      for (int i = 0; i < MB; ++i) {
-        const int8_t* q = x[i].q + 256 * c + 64 * j + 4 * t;
-        lo[jj][i] = _mm512_dpbusd_epi32(lo[jj][i], ul, bcast4(q));
-        hi[jj][i] = _mm512_dpbusd_epi32(hi[jj][i], uh, bcast4(q + 32));
-      }
-    }
-  }
-  for (int jj = 0; jj < JU; ++jj) {
-    const __m512i sc = pairs_u8(p + 64 + 32 * (j0 + jj));
-    const __m512i sc_lo = even_member(sc), sc_hi = odd_member(sc);
-    for (int i = 0; i < MB; ++i)
-      isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(lo[jj][i], sc_lo),
-                                                           _mm512_mullo_epi32(hi[jj][i], sc_hi)));
-  }
-}
-
 // Q4_K: MB rows of x against one group, all K.
 template <int MB>
 void q4_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) {
-  constexpr int JU = kQ4Pairs<MB>;
+  const __m512i nib = _mm512_set1_epi8(15);
   for (int64_t c = 0; c < blocks; ++c) {
     const uint8_t* p = group + c * (16 * 148);
-    prefetch_ahead<16 * 148>(p);
     __m512i isum[MB], imin[MB];
     for (int i = 0; i < MB; ++i) isum[i] = imin[i] = _mm512_setzero_si512();
-    for (int j0 = 0; j0 < 4; j0 += JU) q4_pairs<MB, JU>(p, x, c, j0, isum);
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo[MB], hi[MB];
+      for (int i = 0; i < MB; ++i) lo[i] = hi[i] = _mm512_setzero_si512();
+      const uint8_t* qs = p + 320 + j * 512;
+      for (int t = 0; t < 8; ++t) {
+        const __m512i v = _mm512_loadu_si512(qs + 64 * t);
+        const __m512i ul = _mm512_and_si512(v, nib),
+                      uh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        for (int i = 0; i < MB; ++i) {
+          const int8_t* q = x[i].q + 256 * c + 64 * j + 4 * t;
+          lo[i] = _mm512_dpbusd_epi32(lo[i], ul, bcast4(q));
+          hi[i] = _mm512_dpbusd_epi32(hi[i], uh, bcast4(q + 32));
+        }
+      }
+      const __m512i sc = pairs_u8(p + 64 + 32 * j);
+      const __m512i sc_lo = even_member(sc), sc_hi = odd_member(sc);
+      for (int i = 0; i < MB; ++i)
+        isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(lo[i], sc_lo),
+                                                             _mm512_mullo_epi32(hi[i], sc_hi)));
+    }
     // Mins: sum_s mn[s] * (sum of the 32 quants of sub-block s), pairs of sub-blocks per vpdpwssd.
     for (int e = 0; e < 4; ++e) {
       const __m512i mn = pairs_u8(p + 192 + 32 * e);
@@ -142,56 +125,36 @@ inline __m512i q6_high_bits(__m512i v) {
     return _mm512_and_si512(_mm512_srli_epi16(v, 2), mask);
 }
 
-// Q6_K, quad vector t (0..7) of pair P of 64 weights of block c, for MB rows of x: its weights
-// of half 0 (of 16-weight group 4P + t / 4) into s0, of half 1 (group 4P + 2 + t / 4) into s1.
+// Q6_K, pair P of 64 weights of block c, for MB rows of x: per half th of each 32 (quads
+// t = 4th .. 4th + 3), the 16-weight groups 4P + th (half 0) and 4P + 2 + th (half 1), their
+// sums times their scales into isum.
 template <int MB, int P>
-inline void q6_quad(const uint8_t* ch, const XRow* x, int64_t c, int t, __m512i* s0, __m512i* s1) {
+inline void q6_pair(const uint8_t* ch, const XRow* x, int64_t c, __m512i* isum) {
   const __m512i nib = _mm512_set1_epi8(15);
   constexpr int kSel = 2 * (P % 2);  // qh bits of half 0; half 1's are the next two
-  const __m512i l = _mm512_loadu_si512(ch + 320 + (P * 8 + t) * 64);
-  const __m512i h = _mm512_loadu_si512(ch + 2368 + ((P / 2) * 8 + t) * 64);
-  const __m512i u0 = _mm512_or_si512(_mm512_and_si512(l, nib), q6_high_bits<kSel>(h));
-  const __m512i u1 =
-      _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), nib), q6_high_bits<kSel + 1>(h));
-  for (int i = 0; i < MB; ++i) {
-    const int8_t* q = x[i].q + 256 * c + 64 * P + 4 * t;
-    s0[i] = _mm512_dpbusd_epi32(s0[i], u0, bcast4(q));
-    s1[i] = _mm512_dpbusd_epi32(s1[i], u1, bcast4(q + 32));
-  }
-}
-
-// Pairs P of 64 weights of a Q6_K chunk unpacked at once: 4 * kQ6Pairs<MB> * MB independent
-// vpdpbusd chains (a pair alone gives a single row of x 4).
-template <int MB>
-constexpr int kQ6Pairs = MB == 1 ? 2 : 1;
-
-// Q6_K, pairs P0 .. P0 + PU - 1 of block c for MB rows of x: per pair and half th of each 32
-// (quads t = 4th .. 4th + 3), the 16-weight groups 4P + th (half 0) and 4P + 2 + th (half 1),
-// their sums times their scales into isum (integer: any order gives the same sum).
-template <int MB, int P0, int PU>
-inline void q6_pairs(const uint8_t* ch, const XRow* x, int64_t c, __m512i* isum) {
-  __m512i s0[PU][2][MB], s1[PU][2][MB];
-  for (int pp = 0; pp < PU; ++pp)
-    for (int th = 0; th < 2; ++th)
-      for (int i = 0; i < MB; ++i) s0[pp][th][i] = s1[pp][th][i] = _mm512_setzero_si512();
-  for (int tt = 0; tt < 4; ++tt)
-    for (int th = 0; th < 2; ++th) {
-      q6_quad<MB, P0>(ch, x, c, 4 * th + tt, s0[0][th], s1[0][th]);
-      if constexpr (PU == 2) q6_quad<MB, P0 + 1>(ch, x, c, 4 * th + tt, s0[1][th], s1[1][th]);
+  for (int th = 0; th < 2; ++th) {
+    __m512i s0[MB], s1[MB];
+    for (int i = 0; i < MB; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
+    for (int t = 4 * th; t < 4 * th + 4; ++t) {
+      const __m512i l = _mm512_loadu_si512(ch + 320 + (P * 8 + t) * 64);
+      const __m512i h = _mm512_loadu_si512(ch + 2368 + ((P / 2) * 8 + t) * 64);
+      const __m512i u0 = _mm512_or_si512(_mm512_and_si512(l, nib), q6_high_bits<kSel>(h));
+      const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), nib),
+                                         q6_high_bits<kSel + 1>(h));
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* q = x[i].q + 256 * c + 64 * P + 4 * t;
+        s0[i] = _mm512_dpbusd_epi32(s0[i], u0, bcast4(q));
+        s1[i] = _mm512_dpbusd_epi32(s1[i], u1, bcast4(q + 32));
+      }
     }
-  for (int pp = 0; pp < PU; ++pp) {
-    const int P = P0 + pp;
     // Groups 4P + th and 4P + 2 + th: members th of scale pairs 2P and 2P + 1.
     const __m512i pair0 = pairs_i8(ch + 64 + 32 * (2 * P)),
                   pair1 = pairs_i8(ch + 64 + 32 * (2 * P + 1));
-    for (int th = 0; th < 2; ++th) {
-      const __m512i sc0 = th ? odd_member(pair0) : even_member(pair0);
-      const __m512i sc1 = th ? odd_member(pair1) : even_member(pair1);
-      for (int i = 0; i < MB; ++i)
-        isum[i] =
-            _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(s0[pp][th][i], sc0),
-                                                       _mm512_mullo_epi32(s1[pp][th][i], sc1)));
-    }
+    const __m512i sc0 = th ? odd_member(pair0) : even_member(pair0);
+    const __m512i sc1 = th ? odd_member(pair1) : even_member(pair1);
+    for (int i = 0; i < MB; ++i)
+      isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(s0[i], sc0),
+                                                           _mm512_mullo_epi32(s1[i], sc1)));
   }
 }
 
@@ -200,14 +163,12 @@ template <int MB>
 void q6_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) {
   for (int64_t c = 0; c < blocks; ++c) {
     const uint8_t* ch = group + c * (16 * 212);
-    prefetch_ahead<16 * 212>(ch);
     __m512i isum[MB], corr[MB];
     for (int i = 0; i < MB; ++i) isum[i] = corr[i] = _mm512_setzero_si512();
-    constexpr int PU = kQ6Pairs<MB>;
-    q6_pairs<MB, 0, PU>(ch, x, c, isum);
-    if constexpr (PU == 1) q6_pairs<MB, 1, 1>(ch, x, c, isum);
-    q6_pairs<MB, 2, PU>(ch, x, c, isum);
-    if constexpr (PU == 1) q6_pairs<MB, 3, 1>(ch, x, c, isum);
+    q6_pair<MB, 0>(ch, x, c, isum);
+    q6_pair<MB, 1>(ch, x, c, isum);
+    q6_pair<MB, 2>(ch, x, c, isum);
+    q6_pair<MB, 3>(ch, x, c, isum);
     // wq = u - 32: I = sum_g sc[g] * (dot_u - 32 * sum of the group's 16 quants).
     for (int e = 0; e < 8; ++e) {
       const __m512i sc = pairs_i8(ch + 64 + 32 * e);
