@@ -30,7 +30,8 @@ formats, K a multiple of 64) in the same rounds:
 does (every weight once a token): the case's weights are copied until the copies hold at least
 STREAMED_BYTES and the calls take them in turn. Without it a weight smaller than the last-level
 cache is read from there after the first call, which favours a kernel that is fast from cache
-(the file-layout Q6_K kernel: fast from L3, slower than Q6_K_R16 from memory).
+(the file-layout Q6_K kernel: fast from L3, slower than Q6_K_R16 from memory). The copies sit
+in huge pages where the system gives them, as the model loader places weights.
 
 On a machine shared with other jobs, --threads 1 gives steadier numbers (an OpenMP barrier can
 wait a whole scheduler slice for a descheduled worker); the bandwidth probe then uses one thread
@@ -49,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 import specdec_inductor
+from specdec_inductor.engine import hugepages
 from specdec_inductor.ops import QuantFormat, quant_block, quant_dequantize, quant_linear
 from specdec_inductor.ops.quant import QuantActivation, file_format, quant_repack, repacked_format
 
@@ -95,9 +97,13 @@ def case_input(fmt, n, k, m):
 
 
 def weight_turns(w, streamed):
-    """Turns over w alone, or (streamed) over w and enough copies of it to hold STREAMED_BYTES."""
-    copies = -(-STREAMED_BYTES // (w.numel() * w.element_size())) if streamed else 1
-    return Turns([w] + [w.clone() for _ in range(copies - 1)])
+    """Turns over w alone, or (streamed) over copies of it that hold STREAMED_BYTES, in huge pages
+    where the system has them (as a loaded model's weights are: engine/hugepages.py)."""
+    if not streamed:
+        return Turns([w])
+    copies = -(-STREAMED_BYTES // (w.numel() * w.element_size()))
+    arena = hugepages.Arena() if hugepages.available() else None
+    return Turns([arena.copy(w) if arena else w.clone() for _ in range(copies)])
 
 
 def worker():
@@ -195,7 +201,8 @@ def main():
               f"layout where it has one)")
     if args.streamed:
         print(f"streamed: each call reads a copy of the weights not read in the last "
-              f"{STREAMED_BYTES >> 20} MB of quantized weights (F.linear's fp32 copies likewise)")
+              f"{STREAMED_BYTES >> 20} MB of quantized weights (F.linear's fp32 copies likewise), "
+              f"{'in huge pages' if hugepages.available() else 'no huge pages on this system'}")
     print()
     print(f"{'':20} | {'FLOAT':^22} | {'INT8':^22} | {'':16} | {'speedup':^15}")
     print(f"{'fmt':5} {'N':>6} {'K':>5} {'M':>3} | {'ms':>8} {'GB/s':>6} {'of bw':>6} | "

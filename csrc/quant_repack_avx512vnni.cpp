@@ -51,15 +51,16 @@ inline __m512i even_member(__m512i pairs) {
 inline __m512i odd_member(__m512i pairs) { return _mm512_srai_epi32(pairs, 16); }
 
 // The chunk two blocks ahead into L1 (a group's chunks, and the next group's, are contiguous):
-// the 32-weight formats' unpacking reads a chunk in two streams (quants and fifth bits), which
-// the hardware prefetchers alone leave latency-bound on a single thread. The K formats take no
-// software prefetch: from huge pages their chunks stream faster without it at every M (a
-// prefetch per cache line takes load slots and miss buffers from the hardware prefetchers, which
-// keep up on their own; 1.6-1.9x at one row of x, benchmarks/RESULTS.md).
-template <int64_t kChunk>
+// the unpacking reads a chunk in two streams (Q6_K: low and high bits), which the hardware
+// prefetchers alone leave latency-bound on a single thread. Except Q4_K at one row of x
+// (kPrefetch false): one stream of quants, unpacked in ~1.5 ops per 64 bytes, streams faster
+// from huge pages on the hardware prefetchers alone (a prefetch per cache line takes load slots
+// and miss buffers from them; benchmarks/RESULTS.md).
+template <int64_t kChunk, bool kPrefetch = true>
 inline void prefetch_ahead(const uint8_t* chunk) {
-  for (int64_t off = 0; off < kChunk; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(chunk + 2 * kChunk + off), _MM_HINT_T0);
+  if constexpr (kPrefetch)
+    for (int64_t off = 0; off < kChunk; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(chunk + 2 * kChunk + off), _MM_HINT_T0);
 }
 
 // acc[i] += lane-wise block result, the float tail shared by both formats: acc + I * (d * d_x).
@@ -73,6 +74,7 @@ void q4_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
   const __m512i nib = _mm512_set1_epi8(15);
   for (int64_t c = 0; c < blocks; ++c) {
     const uint8_t* p = group + c * (16 * 148);
+    prefetch_ahead<16 * 148, (MB > 1)>(p);
     __m512i isum[MB], imin[MB];
     for (int i = 0; i < MB; ++i) isum[i] = imin[i] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
@@ -163,6 +165,7 @@ template <int MB>
 void q6_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) {
   for (int64_t c = 0; c < blocks; ++c) {
     const uint8_t* ch = group + c * (16 * 212);
+    prefetch_ahead<16 * 212>(ch);
     __m512i isum[MB], corr[MB];
     for (int i = 0; i < MB; ++i) isum[i] = corr[i] = _mm512_setzero_si512();
     q6_pair<MB, 0>(ch, x, c, isum);
