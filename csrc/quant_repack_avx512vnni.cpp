@@ -52,15 +52,18 @@ inline __m512i odd_member(__m512i pairs) { return _mm512_srai_epi32(pairs, 16); 
 
 // The chunk two blocks ahead into L1 (a group's chunks, and the next group's, are contiguous):
 // the unpacking reads a chunk in two streams (Q6_K: low and high bits), which the hardware
-// prefetchers alone leave latency-bound on a single thread. Except Q4_K at one row of x
-// (kPrefetch false): one stream of quants, unpacked in ~1.5 ops per 64 bytes, streams faster
-// from huge pages on the hardware prefetchers alone (a prefetch per cache line takes load slots
-// and miss buffers from them; benchmarks/RESULTS.md).
-template <int64_t kChunk, bool kPrefetch = true>
+// prefetchers alone leave latency-bound on a single thread. At one row of x (kNear false: the K
+// formats' tile of 1) the kernel streams faster than a prefetch per cache line into L1 serves it
+// from huge pages (those prefetches take load slots and L1 miss buffers from the hardware
+// prefetchers): the chunk four blocks ahead into L2 instead (benchmarks/RESULTS.md).
+template <int64_t kChunk, bool kNear = true>
 inline void prefetch_ahead(const uint8_t* chunk) {
-  if constexpr (kPrefetch)
+  if constexpr (kNear)
     for (int64_t off = 0; off < kChunk; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(chunk + 2 * kChunk + off), _MM_HINT_T0);
+  else
+    for (int64_t off = 0; off < kChunk; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(chunk + 4 * kChunk + off), _MM_HINT_T1);
 }
 
 // acc[i] += lane-wise block result, the float tail shared by both formats: acc + I * (d * d_x).
@@ -165,7 +168,7 @@ template <int MB>
 void q6_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) {
   for (int64_t c = 0; c < blocks; ++c) {
     const uint8_t* ch = group + c * (16 * 212);
-    prefetch_ahead<16 * 212>(ch);
+    prefetch_ahead<16 * 212, (MB > 1)>(ch);
     __m512i isum[MB], corr[MB];
     for (int i = 0; i < MB; ++i) isum[i] = corr[i] = _mm512_setzero_si512();
     q6_pair<MB, 0>(ch, x, c, isum);
