@@ -16,7 +16,9 @@ the INT8 columns give its rate and its speedup over FLOAT and over F.linear.
 and its built extension, e.g. main's before a kernel change) in a second process that takes
 turns with this one call by call on the same random weights; the "vs base" column is the
 baseline's time over ours (> 1: ours is faster) and "base/M=1" the baseline's M-row time over
-its own 1-row time.
+its own 1-row time. With --repacked the A/B is on the repacked layout (where it has one: both
+processes repack the same weights), else on the file layout; with --streamed the baseline process
+makes its own copies and both sides take them in turn.
 
 --repacked: also times INT8 on the same weights repacked into their 16-row interleaved layout
 (QuantFormat.*_R16, what load_gguf builds for INT8 on VNNI: Q4_K, Q6_K and the 32-weight
@@ -28,7 +30,8 @@ formats, K a multiple of 64) in the same rounds:
 does (every weight once a token): the case's weights are copied until the copies hold at least
 STREAMED_BYTES and the calls take them in turn. Without it a weight smaller than the last-level
 cache is read from there after the first call, which favours a kernel that is fast from cache
-(the file-layout Q6_K kernel: fast from L3, slower than Q6_K_R16 from memory).
+(the file-layout Q6_K kernel: fast from L3, slower than Q6_K_R16 from memory). The copies sit
+in huge pages where the system gives them, as the model loader places weights.
 
 On a machine shared with other jobs, --threads 1 gives steadier numbers (an OpenMP barrier can
 wait a whole scheduler slice for a descheduled worker); the bandwidth probe then uses one thread
@@ -47,8 +50,9 @@ import torch
 import torch.nn.functional as F
 
 import specdec_inductor
+from specdec_inductor.engine import hugepages
 from specdec_inductor.ops import QuantFormat, quant_block, quant_dequantize, quant_linear
-from specdec_inductor.ops.quant import QuantActivation, quant_repack, repacked_format
+from specdec_inductor.ops.quant import QuantActivation, file_format, quant_repack, repacked_format
 
 from bench_linear import median_times, read_bandwidth_gbs  # benchmarks/ is on sys.path
 
@@ -92,21 +96,36 @@ def case_input(fmt, n, k, m):
     return random_weight(fmt, n, k), torch.randn(m, k, generator=torch.Generator().manual_seed(m * 31 + k))
 
 
+def weight_turns(w, streamed):
+    """Turns over w alone, or (streamed) over copies of it that hold STREAMED_BYTES, in huge pages
+    where the system has them (as a loaded model's weights are: engine/hugepages.py)."""
+    if not streamed:
+        return Turns([w])
+    copies = -(-STREAMED_BYTES // (w.numel() * w.element_size()))
+    arena = hugepages.Arena() if hugepages.available() else None
+    return Turns([arena.copy(w) if arena else w.clone() for _ in range(copies)])
+
+
 def worker():
-    """The --baseline process: reads a JSON case per line ([fmt, n, k, m]), prints the seconds of
-    one INT8 quant_linear call on it (its inputs built and warmed up on first sight)."""
+    """The --baseline process: reads a JSON case per line ([fmt, n, k, m, streamed]; fmt a file
+    format or its repacked layout), prints the seconds of one INT8 quant_linear call on it (its
+    inputs built, copied when streamed, and warmed up on first sight)."""
     cache = {}
     for line in sys.stdin:
-        fmt, n, k, m = json.loads(line)
-        key = (fmt, n, k, m)
+        fmt, n, k, m, streamed = json.loads(line)
+        fmt = QuantFormat(fmt)
+        key = (fmt, n, k, m, streamed)
         if key not in cache:
             cache.clear()
-            w, x = case_input(QuantFormat(fmt), n, k, m)
-            cache[key] = (w, x)
-            quant_linear(x, w, QuantFormat(fmt), activation=QuantActivation.INT8)
-        w, x = cache[key]
+            base = file_format(fmt)
+            w, x = case_input(base, n, k, m)
+            ws = weight_turns(quant_repack(w, base) if fmt != base else w, streamed)
+            cache[key] = (ws, x)
+            quant_linear(x, ws.next(), fmt, activation=QuantActivation.INT8)
+        ws, x = cache[key]
+        w = ws.next()
         t0 = time.perf_counter()
-        quant_linear(x, w, QuantFormat(fmt), activation=QuantActivation.INT8)
+        quant_linear(x, w, fmt, activation=QuantActivation.INT8)
         print(time.perf_counter() - t0, flush=True)
 
 
@@ -165,9 +184,6 @@ def main():
         torch.set_num_threads(args.threads)
     if args.worker:
         return worker()
-    if args.streamed and args.baseline:
-        raise SystemExit("--streamed: the --baseline process times one copy of the weights; "
-                         "use one of the two")
     base = Baseline(args.baseline, args.threads) if args.baseline else None
     rows = [int(r) for r in args.rows.split(",")]
     formats = None if args.formats is None else [QuantFormat[f] for f in args.formats.split(",")]
@@ -181,10 +197,12 @@ def main():
     print(f"read bandwidth (torch.sum over 1 GiB): {bw:.1f} GB/s; load average "
           f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}")
     if base:
-        print(f"baseline INT8 kernels: {args.baseline}")
+        print(f"baseline INT8 kernels: {args.baseline} (the {'repacked' if args.repacked else 'file'} "
+              f"layout where it has one)")
     if args.streamed:
         print(f"streamed: each call reads a copy of the weights not read in the last "
-              f"{STREAMED_BYTES >> 20} MB of quantized weights (F.linear's fp32 copies likewise)")
+              f"{STREAMED_BYTES >> 20} MB of quantized weights (F.linear's fp32 copies likewise), "
+              f"{'in huge pages' if hugepages.available() else 'no huge pages on this system'}")
     print()
     print(f"{'':20} | {'FLOAT':^22} | {'INT8':^22} | {'':16} | {'speedup':^15}")
     print(f"{'fmt':5} {'N':>6} {'K':>5} {'M':>3} | {'ms':>8} {'GB/s':>6} {'of bw':>6} | "
@@ -203,11 +221,8 @@ def main():
         if packed is not None and k % quant_block(packed)[0]:
             packed = None  # K does not fill the layout's chunks (64 weights for the 32-weight formats)
         w_r = quant_repack(w, fmt) if packed else None  # [N / 16, 16 * row_bytes']
-        copies = -(-STREAMED_BYTES // w.numel()) if args.streamed else 1
-        ws, w_dqs = Turns([w] + [w.clone() for _ in range(copies - 1)]), Turns([w_dq] * copies)
-        if args.streamed:
-            w_dqs = Turns([w_dq] + [w_dq.clone() for _ in range(copies - 1)])
-        w_rs = Turns([w_r] + [w_r.clone() for _ in range(copies - 1)]) if packed else None
+        ws, w_dqs = weight_turns(w, args.streamed), weight_turns(w_dq, args.streamed)
+        w_rs = weight_turns(w_r, args.streamed) if packed else None
         one_row = {}  # baseline and ours at M = 1
         for m in rows:
             x = case_input(fmt, n, k, m)[1]  # [M, K]
@@ -223,8 +238,10 @@ def main():
                     f"{t_8 * 1e3:8.3f} {gbs8:6.1f} {gbs8 / bw:6.2f} | {t_ref * 1e3:16.3f} | "
                     f"{t_ref / t_q:7.2f} {t_ref / t_8:7.2f}")
             if base:
-                t_base, t_ours = base.timed([int(fmt), n, k, m], args.repeats,
-                                            lambda: quant_linear(x, w, fmt, activation=QuantActivation.INT8))
+                ab_fmt, ab_ws = (packed, w_rs) if packed else (fmt, ws)
+                t_base, t_ours = base.timed([int(ab_fmt), n, k, m, args.streamed], args.repeats,
+                                            lambda: quant_linear(x, ab_ws.next(), ab_fmt,
+                                                                 activation=QuantActivation.INT8))
                 one_row.setdefault("base", t_base)
                 one_row.setdefault("ours", t_ours)
                 line += (f" | {t_base * 1e3:8.3f} {t_base / t_ours:7.2f} {t_base / one_row['base']:8.2f} "

@@ -50,13 +50,23 @@ inline __m512i even_member(__m512i pairs) {
 }
 inline __m512i odd_member(__m512i pairs) { return _mm512_srai_epi32(pairs, 16); }
 
-// The chunk two blocks ahead into L1 (a group's chunks, and the next group's, are contiguous):
-// the unpacking reads a chunk in two streams (Q6_K: low and high bits), which the hardware
-// prefetchers alone leave latency-bound on a single thread.
+// The chunk kAhead blocks ahead, every cache line, into L1 (T0) or L2 (T1); a group's chunks,
+// and the next group's, are contiguous.
+template <int64_t kChunk, int kAhead, _mm_hint kHint>
+inline void prefetch_chunk(const uint8_t* chunk) {
+  for (int64_t off = 0; off < kChunk; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * kChunk + off), kHint);
+}
+
+// The chunk two blocks ahead into L1: the unpacking reads a chunk in two streams (Q6_K: low and
+// high bits), which the hardware prefetchers alone leave latency-bound on a single thread once a
+// few rows of x make it slow per byte. At one row of x the K formats stream faster than that
+// from huge pages, and a prefetch per cache line into L1 takes load slots and L1 miss buffers
+// from the hardware prefetchers: Q4_K (one stream of quants) then takes none, Q6_K the chunk
+// four blocks ahead into L2 (benchmarks/RESULTS.md).
 template <int64_t kChunk>
 inline void prefetch_ahead(const uint8_t* chunk) {
-  for (int64_t off = 0; off < kChunk; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(chunk + 2 * kChunk + off), _MM_HINT_T0);
+  prefetch_chunk<kChunk, 2, _MM_HINT_T0>(chunk);
 }
 
 // acc[i] += lane-wise block result, the float tail shared by both formats: acc + I * (d * d_x).
@@ -70,7 +80,7 @@ void q4_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
   const __m512i nib = _mm512_set1_epi8(15);
   for (int64_t c = 0; c < blocks; ++c) {
     const uint8_t* p = group + c * (16 * 148);
-    prefetch_ahead<16 * 148>(p);
+    if constexpr (MB > 1) prefetch_ahead<16 * 148>(p);
     __m512i isum[MB], imin[MB];
     for (int i = 0; i < MB; ++i) isum[i] = imin[i] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
@@ -161,7 +171,10 @@ template <int MB>
 void q6_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) {
   for (int64_t c = 0; c < blocks; ++c) {
     const uint8_t* ch = group + c * (16 * 212);
-    prefetch_ahead<16 * 212>(ch);
+    if constexpr (MB > 1)
+      prefetch_ahead<16 * 212>(ch);
+    else
+      prefetch_chunk<16 * 212, 4, _MM_HINT_T1>(ch);
     __m512i isum[MB], corr[MB];
     for (int i = 0; i < MB; ++i) isum[i] = corr[i] = _mm512_setzero_si512();
     q6_pair<MB, 0>(ch, x, c, isum);
