@@ -36,6 +36,7 @@ from specdec_inductor.loading import encode, shipped_head
 from specdec_inductor.engine import threads
 from specdec_inductor.engine.engine import Engine, GenerationStats
 from specdec_inductor.loading import default_gguf_path, load_model
+from specdec_inductor.ops.quant import default_activation
 from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK
 from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
 from specdec_inductor.proposers.ngram import NgramProposer
@@ -94,8 +95,10 @@ class Ours:
             self.runs["ours AR dense dynamic-threads, max threads"] = (
                 self._ar(dyn), self.max_threads)
         if not args.no_quant:
-            quant, _ = load_model(None, torch.float32, dequantize=False)
-            self._add_ar("Q4_1", self._engine(quant))
+            # The activations the CLI's default (--quant-activations auto) picks here.
+            quant, _ = load_model(None, torch.float32, dequantize=False,
+                                  quant_activation=default_activation())
+            self._add_ar(f"Q4_1 {quant.quant_activation}", self._engine(quant))
         for name in filter(None, args.methods.split(",")):
             label, spec = self._method(name, dense, engine)
             self.runs[f"ours {label}, auto"] = (self._spec(spec), self.auto)
