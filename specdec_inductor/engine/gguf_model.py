@@ -327,6 +327,14 @@ def _release_file_pages(data: np.ndarray) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
 
+def _placed(arena: Optional[huge_pages.Arena], weight: Tensor) -> Tensor:
+    """weight copied into the huge-page arena; weight itself without one (huge pages off or
+    unavailable) or under huge_pages.MIN_BYTES."""
+    if arena is None or weight.numel() < huge_pages.MIN_BYTES:
+        return weight
+    return arena.copy(weight)
+
+
 def _set(model, name: str, module_or_tensor) -> None:
     parent, _, child = name.rpartition(".")
     owner = model.get_submodule(parent)
@@ -426,13 +434,12 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
             _set(model, module_name, QuantEmbedding(weight, fmt, k, dtype))
         else:
             weight, fmt = kernel_layout(weight, fmt, activation)
-            if arena is not None and weight.numel() >= huge_pages.MIN_BYTES:
-                repacked, weight = weight, arena.copy(weight)
-                if repacked.data_ptr() != raw.ctypes.data:
-                    del repacked
-                    huge_pages.trim_heap()
+            temporary = weight.data_ptr() != raw.ctypes.data  # repacked: freed once placed
+            weight = _placed(arena, weight)
             if weight.data_ptr() != raw.ctypes.data:  # repacked, placed or a row-permuted copy
                 _release_file_pages(t.data)
+            if temporary and arena is not None:
+                huge_pages.trim_heap()
             _set(model, module_name, QuantLinear(weight, fmt, k, bias_t, activation))
         formats[fmt.name] += 1
     if "output.weight" not in tensors:
@@ -440,8 +447,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, dequantize: bool = 
         embed = model.model.embed_tokens
         if isinstance(embed, QuantEmbedding):
             weight, fmt = kernel_layout(embed.weight, embed.fmt, activation)
-            if arena is not None and weight.numel() >= huge_pages.MIN_BYTES:
-                weight = arena.copy(weight)
+            weight = _placed(arena, weight)
             model.lm_head = QuantLinear(weight, fmt, embed.embedding_dim, activation=activation)
             # The embedding reads the head's copy (one in memory), repacked or placed.
             model.model.embed_tokens = QuantEmbedding(weight, fmt, embed.embedding_dim, embed.dtype)
