@@ -16,6 +16,10 @@ TORCHINDUCTOR_CACHE_DIR), resident memory against the file size plus the KV pool
 bit for bit (greedy speculation can equal AR only where they do).
 --profile N: only a torch.profiler table of our AR decoding N tokens of the first prompt (after a
 warm-up): where a decode step's time goes, op by op, with the quantized linears' share.
+--step-costs: only the seconds of one step program (target step, acceptance, commit) of each
+verify size at batch 1 over a 200-token context, as a ratio to a decode step, and, with
+--draft-model, the draft model's decode step as a share of the target's: what a STANDALONE
+step costs before any draft is accepted.
 --int8-agreement: only the accuracy of INT8 activations against FLOAT on the target (eager, one
 forward over each prompt's chat text followed by FLOAT's greedy continuation): top-1 agreement
 by position and the median over positions of max |logit difference| / max |logit|.
@@ -265,6 +269,30 @@ def profile_decode(engine, ids, new_tokens: int, rows: int = 25) -> int:
     return 0
 
 
+def step_costs(args, engine, sizes=(1, 2, 3, 4, 6, 8), context: int = 200) -> int:
+    """Median step-program seconds by verify size (sizes take turns), as ratios to a decode
+    step; with --draft-model the draft's decode step against the target's."""
+    from specdec_inductor.speculative.commit import GreedyStep
+    from specdec_inductor.speculative.stats import step_times
+
+    def times(e):
+        return step_times(e, list(sizes), context=context, rounds=15, program=GreedyStep.of(e, 1))
+
+    target = times(engine)
+    print(f"# step programs at batch 1 over a {context}-token context, medians of 15 rounds")
+    print("| model | " + " | ".join(f"N={z}" for z in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
+    print("| target (ms) | " + " | ".join(f"{target[z] * 1e3:.2f}" for z in sizes) + " |")
+    print("| target / decode | " + " | ".join(f"{target[z] / target[1]:.2f}x" for z in sizes) + " |")
+    if args.draft_model:
+        draft, _ = load_model(args.draft_model, torch.float32, dequantize=args.dequantize,
+                              quant_activation=args.act, hugepages=not args.no_hugepages)
+        d = times(Engine(draft, max_batch=1, max_len=args.max_len, compile=not args.eager))
+        print("| draft (ms) | " + " | ".join(f"{d[z] * 1e3:.2f}" for z in sizes) + " |")
+        print(f"# draft decode step / target decode step: {d[1] / target[1]:.3f}")
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model name or .gguf (default: SmolLM2-135M Q4_1)")
@@ -290,6 +318,8 @@ def main():
                         "(one extra AR and speculative run per prompt, untimed)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="only profile our AR decoding N tokens of the first prompt (no timing)")
+    p.add_argument("--step-costs", action="store_true",
+                   help="only time the step programs by verify size (and the draft's decode)")
     p.add_argument("--int8-agreement", action="store_true",
                    help="only compare INT8 activations' logits with FLOAT's (no timing)")
     args = p.parse_args()
@@ -331,6 +361,8 @@ def main():
           f" peak RSS of the process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
     if args.profile:
         return profile_decode(engine, first, args.profile)
+    if args.step_costs:
+        return step_costs(args, engine)
     methods = build_methods(args, model, engine)
     recorder = RowRecorder(engine) if args.compare_rows else None
 
