@@ -48,7 +48,8 @@ def proposer_config(args) -> ProposerConfig:
     return ProposerConfig(
         method=method, num_draft_tokens=args.num_draft_tokens, topk=args.topk,
         depth=args.depth, draft_model=args.draft_model, draft_layers=args.draft_layers,
-        draft_dtype=args.draft_dtype, mtp_layer=args.mtp_layer, lookup=lookup,
+        draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype, mtp_layer=args.mtp_layer,
+        lookup=lookup,
         **({} if window is None else {"ngram_window": window}),
         target_model=args.model, dtype=args.dtype, dequantize=args.dequantize,
         quant_activations=args.quant_activations)
@@ -387,6 +388,9 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--draft-layers", type=int, default=None,
                        help="standalone: keep only the draft's first K layers (default 8 when "
                             "the draft is the target itself)")
+        p.add_argument("--draft-vocab", type=int, default=None, metavar="VD",
+                       help="standalone: the draft's LM head keeps only its VD most frequent "
+                            "token ids (a multiple of 16; default: the whole head)")
         p.add_argument("--draft-dtype", choices=["auto"] + sorted(DTYPES), default="auto",
                        help="eagle3: the head's weights (auto: bf16 where the CPU has bf16 "
                             "kernels, else the target's dtype); drafts only propose, so output "

@@ -57,6 +57,8 @@ class ProposerConfig:
         shipped for the default model).
     draft_layers: standalone: keep the draft's first K layers (default DEFAULT_DRAFT_LAYERS
         when the draft is the target itself).
+    draft_vocab: standalone: the draft's LM head keeps only its tokenizer's Vd most frequent
+        ids (a multiple of 16; proposers/draft_vocab.py); None: the whole head.
     draft_dtype: eagle3: the head's weights, "auto" (bf16 where our bf16 kernels run, else
         the target's dtype) or a loading.DTYPES name.
     mtp_layer: mtp: which of the model's NextN layers drafts.
@@ -75,6 +77,7 @@ class ProposerConfig:
     depth: Optional[int] = None
     draft_model: Optional[str] = None
     draft_layers: Optional[int] = None
+    draft_vocab: Optional[int] = None
     draft_dtype: str = "auto"
     mtp_layer: int = 0
     ngram_window: Tuple[int, int] = RECOMMENDED_WINDOW
@@ -165,6 +168,14 @@ def _check_draft_model(c: ProposerConfig) -> None:
     if c.method != "standalone" and c.draft_layers is not None:
         raise ProposerConfigError("draft_layers", f"applies to method standalone, not {c.method}")
     _positive("draft_layers", c.draft_layers)
+    if c.method != "standalone" and c.draft_vocab is not None:
+        raise ProposerConfigError("draft_vocab", f"applies to method standalone, not {c.method}")
+    if c.draft_vocab is not None:
+        from specdec_inductor.proposers.draft_vocab import draft_vocab_problem
+        # the upper bound (the draft's vocabulary) is checked once the draft is loaded
+        problem = draft_vocab_problem(c.draft_vocab, None)
+        if problem is not None:
+            raise ProposerConfigError("draft_vocab", problem)
     if c.method == "standalone":
         try:
             loading.check_model_arg(c.draft_model)
@@ -321,9 +332,17 @@ def _standalone(config, target_engine, draft, log):
         check_draft_vocabulary(draft, target_engine.model, config.draft_model or "(the target)")
     except ValueError as exc:
         raise ProposerConfigError("draft_model", str(exc)) from None
+    if config.draft_vocab is not None:
+        from specdec_inductor.proposers.draft_vocab import DraftVocabError, apply_draft_vocab
+        try:
+            apply_draft_vocab(draft, config.draft_vocab)
+        except DraftVocabError as exc:
+            raise ProposerConfigError("draft_vocab", exc.problem) from None
     layers = standalone_draft_layers(config)
+    vocab = getattr(draft, "draft_to_target", None)
     log(f"draft: {config.draft_model or 'the target'}"
-        f"{'' if layers is None else f', first {layers} layers'}")
+        f"{'' if layers is None else f', first {layers} layers'}"
+        f"{'' if vocab is None else f', draft vocabulary {vocab.numel()}'}")
     return _draft_model_proposer(StandaloneProposer, config, target_engine, draft)
 
 

@@ -26,3 +26,8 @@ class StandaloneProposer(DraftModelProposer):
     """Greedy chain (topk = 1) or top-k tree drafts from `draft_engine`, an Engine over a
     causal LM with the target's vocabulary (check_draft_vocabulary); DraftModelProposer's
     drafting without hidden states. See DraftModelProposer for the arguments."""
+
+    def draft_token_map(self):
+        """The draft model's draft_to_target [Vd] when its LM head keeps a draft vocabulary
+        (draft_vocab.restrict_lm_head), else None (the whole head)."""
+        return getattr(self.engine.model, "draft_to_target", None)
