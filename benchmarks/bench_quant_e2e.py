@@ -3,7 +3,8 @@ against llama.cpp on the same file, in one run, batch 1, greedy, code and chat p
 
 Rows per prompt (decode-phase tokens/s: prompt processing excluded on both sides, as
 llama.cpp's "eval" / "decoded" lines exclude it):
-- ours: plain AR, then each --methods entry (ngram; standalone with --draft-model; eagle3 with
+- ours: plain AR, then each --methods entry (ngram; standalone with --draft-model, once per
+  --draft-vocab size; standalone+lookup, the same with prompt lookup first; eagle3 with
   --eagle3-head), with the ratio to our AR and whether the tokens equal our AR's;
 - llama.cpp (binaries of benchmarks/build_llamacpp.sh, same source as llama-cpp-python, native
   flags): plain decode (llama-completion), draft-model speculation with the same --draft-model
@@ -18,8 +19,8 @@ bit for bit (greedy speculation can equal AR only where they do).
 warm-up): where a decode step's time goes, op by op, with the quantized linears' share.
 --step-costs: only the seconds of one step program (target step, acceptance, commit) of each
 verify size at batch 1 over a 200-token context, as a ratio to a decode step, and, with
---draft-model, the draft model's decode step as a share of the target's: what a STANDALONE
-step costs before any draft is accepted.
+--draft-model, the draft model's decode step (per --draft-vocab size) as a share of the
+target's: what a STANDALONE step costs before any draft is accepted.
 --int8-agreement: only the accuracy of INT8 activations against FLOAT on the target (eager, one
 forward over each prompt's chat text followed by FLOAT's greedy continuation): top-1 agreement
 by position and the median over positions of max |logit difference| / max |logit|.
@@ -28,6 +29,9 @@ by position and the median over positions of max |logit difference| / max |logit
     specdec fetch-model qwen2.5-coder-1.5b   # and qwen2.5-coder-0.5b for the draft
     python benchmarks/bench_quant_e2e.py --model qwen2.5-coder-1.5b \
         --draft-model qwen2.5-coder-0.5b --methods ngram,standalone
+    python benchmarks/bench_quant_e2e.py --model qwen2.5-coder-1.5b \
+        --draft-model qwen2.5-coder-0.5b --methods standalone,standalone+lookup \
+        --draft-vocab 32768,full --quant-activations int8 --no-llamacpp
     python benchmarks/bench_quant_e2e.py --methods ngram,eagle3    # SmolLM2 Q4_1 (default)
 """
 import argparse
@@ -49,7 +53,7 @@ from specdec_inductor.ops.quant import QuantActivation
 from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK
 from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
 from specdec_inductor.proposers.ngram import NgramProposer
-from specdec_inductor.proposers.standalone import StandaloneProposer
+from specdec_inductor.proposers.draft_vocab import apply_draft_vocab
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,22 +184,65 @@ class RowRecorder:
 
 
 
+STANDALONE_METHODS = ("standalone", "standalone+lookup")
+# Draft tokens of STANDALONE: 4 drafts a step (N = 5) measured best for the 0.5B drafting the
+# 1.5B (the draft's steps cost 0.47 of the target's each).
+STANDALONE_N = 5
+
+
+def draft_vocabs(text: str):
+    """--draft-vocab's sizes: ints, or "full" (None: the whole head)."""
+    try:
+        return [None if v == "full" else int(v) for v in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--draft-vocab: a comma list of ints or full, got {text!r}") from None
+
+
+def standalone_proposer(args, engine, vd):
+    """A StandaloneProposer with --draft-model over `engine` (registry), its LM head keeping
+    the vd most frequent ids (None: all)."""
+    from specdec_inductor.proposers.registry import (ProposerConfig, ProposerConfigError,
+                                                     make_proposer)
+    try:
+        config = ProposerConfig(method="standalone", num_draft_tokens=min(args.num_draft_tokens,
+                                                                          STANDALONE_N),
+                                draft_model=args.draft_model, draft_vocab=vd,
+                                dequantize=args.dequantize,
+                                quant_activations=args.quant_activations)
+        return make_proposer(config, engine, log=lambda msg: print(f"# {msg}"))
+    except ProposerConfigError as exc:
+        raise SystemExit(f"--draft-vocab: {exc}") from None
+
+
+def standalone_methods(args, engine, vd, proposer, name):
+    """{label: SpeculativeGenerator} of `name` (standalone, or standalone+lookup: prompt lookup
+    first, proposers/lookup_first.py) over the shared STANDALONE `proposer` (one draft Engine,
+    compiled once, per draft vocabulary)."""
+    from specdec_inductor.proposers.lookup_first import LookupFirstProposer
+    from specdec_inductor.proposers.registry import ProposerConfig, make_proposer
+    k = proposer.num_draft_tokens
+    label = f"STANDALONE {args.draft_model} N={k} Vd={vd or 'full'}"
+    if name == "standalone":
+        return {label: SpeculativeGenerator(engine, proposer)}
+    lookup = make_proposer(ProposerConfig(method="ngram", num_draft_tokens=k))  # registry's lookup
+    return {f"{label} +lookup": SpeculativeGenerator(engine, LookupFirstProposer(proposer, lookup))}
+
+
 def build_methods(args, model, engine):
     """{label: SpeculativeGenerator} for --methods."""
     methods = {}
+    wanted = set(args.methods.split(","))
+    standalone = {vd: standalone_proposer(args, engine, vd) for vd in args.draft_vocabs
+                  if wanted & set(STANDALONE_METHODS)}
     for name in filter(None, args.methods.split(",")):
         if name == "ngram":
             methods[f"NGRAM N={args.num_draft_tokens}"] = SpeculativeGenerator(
                 engine, NgramProposer(num_draft_tokens=args.num_draft_tokens))
-        elif name == "standalone":
+        elif name in STANDALONE_METHODS:
             if not args.draft_model:
-                raise SystemExit("--methods standalone needs --draft-model")
-            draft, _ = load_model(args.draft_model, torch.float32, dequantize=args.dequantize,
-                                  quant_activation=args.act)
-            draft_engine = Engine(draft, max_batch=1, max_len=args.max_len, compile=not args.eager)
-            k = min(args.num_draft_tokens, 5)
-            methods[f"STANDALONE {args.draft_model} N={k}"] = SpeculativeGenerator(
-                engine, StandaloneProposer(draft_engine, k))
+                raise SystemExit(f"--methods {name} needs --draft-model")
+            for vd in args.draft_vocabs:
+                methods.update(standalone_methods(args, engine, vd, standalone[vd], name))
         elif name == "eagle3":
             head = load_eagle3_head(args.eagle3_head or shipped_head("eagle3"), model,
                                     torch.bfloat16 if specdec_inductor.active_isa() in ("avx512", "amx")
@@ -208,7 +255,8 @@ def build_methods(args, model, engine):
                              prefill_chunk=64, capture_hidden=proposer.target_hidden_layers)
             methods["EAGLE-3 N=8 topk 3 depth 4"] = SpeculativeGenerator(engine3, proposer)
         else:
-            raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, eagle3)")
+            raise SystemExit(f"--methods: unknown method {name!r} (ngram, standalone, "
+                             "standalone+lookup, eagle3)")
     return methods
 
 
@@ -284,12 +332,14 @@ def step_costs(args, engine, sizes=(1, 2, 3, 4, 6, 8), context: int = 200) -> in
     print("|---|" + "---|" * len(sizes))
     print("| target (ms) | " + " | ".join(f"{target[z] * 1e3:.2f}" for z in sizes) + " |")
     print("| target / decode | " + " | ".join(f"{target[z] / target[1]:.2f}x" for z in sizes) + " |")
-    if args.draft_model:
+    for vd in args.draft_vocabs if args.draft_model else []:
         draft, _ = load_model(args.draft_model, torch.float32, dequantize=args.dequantize,
                               quant_activation=args.act, hugepages=not args.no_hugepages)
+        if vd is not None:
+            apply_draft_vocab(draft, vd)
         d = times(Engine(draft, max_batch=1, max_len=args.max_len, compile=not args.eager))
-        print("| draft (ms) | " + " | ".join(f"{d[z] * 1e3:.2f}" for z in sizes) + " |")
-        print(f"# draft decode step / target decode step: {d[1] / target[1]:.3f}")
+        print(f"| draft Vd={vd or 'full'} (ms) | " + " | ".join(f"{d[z] * 1e3:.2f}" for z in sizes) + " |")
+        print(f"# draft (Vd={vd or 'full'}) decode step / target decode step: {d[1] / target[1]:.3f}")
     return 0
 
 
@@ -297,7 +347,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model name or .gguf (default: SmolLM2-135M Q4_1)")
     p.add_argument("--draft-model", default=None, help="standalone draft: model name or .gguf")
-    p.add_argument("--methods", default="ngram", help="comma list of ngram, standalone, eagle3")
+    p.add_argument("--methods", default="ngram",
+                   help="comma list of ngram, standalone, standalone+lookup, eagle3")
+    p.add_argument("--draft-vocab", default="full", metavar="VD[,VD...]",
+                   help="standalone methods and --step-costs: the draft's LM head keeps its VD "
+                        "most frequent ids (proposers/draft_vocab.py); full: the whole head; "
+                        "several: one draft each, measured in turns")
     p.add_argument("--eagle3-head", default=None, help="EAGLE-3 head (default: the shipped one)")
     p.add_argument("--prompts", default=",".join(PROMPTS), help="comma list of prompt kinds")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -333,6 +388,7 @@ def main():
     threads = torch.get_num_threads()
     target_file = model_file(args.model)
     args.act = QuantActivation[args.quant_activations.upper()]
+    args.draft_vocabs = draft_vocabs(args.draft_vocab)
     draft_file = model_file(args.draft_model) if args.draft_model else None
 
     rss0 = rss_bytes()
