@@ -81,6 +81,24 @@ def test_lookup_first_is_exact_greedy_and_drafts_both_ways(eagle3_head, method, 
     assert proposer.lookup.num_requests() == 0
 
 
+def test_lookup_first_over_a_standalone_draft_vocabulary_is_exact_greedy():
+    """The STANDALONE draft's LM head kept to 48 ids (proposers/draft_vocab.py): the lookup
+    drafts any id, the model only its own, and the output stays plain greedy."""
+    from specdec_inductor.proposers.draft_vocab import restrict_lm_head
+    config = ProposerConfig(method="standalone", num_draft_tokens=6, lookup=True)
+    engine = make_target_engine(config, tiny_llama(0), max_batch=3, max_len=160, compile=False,
+                                prefill_chunk=16)
+    draft = tiny_llama(7, layers=1)
+    restrict_lm_head(draft, torch.arange(0, VOCAB, 2))
+    proposer = make_proposer(config, engine, draft=draft)
+    assert proposer.model.engine.vocab_size == VOCAB // 2
+    ps = repetitive_prompts(3)
+    spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
+    assert spec.generate(ps, 28) == engine.generate(ps, 28)
+    assert proposer.drafts["lookup"] > 0 and proposer.drafts["model"] > 0
+    _free(engine, proposer.engine)
+
+
 def test_compiled_lookup_first_equals_eager_without_recompiles(eagle3_head):
     spec, proposer, engine = _generators("eagle3", eagle3_head, 2, compile=True)
     ps = repetitive_prompts(2)

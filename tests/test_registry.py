@@ -124,6 +124,11 @@ def test_default_trees_and_the_one_draft_engine_size():
     ({"method": "mtp", "mtp_layer": -1}, "mtp_layer"),
     ({"method": "ngram", "ngram_window": (3, 2)}, "ngram_window"),
     ({"method": "ngram", "ngram_breadth": (2, 0)}, "ngram_breadth"),
+    ({"method": "standalone", "draft_vocab": 0}, "draft_vocab"),
+    ({"method": "standalone", "draft_vocab": 40}, "draft_vocab"),  # not whole 16-row groups
+    ({"method": "standalone", "draft_vocab": True}, "draft_vocab"),
+    ({"method": "standalone", "draft_vocab": "32k"}, "draft_vocab"),
+    ({"method": "eagle3", "draft_vocab": 32}, "draft_vocab"),
 ])
 def test_bad_configs_are_refused_naming_the_field(kwargs, field):
     with pytest.raises(ProposerConfigError, match=f"argument '{field}'") as info:
@@ -169,3 +174,64 @@ def test_nothing_in_the_package_or_benchmarks_imports_the_cli():
                  and ("specdec_inductor.cli" in p.read_text()
                       or "from specdec_inductor import cli" in p.read_text())]
     assert offenders == []
+
+
+def _draft_with_tokenizer(path):
+    """A 1-layer draft saved with a word-level tokenizer over its VOCAB ids ("t0" ... "t127"),
+    loaded back (so the draft knows its tokenizer's directory)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    tiny_llama(7, layers=1).save_pretrained(path)
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def test_standalone_draft_vocab_keeps_the_most_frequent_ids_and_exact_greedy(
+        checkpoints, monkeypatch, tmp_path):
+    from specdec_inductor.proposers import draft_vocab
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    frequent = [5, 9, 100, 127]
+    monkeypatch.setattr(draft_vocab, "stdlib_sources",
+                        lambda: iter([" ".join(f"t{i}" for i in frequent * 3), "t100 t127"]))
+    target_dir = checkpoints[0]
+    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    config = ProposerConfig(method="standalone", num_draft_tokens=5, draft_vocab=32,
+                            target_model=target_dir)
+    engine = make_target_engine(config, target, max_batch=2, max_len=96, compile=False,
+                                prefill_chunk=16)
+    draft = _draft_with_tokenizer(str(tmp_path / "draft"))
+    lines = []
+    proposer = make_proposer(config, engine, draft=draft, log=lines.append)
+    assert "draft vocabulary 32" in lines[-1] and proposer.engine.vocab_size == 32
+    kept = draft.draft_to_target.tolist()
+    # the 4 counted ids, then the 28 first of the rest in id order (0..29 without 5 and 9)
+    assert kept == sorted(set(frequent) | set(range(30)))
+    spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
+    ps = prompts(2)
+    assert spec.generate(ps, 12) == engine.generate(ps, 12)
+    # a draft shared by another proposer keeps its vocabulary, of the same size only
+    make_proposer(config, engine, draft=draft)
+    with pytest.raises(ProposerConfigError, match="already keeps a draft vocabulary of 32") as info:
+        make_proposer(ProposerConfig(method="standalone", num_draft_tokens=5, draft_vocab=48,
+                                     target_model=target_dir), engine, draft=draft)
+    assert info.value.field == "draft_vocab"
+
+
+@pytest.mark.parametrize("size,draft_kind,match", [
+    (VOCAB, "tokenizer", "below the draft's vocabulary of 128"),
+    (32, "bare", "no tokenizer")])
+def test_standalone_draft_vocab_refused_for_this_draft(checkpoints, tmp_path, size, draft_kind,
+                                                       match):
+    target_dir = checkpoints[0]
+    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    config = ProposerConfig(method="standalone", num_draft_tokens=5, draft_vocab=size,
+                            target_model=target_dir)
+    engine = make_target_engine(config, target, max_batch=1, max_len=64, compile=False)
+    draft = (_draft_with_tokenizer(str(tmp_path / "draft")) if draft_kind == "tokenizer"
+             else tiny_llama(7, layers=1))
+    with pytest.raises(ProposerConfigError, match=f"argument 'draft_vocab': .*{match}") as info:
+        make_proposer(config, engine, draft=draft)
+    assert info.value.field == "draft_vocab"
+    assert getattr(draft, "draft_to_target", None) is None  # the draft is left as it was

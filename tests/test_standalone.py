@@ -2,7 +2,9 @@
 engine's plain greedy output with a draft that is the target itself (then nearly every draft
 is accepted, which pins the draft's KV bookkeeping) and with an unrelated draft (ragged batch,
 ragged acceptance), under sampling with seeds, compiled without recompiles; both pools are
-fully free afterwards."""
+fully free afterwards. A draft vocabulary (proposers/draft_vocab.py: the draft's LM head kept
+to Vd ids, a view or a gather of its rows, never a dense copy of quantized ones) keeps greedy
+output exact and sampling lossless, and bad vocabularies are refused by name."""
 import copy
 
 import pytest
@@ -11,6 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from specdec_inductor.engine.engine import Engine  # noqa: E402
+from specdec_inductor.proposers import draft_vocab  # noqa: E402
+from specdec_inductor.proposers.draft_vocab import DraftVocabError, restrict_lm_head  # noqa: E402
 from specdec_inductor.proposers.standalone import StandaloneProposer  # noqa: E402
 from specdec_inductor.sampler import SamplingParams  # noqa: E402
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats  # noqa: E402
@@ -39,12 +43,15 @@ def prompts(count, seed=3):
 
 
 def _run(target, draft, batch, max_new, n, *, compiled=False, eos=None, sampling=None,
-         min_accepted=0.0):
+         min_accepted=0.0, topk=1):
     engine = Engine(target, max_batch=batch, max_len=128, compile=compiled, prefill_chunk=16)
-    draft_engine = Engine(draft, max_batch=batch, max_len=128, compile=compiled, prefill_chunk=16)
+    # a tree decodes one virtual row per beam and writes topk*(depth-1) slots past the target's
+    draft_engine = Engine(draft, max_batch=batch * (1 + topk if topk > 1 else 1),
+                          max_len=128 + topk * n, compile=compiled, prefill_chunk=16)
     ps = prompts(batch)
     plain = engine.generate(ps, max_new, eos_token_id=eos)
-    spec = SpeculativeGenerator(engine, StandaloneProposer(draft_engine, n),
+    depth = 3 if topk > 1 else None
+    spec = SpeculativeGenerator(engine, StandaloneProposer(draft_engine, n, topk=topk, depth=depth),
                                 min_accepted=min_accepted)
     stats = SpeculativeStats()
     got = spec.generate(ps, max_new, eos_token_id=eos, stats=stats, sampling=sampling)
@@ -116,3 +123,157 @@ def test_other_families_target_and_draft(family):
     assert got == plain
     plain, got, _, _ = _run(target, tiny(5, layers=1, family=family), 3, 20, 4)
     assert got == plain
+
+
+# -- draft vocabularies ----------------------------------------------------------------------------
+EVERY_OTHER = torch.arange(0, VOCAB, 2)  # 48 ids: not one run, so the head's rows are gathered
+
+
+def with_vocab(model, ids):
+    draft = copy.deepcopy(model)
+    restrict_lm_head(draft, ids)
+    return draft
+
+
+def _recorded(proposer):
+    """Every draft token the proposer offers (its propose wrapped), as a list it fills."""
+    seen, propose = [], proposer.propose
+
+    def recording(request_ids, seq_lens):
+        tree = propose(request_ids, seq_lens)
+        for b, n in enumerate(tree.num_drafts.tolist()):
+            seen.extend(tree.tokens[b, 1:].tolist() if n else [])
+        return tree
+    proposer.propose = recording
+    return seen
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_draft_vocabulary_keeps_greedy_exact_and_drafts_only_its_ids(topk):
+    target = tiny(0)
+    draft = with_vocab(target, EVERY_OTHER)
+    engine = Engine(target, max_batch=3, max_len=128, compile=False, prefill_chunk=16)
+    assert Engine(draft, max_batch=1, max_len=16, compile=False).vocab_size == EVERY_OTHER.numel()
+    # the target itself as the draft, restricted: it drafts the target's token where the
+    # vocabulary has it, so drafts are accepted and rejected
+    plain, got, stats, spec = _run(target, draft, 3, 30, 5, topk=topk, min_accepted=None)
+    assert got == plain
+    seen = _recorded(spec.proposer)
+    ps = prompts(3, seed=8)
+    assert spec.generate(ps, 24, stats=(stats := SpeculativeStats())) == engine.generate(ps, 24)
+    assert seen and set(seen) <= set(EVERY_OTHER.tolist())
+    assert 0 < stats.mean_accepted_length - 1 < 4, stats.summary()
+
+
+def test_compiled_draft_vocabulary_no_recompiles_after_warmup():
+    target = tiny(0)
+    plain, got, _, spec = _run(target, with_vocab(target, torch.arange(16, 64)), 2, 12, 4,
+                               compiled=True)
+    assert got == plain
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert spec.generate(prompts(2, seed=9), 16) == spec.engine.generate(prompts(2, seed=9), 16)
+
+
+def test_sampled_drafts_over_a_draft_vocabulary_stay_lossless():
+    """The drafts are the draft's argmax over its Vd columns, candidates that the target's
+    tree rejection sampling accepts against its own distribution: the emitted tokens' marginals
+    are plain sampling's (exact, by enumeration; chi-square as test_speculative_sampling)."""
+    from test_speculative_sampling import PROMPT, _chi2, _critical, _exact_marginals, tiny_model
+    target = tiny_model()
+    vocab = target.config.vocab_size
+    ids = torch.arange(0, vocab, 3)  # 16 ids
+    draft = with_vocab(target, ids)
+    params = SamplingParams(temperature=0.8)
+    marginals, _, _ = _exact_marginals(target, params)
+    engine = Engine(target, max_batch=16, max_len=64, compile=False, prefill_chunk=16)
+    draft_engine = Engine(draft, max_batch=16, max_len=64, compile=False, prefill_chunk=16)
+    spec = SpeculativeGenerator(engine, StandaloneProposer(draft_engine, 4), min_accepted=0.0)
+    n, stats = 3200, SpeculativeStats()
+    counts = [torch.zeros(vocab, dtype=torch.int64) for _ in range(3)]
+    for first in range(0, n, 16):
+        batch = [SamplingParams(params.temperature, seed=first + i) for i in range(16)]
+        for out in spec.generate([PROMPT] * 16, 3, sampling=batch, stats=stats):
+            for pos, tok in enumerate(out):
+                counts[pos][tok] += 1
+    assert stats.verify_steps > 0 and stats.mean_accepted_length > 1, stats.summary()
+    for pos in range(3):
+        stat, df = _chi2(counts[pos], marginals[pos], n)
+        assert stat < _critical(df), (pos, stat, df)
+    for e in (engine, draft_engine):
+        assert e.pool.num_free_slots == e.pool.num_slots
+
+
+def test_draft_vocabulary_head_is_a_view_or_a_gather_in_the_heads_dtype():
+    model = tiny(0).to(torch.bfloat16)
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    full = model.lm_head
+    want = full(x)
+    run = with_vocab(model, torch.arange(32, 80))  # deepcopy: compare with its own full head
+    assert run.lm_head.weight.dtype == torch.bfloat16
+    viewed = copy.deepcopy(model)
+    base = viewed.lm_head.weight
+    restrict_lm_head(viewed, torch.arange(32, 80))
+    head = viewed.lm_head.weight
+    assert head.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()  # no copy
+    assert head.data_ptr() == base[32].data_ptr() and head.shape == (48, 32)
+    torch.testing.assert_close(viewed.lm_head(x), want[:, 32:80], rtol=0, atol=0)
+    gathered = with_vocab(model, EVERY_OTHER)
+    assert gathered.lm_head.weight.dtype == torch.bfloat16  # the rows, never an fp32 copy
+    torch.testing.assert_close(gathered.lm_head(x), want[:, EVERY_OTHER], rtol=0, atol=0)
+    assert torch.equal(gathered.draft_to_target, EVERY_OTHER)
+    # the input embedding stays whole: the draft reads every target token
+    assert gathered.get_input_embeddings().weight.shape[0] == VOCAB
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.arange(8), "multiple of 16"),
+    (torch.arange(17), "multiple of 16"),
+    (torch.arange(VOCAB), "below the draft's vocabulary"),
+    (torch.arange(16).flip(0), "ascending"),
+    (torch.cat([torch.arange(15), torch.tensor([14])]), "ascending"),
+    (torch.arange(VOCAB - 8, VOCAB + 8), r"\[0, 96\)"),
+    (torch.arange(16, dtype=torch.float32), "integer"),
+    ([0, 1], "integer")])
+def test_bad_draft_vocabularies_are_refused_by_name(bad, match):
+    model = tiny(0)
+    with pytest.raises(DraftVocabError, match=f"argument 'ids'.*{match}"):
+        restrict_lm_head(model, bad)
+    assert model.lm_head.out_features == VOCAB and getattr(model, "draft_to_target", None) is None
+    restrict_lm_head(model, torch.arange(16))
+    with pytest.raises(ValueError, match="already has a draft vocabulary"):
+        restrict_lm_head(model, torch.arange(16))
+
+
+class _CharTokenizer:
+    """A stand-in tokenizer: one id per character (its code point mod `size`)."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) % self.size for c in text]}
+
+    def get_vocab(self):
+        return {chr(i): i for i in range(self.size)}
+
+
+def test_frequency_ranking_orders_by_count_then_id_and_is_cached(monkeypatch, tmp_path):
+    assert draft_vocab.rank_by_count(torch.tensor([0, 3, 1, 3, 0])).tolist() == [1, 3, 2, 0, 4]
+    # the real sample: the standard library's sources, code with English prose
+    text = next(iter(draft_vocab.stdlib_sources()))
+    assert "def " in text or "import " in text
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(draft_vocab, "stdlib_sources", lambda: iter(["ccb", "cba", "d"]))
+    tok = _CharTokenizer(128)
+    ranking = draft_vocab.frequency_ranking(tok, 128)
+    assert ranking[:4].tolist() == [ord("c"), ord("b"), ord("a"), ord("d")]
+    assert sorted(ranking.tolist()) == list(range(128)) and ranking[4:].tolist() == sorted(
+        set(range(128)) - {97, 98, 99, 100})
+    assert draft_vocab.top_ids(ranking, 16).tolist() == sorted(ranking[:16].tolist())
+
+    def no_sources():
+        raise AssertionError("the cached ranking is read, not recomputed")
+    monkeypatch.setattr(draft_vocab, "stdlib_sources", no_sources)
+    assert torch.equal(draft_vocab.frequency_ranking(tok, 128), ranking)
+    with pytest.raises(ValueError, match="argument 'tokenizer'"):
+        draft_vocab.count_tokens(_CharTokenizer(128), 64, ["\x7f"])
