@@ -277,3 +277,42 @@ def test_frequency_ranking_orders_by_count_then_id_and_is_cached(monkeypatch, tm
     assert torch.equal(draft_vocab.frequency_ranking(tok, 128), ranking)
     with pytest.raises(ValueError, match="argument 'tokenizer'"):
         draft_vocab.count_tokens(_CharTokenizer(128), 64, ["\x7f"])
+
+
+@pytest.mark.parametrize("activation", ["FLOAT", "INT8"])
+def test_quantized_head_rows_stay_quantized_and_one_run_is_a_view(tmp_path, monkeypatch,
+                                                                   activation):
+    """A GGUF draft's head (the tied Q8_0 embedding of a tiny llama GGUF: with INT8 on VNNI its
+    16-row interleaved copy, which the embedding then reads too): one run of whole row groups
+    is a view of its bytes, other ids a gather of their quantized rows; the logits are the full
+    head's columns; the embedding stays whole; the tokenizer comes from the GGUF's metadata."""
+    gguf = pytest.importorskip("gguf")
+    from test_gguf_model import TYPES, write_tiny_gguf
+    from specdec_inductor.engine.gguf_model import QuantLinear, load_gguf
+    from specdec_inductor.loading import default_gguf_path
+    from specdec_inductor.ops.quant import QuantActivation, QuantFormat, int8_path, is_repacked
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    fields = [f for f in gguf.GGUFReader(default_gguf_path()).fields.values()
+              if f.name.startswith("tokenizer.")]
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(path, "llama", TYPES["llama"], fields)
+    act = QuantActivation[activation]
+    x = torch.randn(3, load_gguf(path, activation=act)[0].config.hidden_size)
+    for ids, viewed in ((torch.arange(32, 96), True), (torch.arange(0, 512, 4), False)):
+        model, _ = load_gguf(path, activation=act)
+        full = model.lm_head
+        embedding = model.model.embed_tokens.weight
+        want = full(x)[:, ids]
+        vnni = int8_path(QuantFormat.Q8_0_R16) == "avx512"
+        assert is_repacked(full.fmt) == (activation == "INT8" and vnni)
+        restrict_lm_head(model, ids)
+        head = model.lm_head
+        assert isinstance(head, QuantLinear) and head.weight.dtype == torch.uint8
+        assert head.out_features == ids.numel() and head.fmt == full.fmt
+        shares = head.weight.untyped_storage().data_ptr() == full.weight.untyped_storage().data_ptr()
+        assert shares == viewed
+        assert head.weight.numel() == full.weight.numel() * ids.numel() // full.out_features
+        assert torch.equal(head.dequantized_weight(), full.dequantized_weight()[ids])
+        torch.testing.assert_close(head(x), want, rtol=0, atol=0)
+        assert model.model.embed_tokens.weight is embedding  # whole, untouched
+    assert draft_vocab.model_tokenizer(model) is not None
