@@ -54,6 +54,7 @@ from specdec_inductor.proposers.eagle import DRAFT_PREFILL_CHUNK
 from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
 from specdec_inductor.proposers.ngram import NgramProposer
 from specdec_inductor.proposers.draft_vocab import apply_draft_vocab
+from specdec_inductor.proposers.standalone import StandaloneProposer
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,16 +217,23 @@ def standalone_proposer(args, engine, vd):
 
 def standalone_methods(args, engine, vd, proposer, name):
     """{label: SpeculativeGenerator} of `name` (standalone, or standalone+lookup: prompt lookup
-    first, proposers/lookup_first.py) over the shared STANDALONE `proposer` (one draft Engine,
-    compiled once, per draft vocabulary)."""
+    first, proposers/lookup_first.py) for each --draft-stop-below value, over proposers that
+    share the STANDALONE `proposer`'s draft Engine (compiled once per draft vocabulary)."""
     from specdec_inductor.proposers.lookup_first import LookupFirstProposer
-    from specdec_inductor.proposers.registry import ProposerConfig, make_proposer
+    from specdec_inductor.proposers.registry import ProposerConfig, make_proposer, verify_sizes
     k = proposer.num_draft_tokens
-    label = f"STANDALONE {args.draft_model} N={k} Vd={vd or 'full'}"
-    if name == "standalone":
-        return {label: SpeculativeGenerator(engine, proposer)}
-    lookup = make_proposer(ProposerConfig(method="ngram", num_draft_tokens=k))  # registry's lookup
-    return {f"{label} +lookup": SpeculativeGenerator(engine, LookupFirstProposer(proposer, lookup))}
+    methods = {}
+    for stop in args.draft_stops:
+        drafts = proposer if not stop else StandaloneProposer(proposer.engine, k, stop_below=stop)
+        sizes = verify_sizes(ProposerConfig(method="standalone", num_draft_tokens=k,
+                                            draft_stop_below=stop))
+        label = (f"STANDALONE {args.draft_model} N={k} Vd={vd or 'full'}"
+                 + (f" stop<{stop}" if stop else ""))
+        if name == "standalone+lookup":
+            lookup = make_proposer(ProposerConfig(method="ngram", num_draft_tokens=k))
+            drafts, label = LookupFirstProposer(drafts, lookup), f"{label} +lookup"
+        methods[label] = SpeculativeGenerator(engine, drafts, tree_sizes=sizes)
+    return methods
 
 
 def build_methods(args, model, engine):
@@ -353,6 +361,10 @@ def main():
                    help="standalone methods and --step-costs: the draft's LM head keeps its VD "
                         "most frequent ids (proposers/draft_vocab.py); full: the whole head; "
                         "several: one draft each, measured in turns")
+    p.add_argument("--draft-stop-below", default="0", metavar="P[,P...]",
+                   help="standalone methods: chains end at a draft of probability below P and "
+                        "are verified at their own size (0: full chains); several: each in "
+                        "turns, over the same draft")
     p.add_argument("--eagle3-head", default=None, help="EAGLE-3 head (default: the shipped one)")
     p.add_argument("--prompts", default=",".join(PROMPTS), help="comma list of prompt kinds")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -389,6 +401,11 @@ def main():
     target_file = model_file(args.model)
     args.act = QuantActivation[args.quant_activations.upper()]
     args.draft_vocabs = draft_vocabs(args.draft_vocab)
+    try:
+        args.draft_stops = [float(v) for v in args.draft_stop_below.split(",")]
+    except ValueError:
+        raise SystemExit(f"--draft-stop-below: a comma list of probabilities, got "
+                         f"{args.draft_stop_below!r}") from None
     draft_file = model_file(args.draft_model) if args.draft_model else None
 
     rss0 = rss_bytes()

@@ -48,7 +48,8 @@ def proposer_config(args) -> ProposerConfig:
     return ProposerConfig(
         method=method, num_draft_tokens=args.num_draft_tokens, topk=args.topk,
         depth=args.depth, draft_model=args.draft_model, draft_layers=args.draft_layers,
-        draft_vocab=args.draft_vocab, draft_dtype=args.draft_dtype, mtp_layer=args.mtp_layer,
+        draft_vocab=args.draft_vocab, draft_stop_below=args.draft_stop_below,
+        draft_dtype=args.draft_dtype, mtp_layer=args.mtp_layer,
         lookup=lookup,
         **({} if window is None else {"ngram_window": window}),
         target_model=args.model, dtype=args.dtype, dequantize=args.dequantize,
@@ -89,6 +90,15 @@ def make_proposer(args, engine=None):
         return registry.make_proposer(config, engine, log=lambda msg: _log(f"[specdec] {msg}"))
     except ProposerConfigError as exc:
         raise SystemExit(f"specdec: {_config_error(exc)}")
+
+
+def make_generator(args, engine):
+    """The SpeculativeGenerator of --method over `engine`, verifying at the sizes its
+    proposer's drafts need (registry.verify_sizes: all of 1..N with --draft-stop-below)."""
+    from specdec_inductor.proposers.registry import verify_sizes
+    from specdec_inductor.speculative import SpeculativeGenerator
+    proposer = make_proposer(args, engine)
+    return SpeculativeGenerator(engine, proposer, tree_sizes=verify_sizes(proposer_config(args)))
 
 
 def machine_line() -> str:
@@ -160,9 +170,9 @@ def cmd_generate(args) -> int:
 
 def _generate_speculative(args, engine, tokenizer, prompt_ids, eos) -> int:
     from specdec_inductor.sampler import SamplingParams
-    from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+    from specdec_inductor.speculative import SpeculativeStats
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    spec = SpeculativeGenerator(engine, make_proposer(args, engine))
+    spec = make_generator(args, engine)
     if engine.compiled:
         t0 = time.perf_counter()
         _log("[specdec] compiling the step programs (first run only)...")
@@ -258,13 +268,13 @@ def run_method_bench(args) -> dict:
     """--method: the speculative method vs our own compiled AR (same engine) on BENCH_PROMPTS,
     batch 1, greedy, exactly args.max_new_tokens tokens each (no eos stop)."""
     from specdec_inductor.engine.engine import GenerationStats
-    from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+    from specdec_inductor.speculative import SpeculativeStats
     model, tokenizer = load_checked(args.model, DTYPES[args.dtype], args.dequantize,
                                     args.quant_activations)
     prompts = [encode(tokenizer, p, args.chat) for p in BENCH_PROMPTS[:args.num_prompts]]
     check_room(args, [len(p) for p in prompts])
     engine = build_engine(args, model)
-    spec = SpeculativeGenerator(engine, make_proposer(args, engine))
+    spec = make_generator(args, engine)
     t0 = time.perf_counter()
     engine.generate([prompts[0]], max_new_tokens=warm_up_tokens(args, 2))
     spec.compile_verify(sampled=False)  # greedy runs
@@ -391,6 +401,10 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--draft-vocab", type=int, default=None, metavar="VD",
                        help="standalone: the draft's LM head keeps only its VD most frequent "
                             "token ids (a multiple of 16; default: the whole head)")
+        p.add_argument("--draft-stop-below", type=float, default=0.0, metavar="P",
+                       help="standalone chains: a chain ends at a draft whose probability "
+                            "under the draft is below P, and is verified at its own size "
+                            "(default 0: chains of N-1 drafts)")
         p.add_argument("--draft-dtype", choices=["auto"] + sorted(DTYPES), default="auto",
                        help="eagle3: the head's weights (auto: bf16 where the CPU has bf16 "
                             "kernels, else the target's dtype); drafts only propose, so output "

@@ -63,14 +63,17 @@ def finish_draft_requests(states: dict, request_ids: Sequence[int], pool, tree) 
         raise first
 
 
-def chain_tree(roots: Tensor, chain: Tensor, seq_lens: Tensor) -> DraftTree:
-    """roots [B] and drafts chain [B, K] as a DraftTree of N = K + 1 nodes per request."""
+def chain_tree(roots: Tensor, chain: Tensor, seq_lens: Tensor,
+               num_drafts: Optional[Tensor] = None) -> DraftTree:
+    """roots [B] and drafts chain [B, K] as a DraftTree of N = K + 1 nodes per request, of which
+    each request offers its first num_drafts [B] drafts (default all K)."""
     bs, k = chain.shape
     n = k + 1
     tokens = torch.cat([roots.view(bs, 1), chain], dim=1)  # [B, N]
     mask = torch.ones(n, n, dtype=torch.bool).tril().flatten().repeat(bs)  # [B*N*N]
     positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
-    return DraftTree(tokens, mask, positions, ridx, nxt, sib, torch.full((bs,), k, dtype=torch.int64))
+    offered = torch.full((bs,), k, dtype=torch.int64) if num_drafts is None else num_drafts
+    return DraftTree(tokens, mask, positions, ridx, nxt, sib, offered)
 
 
 def logits_and_hidden(out) -> Tuple[Tensor, Optional[Tensor]]:
@@ -103,6 +106,11 @@ class DraftModelProposer(Proposer):
         num_draft_tokens: N, nodes per tree including the root.
         topk: branching (1: a chain); depth: draft steps, the deepest node's depth (default
             N - 1, as a chain needs).
+        stop_below: chains only: a request's chain ends at a draft whose probability under
+            the draft (softmax of its logits) is below this, and the batch's drafting stops
+            once every chain has ended (0: chains of K drafts). The shorter chains pay where
+            the loop verifies them at a smaller compiled size (SpeculativeGenerator
+            tree_sizes).
     """
 
     # Subclasses whose draft reads the target's hidden states set this: the loop then passes
@@ -110,7 +118,14 @@ class DraftModelProposer(Proposer):
     needs_target_hidden = False
 
     def __init__(self, draft_engine, num_draft_tokens: int, topk: int = 1,
-                 depth: Optional[int] = None):
+                 depth: Optional[int] = None, stop_below: float = 0.0):
+        if not (isinstance(stop_below, (int, float)) and 0.0 <= stop_below < 1.0) \
+                or isinstance(stop_below, bool):
+            raise ValueError(f"argument 'stop_below' must be a probability in [0, 1), got "
+                             f"{stop_below!r}")
+        if stop_below and topk > 1:
+            raise ValueError("argument 'stop_below' applies to chains (topk 1), not trees")
+        self.stop_below = float(stop_below)
         if num_draft_tokens < 2:
             raise ValueError(f"argument 'num_draft_tokens' must be >= 2 (root + drafts), got "
                              f"{num_draft_tokens}")
@@ -184,8 +199,8 @@ class DraftModelProposer(Proposer):
         last_logits, last_hidden = self._catch_up(states, req_rows, small, keep)
         roots = torch.tensor([st.root for st in states])  # [bs]
         if self._tree is None:
-            return chain_tree(roots, self._chain(states, req_rows, last_logits, last_hidden),
-                              seq_lens)
+            chain, offered = self._chain(states, req_rows, last_logits, last_hidden)
+            return chain_tree(roots, chain, seq_lens, offered)
         take = [0 if st.done else len(st.pending) for st in states]
         if any(t == 0 for t, st in zip(take, states) if not st.done):
             raise RuntimeError(f"{type(self).__name__}: a live request has nothing committed to "
@@ -271,10 +286,11 @@ class DraftModelProposer(Proposer):
         positions = prefix.view(-1, 1) + torch.arange(chunk).view(1, -1)  # [B, T]
         return ids, positions, req_rows, prefix, ext, aux
 
-    def _chain(self, states, req_rows: Tensor, last_logits, last_hidden) -> Tensor:
-        """The greedy chain [bs, K] of each request: its first draft from the catch-up's last
-        logits, K - 1 more by decode steps (fed back the draft's own hidden output when it
-        reads hidden states)."""
+    def _chain(self, states, req_rows: Tensor, last_logits, last_hidden) -> Tuple[Tensor, Tensor]:
+        """The greedy chain [bs, K] of each request and how many of its drafts it offers [bs]:
+        its first draft from the catch-up's last logits, up to K - 1 more by decode steps (fed
+        back the draft's own hidden output when it reads hidden states), fewer where
+        stop_below ends every chain early (the rest of the chain: zeros)."""
         bs, eng = len(states), self.engine
         pad = req_rows.shape[0] - bs
         for b, st in enumerate(states):  # finished requests: placeholders (never verified)
@@ -282,26 +298,42 @@ class DraftModelProposer(Proposer):
                 last_logits[b] = torch.zeros(eng.vocab_size, dtype=eng.dtype)
                 if self.needs_target_hidden:
                     last_hidden[b] = torch.zeros(st.hidden.shape[-1], dtype=st.hidden.dtype)
-        tok = self._target_ids(torch.stack(last_logits).argmax(-1))  # [bs] d1
+        logits = torch.stack(last_logits)  # [bs, V]
+        tok = self._target_ids(logits.argmax(-1))  # [bs] d1
         drafts = [tok]
+        offered = torch.full((bs,), self.k, dtype=torch.int64)  # [bs]
+        self._end_unsure(offered, logits, 1)
         seq = torch.tensor([st.cached for st in states] + [1] * pad)  # [B]
         tok = torch.cat([tok, torch.zeros(pad, dtype=torch.int64)])  # [B]
         g = None
         if self.needs_target_hidden:
             g = torch.stack(last_hidden)  # [bs, A]
             g = torch.cat([g, g.new_zeros(pad, g.shape[-1])])  # [B, A]
-        for _ in range(self.k - 1):
+        while len(drafts) < self.k and bool((offered > len(drafts)).any()):
             out = eng.decode(tok, req_rows, seq, g)
             tok = self._target_ids(out.argmax)
             if g is not None:
                 g = out.hidden
             seq = seq + 1
             drafts.append(tok[:bs])
-        chain = torch.stack(drafts, dim=1)  # [bs, K]
+            self._end_unsure(offered, out.logits[:bs], len(drafts))
+        chain = torch.stack(drafts, dim=1)  # [bs, s]
+        decoded = chain.shape[1]  # drafts whose KV the decodes wrote: all K, or the first s - 1
+        if decoded < self.k:
+            decoded -= 1
+            chain = torch.cat([chain, chain.new_zeros(bs, self.k - chain.shape[1])], dim=1)
         if self.keeps_chain_kv:
             for b, st in enumerate(states):
-                st.proposed = chain[b].tolist()
-        return chain
+                st.proposed = chain[b, :decoded].tolist()
+        return chain, offered
+
+    def _end_unsure(self, offered: Tensor, logits: Tensor, drafted: int) -> None:
+        """Ends (offered = drafted) each still-running chain whose latest draft, the argmax of
+        `logits` [bs, V], has a probability below stop_below."""
+        if not self.stop_below:
+            return
+        sure = logits.float().softmax(-1).amax(-1) >= self.stop_below  # [bs]
+        offered[(offered == self.k) & ~sure] = drafted
 
     def _target_ids(self, columns: Tensor) -> Tensor:
         """Target ids of the draft logits' argmax columns."""

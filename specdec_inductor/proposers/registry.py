@@ -59,6 +59,9 @@ class ProposerConfig:
         when the draft is the target itself).
     draft_vocab: standalone: the draft's LM head keeps only its tokenizer's Vd most frequent
         ids (a multiple of 16; proposers/draft_vocab.py); None: the whole head.
+    draft_stop_below: standalone chains: a chain ends at a draft whose probability under the
+        draft is below this (DraftModelProposer stop_below; 0: never), and the generator then
+        verifies at every size 1..N (verify_sizes).
     draft_dtype: eagle3: the head's weights, "auto" (bf16 where our bf16 kernels run, else
         the target's dtype) or a loading.DTYPES name.
     mtp_layer: mtp: which of the model's NextN layers drafts.
@@ -78,6 +81,7 @@ class ProposerConfig:
     draft_model: Optional[str] = None
     draft_layers: Optional[int] = None
     draft_vocab: Optional[int] = None
+    draft_stop_below: float = 0.0
     draft_dtype: str = "auto"
     mtp_layer: int = 0
     ngram_window: Tuple[int, int] = RECOMMENDED_WINDOW
@@ -170,6 +174,7 @@ def _check_draft_model(c: ProposerConfig) -> None:
     _positive("draft_layers", c.draft_layers)
     if c.method != "standalone" and c.draft_vocab is not None:
         raise ProposerConfigError("draft_vocab", f"applies to method standalone, not {c.method}")
+    _check_stop_below(c)
     if c.draft_vocab is not None:
         from specdec_inductor.proposers.draft_vocab import draft_vocab_problem
         # the upper bound (the draft's vocabulary) is checked once the draft is loaded
@@ -196,6 +201,26 @@ def _check_draft_model(c: ProposerConfig) -> None:
     elif c.draft_model is not None:
         raise ProposerConfigError("draft_model", f"applies to method standalone/eagle/eagle3, "
                                   f"not {c.method}")
+
+
+def _check_stop_below(c: ProposerConfig) -> None:
+    p = c.draft_stop_below
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ProposerConfigError("draft_stop_below", f"must be a probability in [0, 1), got {p!r}")
+    if p and c.method != "standalone":
+        raise ProposerConfigError("draft_stop_below", f"applies to method standalone, not "
+                                  f"{c.method}")
+    if p and c.drafts_with_model and c.tree_shape()[0] != 1:
+        raise ProposerConfigError("draft_stop_below", "applies to chains (topk 1), not trees")
+
+
+def verify_sizes(config: ProposerConfig) -> Optional[Tuple[int, ...]]:
+    """The verify sizes a SpeculativeGenerator over config's proposer compiles (its
+    tree_sizes): every size 1..N when chains may end early (draft_stop_below), so a shorter
+    chain is verified at its own size; None: the generator's default."""
+    if config.draft_stop_below:
+        return tuple(range(1, config.num_draft_tokens + 1))
+    return None
 
 
 # -- the target Engine ---------------------------------------------------------------------------
@@ -282,15 +307,17 @@ def _ngram(config: ProposerConfig):
                          breadth=config.ngram_breadth)
 
 
-def _draft_model_proposer(cls, config: ProposerConfig, target_engine, model, **engine_kwargs):
-    """cls (a DraftModelProposer) over a draft Engine running `model`, sized by
-    draft_engine_size, in the target's compile mode and attention backend."""
+def _draft_model_proposer(cls, config: ProposerConfig, target_engine, model,
+                          stop_below: float = 0.0, **engine_kwargs):
+    """cls (a DraftModelProposer; its chains end below `stop_below`) over a draft Engine
+    running `model`, sized by draft_engine_size, in the target's compile mode and attention
+    backend."""
     from specdec_inductor.engine.engine import Engine
     max_batch, max_len = draft_engine_size(config, target_engine)
     engine = Engine(model, max_batch=max_batch, max_len=max_len, compile=target_engine.compiled,
                     attention=target_engine.attention_backend.value, **engine_kwargs)
     topk, depth = config.tree_shape()
-    return cls(engine, config.num_draft_tokens, topk=topk, depth=depth)
+    return cls(engine, config.num_draft_tokens, topk=topk, depth=depth, stop_below=stop_below)
 
 
 def _head_proposer(cls, config: ProposerConfig, target_engine, head):
@@ -342,8 +369,10 @@ def _standalone(config, target_engine, draft, log):
     vocab = getattr(draft, "draft_to_target", None)
     log(f"draft: {config.draft_model or 'the target'}"
         f"{'' if layers is None else f', first {layers} layers'}"
-        f"{'' if vocab is None else f', draft vocabulary {vocab.numel()}'}")
-    return _draft_model_proposer(StandaloneProposer, config, target_engine, draft)
+        f"{'' if vocab is None else f', draft vocabulary {vocab.numel()}'}"
+        f"{f', chains end below p {config.draft_stop_below}' if config.draft_stop_below else ''}")
+    return _draft_model_proposer(StandaloneProposer, config, target_engine, draft,
+                                 config.draft_stop_below)
 
 
 def _eagle(config, target_engine, draft, log):
