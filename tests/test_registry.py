@@ -129,6 +129,12 @@ def test_default_trees_and_the_one_draft_engine_size():
     ({"method": "standalone", "draft_vocab": True}, "draft_vocab"),
     ({"method": "standalone", "draft_vocab": "32k"}, "draft_vocab"),
     ({"method": "eagle3", "draft_vocab": 32}, "draft_vocab"),
+    ({"method": "standalone", "draft_stop_below": 1.0}, "draft_stop_below"),
+    ({"method": "standalone", "draft_stop_below": -0.5}, "draft_stop_below"),
+    ({"method": "standalone", "draft_stop_below": "0.5"}, "draft_stop_below"),
+    ({"method": "standalone", "draft_stop_below": 0.5, "topk": 2, "depth": 3},
+     "draft_stop_below"),
+    ({"method": "eagle3", "draft_stop_below": 0.5}, "draft_stop_below"),
 ])
 def test_bad_configs_are_refused_naming_the_field(kwargs, field):
     with pytest.raises(ProposerConfigError, match=f"argument '{field}'") as info:
@@ -235,3 +241,21 @@ def test_standalone_draft_vocab_refused_for_this_draft(checkpoints, tmp_path, si
         make_proposer(config, engine, draft=draft)
     assert info.value.field == "draft_vocab"
     assert getattr(draft, "draft_to_target", None) is None  # the draft is left as it was
+
+
+def test_standalone_chains_that_end_early_verify_at_every_size(checkpoints):
+    target_dir = checkpoints[0]
+    config = ProposerConfig(method="standalone", num_draft_tokens=5, draft_stop_below=0.4,
+                            target_model=target_dir)
+    assert registry.verify_sizes(config) == (1, 2, 3, 4, 5)
+    assert registry.verify_sizes(ProposerConfig(method="standalone")) is None
+    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    engine = make_target_engine(config, target, max_batch=2, max_len=96, compile=False,
+                                prefill_chunk=16)
+    lines = []
+    proposer = make_proposer(config, engine, draft=tiny_llama(7, layers=1), log=lines.append)
+    assert proposer.stop_below == 0.4 and "chains end below p 0.4" in lines[-1]
+    spec = SpeculativeGenerator(engine, proposer, tree_sizes=registry.verify_sizes(config),
+                                min_accepted=0.0)
+    ps = prompts(2)
+    assert spec.generate(ps, 12) == engine.generate(ps, 12)

@@ -316,3 +316,64 @@ def test_quantized_head_rows_stay_quantized_and_one_run_is_a_view(tmp_path, monk
         torch.testing.assert_close(head(x), want, rtol=0, atol=0)
         assert model.model.embed_tokens.weight is embedding  # whole, untouched
     assert draft_vocab.model_tokenizer(model) is not None
+
+
+# -- chains that end at an unsure draft --------------------------------------------------------------
+def test_chains_ending_at_unsure_drafts_keep_greedy_exact_and_their_kv():
+    """stop_below ends each request's chain at its first draft of probability below it: the
+    chains of a ragged batch end at different depths, are verified at their own sizes, and
+    with the target as its own draft every offered draft is accepted (the kept draft KV of a
+    chain that ended early, and of one that ran on for the others, is exact)."""
+    from test_speculative_sampling import tiny_model
+    target = tiny_model(seed=1)  # random: top-1 probabilities of 0.06-0.14
+    vocab = target.config.vocab_size
+    gen = torch.Generator().manual_seed(6)
+    ps = [torch.randint(0, vocab, (3 + 4 * i,), generator=gen).tolist() for i in range(3)]
+    engine = Engine(target, max_batch=3, max_len=128, compile=False, prefill_chunk=16)
+    draft_engine = Engine(copy.deepcopy(target), max_batch=3, max_len=128, compile=False,
+                          prefill_chunk=16)
+    plain = engine.generate(ps, 40)
+    proposer = StandaloneProposer(draft_engine, 5, stop_below=0.08)
+    offered, decodes = [], []
+    propose, decode = proposer.propose, draft_engine.decode
+
+    def counting(*args):
+        decodes.append(1)
+        return decode(*args)
+
+    def recording(request_ids, seq_lens):
+        decodes.clear()
+        tree = propose(request_ids, seq_lens)
+        offered.extend(tree.num_drafts.tolist())
+        # the drafts a chain keeps the KV of are those the decodes wrote (one a decode)
+        for r in request_ids:
+            assert min(len(proposer._requests[r].proposed), proposer.k - 1) <= len(decodes)
+        return tree
+    draft_engine.decode = counting
+    proposer.propose = recording
+    spec = SpeculativeGenerator(engine, proposer, tree_sizes=(1, 2, 3, 4, 5), min_accepted=0.0)
+    stats = SpeculativeStats()
+    assert spec.generate(ps, 40, stats=stats) == plain
+    assert len(set(offered)) >= 3, offered  # chains of several lengths
+    assert len([s for s in stats.steps_by_size if s > 1]) >= 2, stats.steps_by_size
+    # self-draft: every offered draft accepted, but for GEMM-vs-GEMV rounding and the drafts
+    # past a request's max_new_tokens
+    assert stats.accepted_drafts >= 0.9 * sum(offered) - 3 * 4, (stats.accepted_drafts, offered)
+    for e in (engine, draft_engine):
+        e.pool.check_consistent()
+        assert e.pool.num_free_slots == e.pool.num_slots
+    # without it, the same chains run to K drafts
+    full = StandaloneProposer(draft_engine, 5)
+    assert SpeculativeGenerator(engine, full, min_accepted=0.0).generate(ps, 40) == plain
+
+
+@pytest.mark.parametrize("kwargs,match", [({"stop_below": 1.0}, "stop_below"),
+                                          ({"stop_below": -0.1}, "stop_below"),
+                                          ({"stop_below": True}, "stop_below"),
+                                          ({"stop_below": "0.5"}, "stop_below"),
+                                          ({"stop_below": 0.5, "topk": 2, "depth": 2},
+                                           "chains")])
+def test_bad_stop_below_is_refused_by_name(kwargs, match):
+    draft_engine = Engine(tiny(0), max_batch=3, max_len=64, compile=False)
+    with pytest.raises(ValueError, match=f"argument 'stop_below'.*{match}|{match}"):
+        StandaloneProposer(draft_engine, 5, **kwargs)
