@@ -5,8 +5,7 @@ Rows per prompt (decode-phase tokens/s: prompt processing excluded on both sides
 llama.cpp's "eval" / "decoded" lines exclude it):
 - ours: plain AR, then each --methods entry (ngram; standalone with --draft-model, once per
   --draft-vocab size and --draft-stop-below value; standalone+lookup, the same with prompt
-  lookup first; eagle3 with
-  --eagle3-head), with the ratio to our AR and whether the tokens equal our AR's;
+  lookup first; eagle3 with --eagle3-head), with the ratio to our AR and whether the tokens equal our AR's;
 - llama.cpp (binaries of benchmarks/build_llamacpp.sh, same source as llama-cpp-python, native
   flags): plain decode (llama-completion), draft-model speculation with the same --draft-model
   (llama-speculative-simple) and prompt lookup (llama-lookup).
