@@ -323,12 +323,12 @@ void small_tile(const QuantLinearInt8Block& b, const uint8_t* group, int64_t m0,
   }
 }
 
-// MB rows of x from m0 against the group of output features [n, n + 16).
-template <int MB>
+// MB rows of x from m0 against the group of output features [n, n + 16); kK: a K format.
+template <int MB, bool kK>
 void tile(const QuantLinearInt8Block& b, const uint8_t* group, int64_t n, int64_t m0) {
   __m512 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-  if (is_k_format(file_format(b.fmt)))
+  if constexpr (kK)
     k_tile<MB>(b, group, m0, acc);
   else
     small_tile<MB>(b, group, m0, acc);
@@ -339,32 +339,38 @@ void tile(const QuantLinearInt8Block& b, const uint8_t* group, int64_t n, int64_
   }
 }
 
+// The rows of x one pass over a group takes: up to 4 for the K formats; up to 8 for the
+// 32-weight formats, whose tile keeps 3 vectors per row (two integer dot chains and the float
+// sum), so 8 rows still fit the 32 registers with the unpacked weights. A verify of 5-8 rows
+// then reads each weight once instead of twice (a second pass over the weights costs about as
+// much as the first at these sizes).
+template <int MB, bool kK>
+void tiles_of(const QuantLinearInt8Block& b, const uint8_t* group, int64_t n, int64_t M) {
+  int64_t m = 0;
+  for (; M - m >= MB; m += MB) tile<MB, kK>(b, group, n, m);
+  const int64_t rest = M - m;  // fewer than MB rows, in one tile
+  if (rest == 1) tile<1, kK>(b, group, n, m);
+  if (rest == 2) tile<2, kK>(b, group, n, m);
+  if (rest == 3) tile<3, kK>(b, group, n, m);
+  if constexpr (MB == 8) {
+    if (rest == 4) tile<4, kK>(b, group, n, m);
+    if (rest == 5) tile<5, kK>(b, group, n, m);
+    if (rest == 6) tile<6, kK>(b, group, n, m);
+    if (rest == 7) tile<7, kK>(b, group, n, m);
+  }
+}
+
 }  // namespace
 
 void quant_linear_int8_r16_avx512vnni(const QuantLinearInt8Block& b) {
-  const int64_t M = is_k_format(file_format(b.fmt)) ? b.xk.M : b.x.M;
+  const bool k = is_k_format(file_format(b.fmt));
+  const int64_t M = k ? b.xk.M : b.x.M;
   for (int64_t n = b.n_begin; n < b.n_end; n += 16) {
     const uint8_t* group = b.w + (n / 16) * b.w_stride;
-    for (int64_t m = 0; m < M;) {
-      switch (M - m) {
-        case 1:
-          tile<1>(b, group, n, m);
-          m += 1;
-          break;
-        case 2:
-          tile<2>(b, group, n, m);
-          m += 2;
-          break;
-        case 3:
-          tile<3>(b, group, n, m);
-          m += 3;
-          break;
-        default:
-          tile<4>(b, group, n, m);
-          m += 4;
-          break;
-      }
-    }
+    if (k)
+      tiles_of<4, true>(b, group, n, M);
+    else
+      tiles_of<8, false>(b, group, n, M);
   }
 }
 

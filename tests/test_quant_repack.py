@@ -96,7 +96,7 @@ def test_int8_linear_matches_reference(base, dtype, path, m):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("base", BASES)
 def test_int8_linear_is_batch_invariant(base, path):
-    """Every M in 1..16 and 64 (each remainder of the 4-row tiles), every position of a row in an
+    """Every M in 1..16 and 64 (each remainder of the 4- and 8-row tiles), every position of a row in an
     8-row batch, 1 thread or all: a row's bits never change; on the path asserted."""
     k, n = 2 * 256, 64
     _, r, fmt = packed(base, n, k, seed=int(base))
