@@ -220,19 +220,17 @@ def standalone_methods(args, engine, vd, proposer, name):
     first, proposers/lookup_first.py) for each --draft-stop-below value, over proposers that
     share the STANDALONE `proposer`'s draft Engine (compiled once per draft vocabulary)."""
     from specdec_inductor.proposers.lookup_first import LookupFirstProposer
-    from specdec_inductor.proposers.registry import ProposerConfig, make_proposer, verify_sizes
+    from specdec_inductor.proposers.registry import ProposerConfig, make_proposer
     k = proposer.num_draft_tokens
     methods = {}
     for stop in args.draft_stops:
         drafts = proposer if not stop else StandaloneProposer(proposer.engine, k, stop_below=stop)
-        sizes = verify_sizes(ProposerConfig(method="standalone", num_draft_tokens=k,
-                                            draft_stop_below=stop))
         label = (f"STANDALONE {args.draft_model} N={k} Vd={vd or 'full'}"
                  + (f" stop<{stop}" if stop else ""))
         if name == "standalone+lookup":
             lookup = make_proposer(ProposerConfig(method="ngram", num_draft_tokens=k))
             drafts, label = LookupFirstProposer(drafts, lookup), f"{label} +lookup"
-        methods[label] = SpeculativeGenerator(engine, drafts, tree_sizes=sizes)
+        methods[label] = SpeculativeGenerator(engine, drafts)  # sizes 1..N when stop > 0
     return methods
 
 

@@ -93,12 +93,10 @@ def make_proposer(args, engine=None):
 
 
 def make_generator(args, engine):
-    """The SpeculativeGenerator of --method over `engine`, verifying at the sizes its
-    proposer's drafts need (registry.verify_sizes: all of 1..N with --draft-stop-below)."""
-    from specdec_inductor.proposers.registry import verify_sizes
+    """The SpeculativeGenerator of --method over `engine` (its verify sizes follow the
+    proposer: every size 1..N for chains that may end early, --draft-stop-below)."""
     from specdec_inductor.speculative import SpeculativeGenerator
-    proposer = make_proposer(args, engine)
-    return SpeculativeGenerator(engine, proposer, tree_sizes=verify_sizes(proposer_config(args)))
+    return SpeculativeGenerator(engine, make_proposer(args, engine))
 
 
 def machine_line() -> str:

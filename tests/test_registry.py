@@ -247,15 +247,13 @@ def test_standalone_chains_that_end_early_verify_at_every_size(checkpoints):
     target_dir = checkpoints[0]
     config = ProposerConfig(method="standalone", num_draft_tokens=5, draft_stop_below=0.4,
                             target_model=target_dir)
-    assert registry.verify_sizes(config) == (1, 2, 3, 4, 5)
-    assert registry.verify_sizes(ProposerConfig(method="standalone")) is None
     target = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
     engine = make_target_engine(config, target, max_batch=2, max_len=96, compile=False,
                                 prefill_chunk=16)
     lines = []
     proposer = make_proposer(config, engine, draft=tiny_llama(7, layers=1), log=lines.append)
     assert proposer.stop_below == 0.4 and "chains end below p 0.4" in lines[-1]
-    spec = SpeculativeGenerator(engine, proposer, tree_sizes=registry.verify_sizes(config),
-                                min_accepted=0.0)
+    spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
+    assert proposer.variable_drafts and spec.tree_sizes == [1, 2, 3, 4, 5]
     ps = prompts(2)
     assert spec.generate(ps, 12) == engine.generate(ps, 12)

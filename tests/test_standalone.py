@@ -351,7 +351,8 @@ def test_chains_ending_at_unsure_drafts_keep_greedy_exact_and_their_kv():
         return tree
     draft_engine.decode = counting
     proposer.propose = recording
-    spec = SpeculativeGenerator(engine, proposer, tree_sizes=(1, 2, 3, 4, 5), min_accepted=0.0)
+    spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
+    assert spec.tree_sizes == [1, 2, 3, 4, 5]  # variable_drafts: every size by default
     stats = SpeculativeStats()
     assert spec.generate(ps, 40, stats=stats) == plain
     assert len(set(offered)) >= 3, offered  # chains of several lengths

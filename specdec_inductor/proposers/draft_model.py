@@ -126,6 +126,7 @@ class DraftModelProposer(Proposer):
         if stop_below and topk > 1:
             raise ValueError("argument 'stop_below' applies to chains (topk 1), not trees")
         self.stop_below = float(stop_below)
+        self.variable_drafts = self.stop_below > 0
         if num_draft_tokens < 2:
             raise ValueError(f"argument 'num_draft_tokens' must be >= 2 (root + drafts), got "
                              f"{num_draft_tokens}")

@@ -61,7 +61,7 @@ class ProposerConfig:
         ids (a multiple of 16; proposers/draft_vocab.py); None: the whole head.
     draft_stop_below: standalone chains: a chain ends at a draft whose probability under the
         draft is below this (DraftModelProposer stop_below; 0: never), and the generator then
-        verifies at every size 1..N (verify_sizes).
+        verifies at every size 1..N (Proposer.variable_drafts).
     draft_dtype: eagle3: the head's weights, "auto" (bf16 where our bf16 kernels run, else
         the target's dtype) or a loading.DTYPES name.
     mtp_layer: mtp: which of the model's NextN layers drafts.
@@ -212,15 +212,6 @@ def _check_stop_below(c: ProposerConfig) -> None:
                                   f"{c.method}")
     if p and c.drafts_with_model and c.tree_shape()[0] != 1:
         raise ProposerConfigError("draft_stop_below", "applies to chains (topk 1), not trees")
-
-
-def verify_sizes(config: ProposerConfig) -> Optional[Tuple[int, ...]]:
-    """The verify sizes a SpeculativeGenerator over config's proposer compiles (its
-    tree_sizes): every size 1..N when chains may end early (draft_stop_below), so a shorter
-    chain is verified at its own size; None: the generator's default."""
-    if config.draft_stop_below:
-        return tuple(range(1, config.num_draft_tokens + 1))
-    return None
 
 
 # -- the target Engine ---------------------------------------------------------------------------

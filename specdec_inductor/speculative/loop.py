@@ -188,11 +188,12 @@ class SpeculativeGenerator:
     """Speculative decoding of an `Engine` with any `Proposer` (None: plain decoding).
 
     tree_sizes: the verify sizes N this generator may use (each compiles its own verify graph;
-    1 means a plain decode step; default (1, N), or (1, 2, N) with the adaptive size). Each step
-    uses the smallest size that holds the largest real draft of the batch, each draft cut to
-    its request's adaptive size, so a step where no request has a draft costs a decode step,
-    not a verify over padding. Truncating a draft keeps a valid tree because proposers number
-    nodes parents-first with padding last (DraftTree.num_drafts says how many are real).
+    1 means a plain decode step; default (1, N), or (1, 2, N) with the adaptive size, or every
+    size 1..N for a proposer with `variable_drafts`). Each step uses the smallest size that
+    holds the largest real draft of the batch, each draft cut to its request's adaptive size,
+    so a step where no request has a draft costs a decode step, not a verify over padding.
+    Truncating a draft keeps a valid tree because proposers number nodes parents-first with
+    padding last (DraftTree.num_drafts says how many are real).
 
     Draft budgets (policies.py): the adaptive verify size (adaptive; default for proposers with
     `cheap_drafts`) with grow_at and probe_cost, else the acceptance gate with min_accepted
@@ -237,7 +238,9 @@ class SpeculativeGenerator:
         # Measured by compile_verify (compiled engines) unless probe_cost is given.
         self.costs = StepCosts(probe_cost=1.0 if probe_cost is None else probe_cost)
         self._calibrate = probe_cost is None
-        if tree_sizes is None:
+        if tree_sizes is None and proposer is not None and proposer.variable_drafts:
+            tree_sizes = range(1, n + 1)
+        elif tree_sizes is None:
             tree_sizes = (1, 2, n) if self.adaptive or start_policy is not None else (1, n)
         sizes = sorted(set(tree_sizes) | {n})
         if sizes[0] < 1 or sizes[-1] > n:

@@ -20,6 +20,11 @@ class Proposer:
     # of gating drafting off (AcceptanceGate).
     cheap_drafts: bool = False
 
+    # A request's drafts may stop short of N - 1 in a step (a chain that ends at an unsure
+    # draft): the generator's default verify sizes are then every size 1..N, so a short chain
+    # is verified at its own size rather than padded to N.
+    variable_drafts: bool = False
+
     # Drafts made from the target's hidden states (EAGLE-style): the loop then passes, as a
     # third argument, start(..., hidden) with each prompt's captured target hidden [P, k*H],
     # and commit(..., hidden) with the hidden rows of each request's accepted path (root
