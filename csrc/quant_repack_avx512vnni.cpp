@@ -120,50 +120,53 @@ void q4_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
   }
 }
 
-// Bits 2 * sel .. + 1 of each byte moved to bits 4-5 (other bits cleared). 16-bit shifts: the
-// bits that cross into the neighbouring byte land outside 0x30.
-template <int kSel>
-inline __m512i q6_high_bits(__m512i v) {
-  const __m512i mask = _mm512_set1_epi8(0x30);
-  if constexpr (kSel < 2)
-    return _mm512_and_si512(_mm512_slli_epi16(v, 4 - 2 * kSel), mask);
-  else if constexpr (kSel == 2)
-    return _mm512_and_si512(v, mask);
-  else
-    return _mm512_and_si512(_mm512_srli_epi16(v, 2), mask);
+// Bit select, per bit: mask ? a : b.
+inline __m512i select_bits(__m512i mask, __m512i a, __m512i b) {
+  return _mm512_ternarylogic_epi32(a, b, mask, 0xE4);
 }
 
-// Q6_K, pair P of 64 weights of block c, for MB rows of x: per half th of each 32 (quads
-// t = 4th .. 4th + 3), the 16-weight groups 4P + th (half 0) and 4P + 2 + th (half 1), their
-// sums times their scales into isum.
+// The 4 vectors of 6-bit quants of a Q6_K_R16 step (quant_repack.h) from its 3 vectors: slots
+// 0-2 are bits 0-5 of vectors 0-2, slot 3's three bit pairs sit in their bits 6-7. The 16-bit
+// shifts move bits 6-7 of both bytes of a lane to bits 0-1 / 2-3 / 4-5 of the same byte; what
+// they bring in from the neighbouring byte lands in bits the selects and the mask drop.
+inline void q6_step_quants(const uint8_t* q, __m512i* u) {
+  const __m512i six = _mm512_set1_epi8(63), low2 = _mm512_set1_epi8(3), low4 = _mm512_set1_epi8(15);
+  const __m512i a = _mm512_loadu_si512(q), b = _mm512_loadu_si512(q + 64),
+                c = _mm512_loadu_si512(q + 128);
+  u[0] = _mm512_and_si512(a, six);
+  u[1] = _mm512_and_si512(b, six);
+  u[2] = _mm512_and_si512(c, six);
+  const __m512i ab = select_bits(low2, _mm512_srli_epi16(a, 6), _mm512_srli_epi16(b, 4));
+  u[3] = _mm512_and_si512(select_bits(low4, ab, _mm512_srli_epi16(c, 2)), six);
+}
+
+// Q6_K, the 64 weights 64P .. of block c, for MB rows of x: 4 steps of the 4 groups 4P + 2h + a
+// (slot 2a + h), their sums times their scales into isum.
 template <int MB, int P>
 inline void q6_pair(const uint8_t* ch, const XRow* x, int64_t c, __m512i* isum) {
-  const __m512i nib = _mm512_set1_epi8(15);
-  constexpr int kSel = 2 * (P % 2);  // qh bits of half 0; half 1's are the next two
-  for (int th = 0; th < 2; ++th) {
-    __m512i s0[MB], s1[MB];
-    for (int i = 0; i < MB; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
-    for (int t = 4 * th; t < 4 * th + 4; ++t) {
-      const __m512i l = _mm512_loadu_si512(ch + 320 + (P * 8 + t) * 64);
-      const __m512i h = _mm512_loadu_si512(ch + 2368 + ((P / 2) * 8 + t) * 64);
-      const __m512i u0 = _mm512_or_si512(_mm512_and_si512(l, nib), q6_high_bits<kSel>(h));
-      const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), nib),
-                                         q6_high_bits<kSel + 1>(h));
-      for (int i = 0; i < MB; ++i) {
-        const int8_t* q = x[i].q + 256 * c + 64 * P + 4 * t;
-        s0[i] = _mm512_dpbusd_epi32(s0[i], u0, bcast4(q));
-        s1[i] = _mm512_dpbusd_epi32(s1[i], u1, bcast4(q + 32));
-      }
+  constexpr int kXAt[4] = {0, 32, 16, 48};  // slot 2a + h: x quants 32h + 16a past the step's
+  __m512i s[4][MB];
+  for (int v = 0; v < 4; ++v)
+    for (int i = 0; i < MB; ++i) s[v][i] = _mm512_setzero_si512();
+  for (int tt = 0; tt < 4; ++tt) {
+    __m512i u[4];
+    q6_step_quants(ch + 320 + (4 * P + tt) * 192, u);
+    for (int i = 0; i < MB; ++i) {
+      const int8_t* q = x[i].q + 256 * c + 64 * P + 4 * tt;
+      for (int v = 0; v < 4; ++v) s[v][i] = _mm512_dpbusd_epi32(s[v][i], u[v], bcast4(q + kXAt[v]));
     }
-    // Groups 4P + th and 4P + 2 + th: members th of scale pairs 2P and 2P + 1.
-    const __m512i pair0 = pairs_i8(ch + 64 + 32 * (2 * P)),
-                  pair1 = pairs_i8(ch + 64 + 32 * (2 * P + 1));
-    const __m512i sc0 = th ? odd_member(pair0) : even_member(pair0);
-    const __m512i sc1 = th ? odd_member(pair1) : even_member(pair1);
-    for (int i = 0; i < MB; ++i)
-      isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(s0[i], sc0),
-                                                           _mm512_mullo_epi32(s1[i], sc1)));
   }
+  // Groups 4P, 4P + 1 (slots 0, 2): scale pair 2P; 4P + 2, 4P + 3 (slots 1, 3): pair 2P + 1.
+  const __m512i pair0 = pairs_i8(ch + 64 + 32 * (2 * P)),
+                pair1 = pairs_i8(ch + 64 + 32 * (2 * P + 1));
+  const __m512i sc[4] = {even_member(pair0), even_member(pair1), odd_member(pair0),
+                         odd_member(pair1)};
+  for (int i = 0; i < MB; ++i)
+    isum[i] = _mm512_add_epi32(
+        isum[i], _mm512_add_epi32(_mm512_add_epi32(_mm512_mullo_epi32(s[0][i], sc[0]),
+                                                   _mm512_mullo_epi32(s[1][i], sc[1])),
+                                  _mm512_add_epi32(_mm512_mullo_epi32(s[2][i], sc[2]),
+                                                   _mm512_mullo_epi32(s[3][i], sc[3]))));
 }
 
 // Q6_K: MB rows of x against one group, all K.
