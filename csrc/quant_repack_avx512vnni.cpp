@@ -174,10 +174,7 @@ template <int MB>
 void q6_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) {
   for (int64_t c = 0; c < blocks; ++c) {
     const uint8_t* ch = group + c * (16 * 212);
-    if constexpr (MB > 1)
-      prefetch_ahead<16 * 212>(ch);
-    else
-      prefetch_chunk<16 * 212, 4, _MM_HINT_T1>(ch);
+    if constexpr (MB > 1) prefetch_ahead<16 * 212>(ch);
     __m512i isum[MB], corr[MB];
     for (int i = 0; i < MB; ++i) isum[i] = corr[i] = _mm512_setzero_si512();
     q6_pair<MB, 0>(ch, x, c, isum);
