@@ -4,7 +4,7 @@
 // per sub-block (32 weights Q4_K, 16 Q6_K) its sum times the lane's integer scale (vpmulld)
 // into the block's integer sum; per 256 weights one convert and one FMA (d * d_x) per lane, plus
 // one for the Q4_K mins (an integer sum of mn * 32-quant sums, vpdpwssd). Up to 4 rows of x share
-// each unpacked weight vector (the unpacking is ~1.5 ops per 64 bytes for Q4_K, ~4.5 for Q6_K).
+// each unpacked weight vector (the unpacking is ~1.5 ops per 64 bytes for Q4_K, 3 for Q6_K).
 // The 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): per x row, block and 16 rows the exact
 // integer dot of the block (8 vpdpbusd: 4 weights x 16 rows each, started at -offset * the
 // block's quant sum), then one convert and one FMA by d * d_x per lane, plus one FMA for the
@@ -58,12 +58,11 @@ inline void prefetch_chunk(const uint8_t* chunk) {
     _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * kChunk + off), kHint);
 }
 
-// The chunk two blocks ahead into L1: the unpacking reads a chunk in two streams (Q6_K: low and
-// high bits), which the hardware prefetchers alone leave latency-bound on a single thread once a
-// few rows of x make it slow per byte. At one row of x the K formats stream faster than that
-// from huge pages, and a prefetch per cache line into L1 takes load slots and L1 miss buffers
-// from the hardware prefetchers: Q4_K (one stream of quants) then takes none, Q6_K the chunk
-// four blocks ahead into L2 (benchmarks/RESULTS.md).
+// The chunk two blocks ahead into L1, for the tiles of several rows of x (slower per byte, so
+// latency-bound on the hardware prefetchers alone on a single thread). At one row of x both K
+// layouts are one sequential stream per group, which the hardware prefetchers keep at decode
+// speed from huge pages; a prefetch per cache line would only take load slots and L1 miss
+// buffers from them, so that tile takes none (benchmarks/RESULTS.md).
 template <int64_t kChunk>
 inline void prefetch_ahead(const uint8_t* chunk) {
   prefetch_chunk<kChunk, 2, _MM_HINT_T0>(chunk);
