@@ -50,9 +50,8 @@ struct Q6Place {
   int slot;
 };
 Q6Place q6_place(int k, int r) {
-  const int p = k / 64, h = (k % 64) / 32, t = (k % 32) / 4, i = k % 4;
-  const int step = 4 * p + t % 4, slot = 2 * (t / 4) + h;
-  return {320 + ((3 * step + (slot < 3 ? slot : 0)) * 16 + r) * 4 + i, slot};
+  const int g = k / 16, slot = (k % 16) / 4, i = k % 4;
+  return {320 + ((3 * g + (slot < 3 ? slot : 0)) * 16 + r) * 4 + i, slot};
 }
 constexpr int64_t kQ6Vector = 64;
 

@@ -19,13 +19,11 @@
 //     [0, 32)      fp16 d[16]
 //     [32, 64)     zero padding
 //     [64, 320)    i8 sc[8][16][2]       pair e, lane r: the int8 scales of 16-weight groups 2e, 2e + 1
-//     [320, 3392)  u8 q[16][3][16][4]    (step s = 4p + tt, vector v, r, i), one stream in the
-//                  order the kernel reads it. Step s covers 4 weights of each of the 4 groups of
-//                  the 64 weights 64p ..: slot 2a + h is weight w = 64p + 32h + 4(tt + 4a) + i
-//                  (group 4p + 2h + a). Vector v < 3: bits 0-5 = u[w] of slot v, bits 6-7 =
-//                  bits 2v .. 2v + 1 of u[w] of slot 3: a step's 4 vectors of quants in 9 ops
-//                  (three masks; three shifts, two bit selects and a mask for slot 3), read in
-//                  one sequential stream
+//     [320, 3392)  u8 q[16][3][16][4]    (group g, vector v, r, i), one stream in the order the
+//                  kernel reads it: the 16 weights of group g as 4 slots t (weight 16g + 4t + i).
+//                  Vector v < 3: bits 0-5 = u of slot v, bits 6-7 = bits 2v .. 2v + 1 of u of
+//                  slot 3: a group's 4 vectors of quants in 9 ops (three masks; three shifts,
+//                  two bit selects and a mask for slot 3)
 // The 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; K a multiple of 64): one chunk per two
 // file blocks (64 weights, blocks 2c and 2c + 1 = b0, b1) of the 16 rows, every field lane by
 // lane, so that the chunk and each of its 64-byte vectors sit on whole cache lines:

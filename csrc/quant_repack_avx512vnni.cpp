@@ -124,7 +124,7 @@ inline __m512i select_bits(__m512i mask, __m512i a, __m512i b) {
   return _mm512_ternarylogic_epi32(a, b, mask, 0xE4);
 }
 
-// The 4 vectors of 6-bit quants of a Q6_K_R16 step (quant_repack.h) from its 3 vectors: slots
+// The 4 vectors of 6-bit quants of a Q6_K_R16 group (quant_repack.h) from its 3 vectors: slots
 // 0-2 are bits 0-5 of vectors 0-2, slot 3's three bit pairs sit in their bits 6-7. The 16-bit
 // shifts move bits 6-7 of both bytes of a lane to bits 0-1 / 2-3 / 4-5 of the same byte; what
 // they bring in from the neighbouring byte lands in bits the selects and the mask drop.
@@ -139,33 +139,19 @@ inline void q6_step_quants(const uint8_t* q, __m512i* u) {
   u[3] = _mm512_and_si512(select_bits(low4, ab, _mm512_srli_epi16(c, 2)), six);
 }
 
-// Q6_K, the 64 weights 64P .. of block c, for MB rows of x: 4 steps of the 4 groups 4P + 2h + a
-// (slot 2a + h), their sums times their scales into isum.
-template <int MB, int P>
-inline void q6_pair(const uint8_t* ch, const XRow* x, int64_t c, __m512i* isum) {
-  constexpr int kXAt[4] = {0, 32, 16, 48};  // slot 2a + h: x quants 32h + 16a past the step's
-  __m512i s[4][MB];
-  for (int v = 0; v < 4; ++v)
-    for (int i = 0; i < MB; ++i) s[v][i] = _mm512_setzero_si512();
-  for (int tt = 0; tt < 4; ++tt) {
-    __m512i u[4];
-    q6_step_quants(ch + 320 + (4 * P + tt) * 192, u);
-    for (int i = 0; i < MB; ++i) {
-      const int8_t* q = x[i].q + 256 * c + 64 * P + 4 * tt;
-      for (int v = 0; v < 4; ++v) s[v][i] = _mm512_dpbusd_epi32(s[v][i], u[v], bcast4(q + kXAt[v]));
-    }
+// Q6_K, group g (16 weights) of block c for MB rows of x: the group's integer dot times its
+// scale into isum (one accumulator per row: a 4-row tile fits in registers).
+template <int MB>
+inline void q6_group_dot(const uint8_t* ch, const XRow* x, int64_t c, int g, __m512i sc,
+                         __m512i* isum) {
+  __m512i u[4];
+  q6_step_quants(ch + 320 + 192 * g, u);
+  for (int i = 0; i < MB; ++i) {
+    const int8_t* q = x[i].q + 256 * c + 16 * g;
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], bcast4(q));
+    for (int t = 1; t < 4; ++t) s = _mm512_dpbusd_epi32(s, u[t], bcast4(q + 4 * t));
+    isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(s, sc));
   }
-  // Groups 4P, 4P + 1 (slots 0, 2): scale pair 2P; 4P + 2, 4P + 3 (slots 1, 3): pair 2P + 1.
-  const __m512i pair0 = pairs_i8(ch + 64 + 32 * (2 * P)),
-                pair1 = pairs_i8(ch + 64 + 32 * (2 * P + 1));
-  const __m512i sc[4] = {even_member(pair0), even_member(pair1), odd_member(pair0),
-                         odd_member(pair1)};
-  for (int i = 0; i < MB; ++i)
-    isum[i] = _mm512_add_epi32(
-        isum[i], _mm512_add_epi32(_mm512_add_epi32(_mm512_mullo_epi32(s[0][i], sc[0]),
-                                                   _mm512_mullo_epi32(s[1][i], sc[1])),
-                                  _mm512_add_epi32(_mm512_mullo_epi32(s[2][i], sc[2]),
-                                                   _mm512_mullo_epi32(s[3][i], sc[3]))));
 }
 
 // Q6_K: MB rows of x against one group, all K.
@@ -176,13 +162,11 @@ void q6_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
     if constexpr (MB > 1) prefetch_ahead<16 * 212>(ch);
     __m512i isum[MB], corr[MB];
     for (int i = 0; i < MB; ++i) isum[i] = corr[i] = _mm512_setzero_si512();
-    q6_pair<MB, 0>(ch, x, c, isum);
-    q6_pair<MB, 1>(ch, x, c, isum);
-    q6_pair<MB, 2>(ch, x, c, isum);
-    q6_pair<MB, 3>(ch, x, c, isum);
-    // wq = u - 32: I = sum_g sc[g] * (dot_u - 32 * sum of the group's 16 quants).
-    for (int e = 0; e < 8; ++e) {
+    for (int e = 0; e < 8; ++e) {  // scale pair e: groups 2e, 2e + 1
       const __m512i sc = pairs_i8(ch + 64 + 32 * e);
+      q6_group_dot<MB>(ch, x, c, 2 * e, even_member(sc), isum);
+      q6_group_dot<MB>(ch, x, c, 2 * e + 1, odd_member(sc), isum);
+      // wq = u - 32: I = sum_g sc[g] * (dot_u - 32 * sum of the group's 16 quants).
       for (int i = 0; i < MB; ++i)
         corr[i] = _mm512_dpwssd_epi32(corr[i], sc, bcast4(x[i].bsum16 + 16 * c + 2 * e));
     }

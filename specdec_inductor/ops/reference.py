@@ -555,10 +555,9 @@ def quant_repack_ref(weight: Tensor, fmt) -> Tensor:
         parts = [_lanes(c[..., 0:2]), _lanes(c[..., 2:4]), _pairs(sc), _pairs(mn),
                  _quads(c[..., 16:144], 4)]
     else:
-        u = _q6_quants(flat).reshape(g, 16, nb, 4, 2, 2, 4, 4)  # [G, 16, nb, p, h, a, tt, i]
-        split = u[:, :, :, :, 1, 1]  # slot 3 (h = a = 1): [G, 16, nb, p, tt, i]
-        slots = [u[:, :, :, :, 0, 0], u[:, :, :, :, 1, 0], u[:, :, :, :, 0, 1]]  # slots 0-2
-        q = torch.stack([s | ((split >> 2 * v) & 3) << 6 for v, s in enumerate(slots)], -2)  # [G, 16, nb, p, tt, v, i]
+        u = _q6_quants(flat).reshape(g, 16, nb, 16, 4, 4)  # [G, 16, nb, group, slot, i]
+        split = u[..., 3, :]  # slot 3, its bits over the top bits of slots 0-2's bytes
+        q = torch.stack([u[..., v, :] | ((split >> 2 * v) & 3) << 6 for v in range(3)], -2)  # [G, 16, nb, group, v, i]
         parts = [_lanes(c[..., 208:210]), torch.zeros(g, nb, 32, dtype=torch.int64),  # padding
                  _pairs(c[..., 192:208]), _quads(q.reshape(g, 16, nb, -1), 6)]
     out = torch.cat([p.reshape(g, nb, -1) for p in parts], -1)  # [G, nb, chunk]
@@ -588,12 +587,9 @@ def quant_unpack_ref(weight: Tensor, fmt) -> Tensor:
         blocks = torch.cat([d, dmin, scales, unquads(ch[..., 320:2368], 4)], -1)
     else:
         d, sc = rows(ch[..., 0:32]), unpairs(ch[..., 64:320], 16)
-        q = unquads(ch[..., 320:3392], 6).reshape(g, 16, nb, 4, 4, 3, 4)  # [G, 16, nb, p, tt, v, i]
-        low = q & 63  # slots 0-2
-        split = sum((q[..., v, :] >> 6) << 2 * v for v in range(3))  # slot 3: [G, 16, nb, p, tt, i]
-        h0 = torch.stack([low[..., 0, :], low[..., 2, :]], -3)  # [G, 16, nb, p, a, tt, i]
-        h1 = torch.stack([low[..., 1, :], split], -3)
-        u = torch.stack([h0, h1], -4).reshape(-1, 256)  # [.., p, h, a, tt, i]: weight 64p + 32h + 4(4a + tt) + i
+        q = unquads(ch[..., 320:3392], 6).reshape(g, 16, nb, 16, 3, 4)  # [G, 16, nb, group, v, i]
+        split = sum((q[..., v, :] >> 6) << 2 * v for v in range(3))  # slot 3: [G, 16, nb, group, i]
+        u = torch.cat([q & 63, split[..., None, :]], -2).reshape(-1, 256)  # [.., group, slot, i]
         blocks = torch.cat([_q6_file_quants(u).reshape(g, 16, nb, 192), sc, d], -1)
     return blocks.reshape(g * 16, -1).to(torch.uint8)
 
