@@ -43,7 +43,7 @@ void q6_set_quants(const uint8_t* u, uint8_t* p) {
 }
 
 // Where a Q6_K_R16 chunk keeps weight k's 6-bit quant in lane r (quant_repack.h): the byte
-// offset of its step vector `slot` for slot 0..2 (the quant in bits 0-5), or of vector 0 for
+// offset of its group vector `slot` for slot 0..2 (the quant in bits 0-5), or of vector 0 for
 // slot 3 (its bits 2s .. 2s + 1 in bits 6-7 of vector s, s = 0..2).
 struct Q6Place {
   int64_t at;

@@ -128,7 +128,7 @@ inline __m512i select_bits(__m512i mask, __m512i a, __m512i b) {
 // 0-2 are bits 0-5 of vectors 0-2, slot 3's three bit pairs sit in their bits 6-7. The 16-bit
 // shifts move bits 6-7 of both bytes of a lane to bits 0-1 / 2-3 / 4-5 of the same byte; what
 // they bring in from the neighbouring byte lands in bits the selects and the mask drop.
-inline void q6_step_quants(const uint8_t* q, __m512i* u) {
+inline void q6_group_quants(const uint8_t* q, __m512i* u) {
   const __m512i six = _mm512_set1_epi8(63), low2 = _mm512_set1_epi8(3), low4 = _mm512_set1_epi8(15);
   const __m512i a = _mm512_loadu_si512(q), b = _mm512_loadu_si512(q + 64),
                 c = _mm512_loadu_si512(q + 128);
@@ -145,7 +145,7 @@ template <int MB>
 inline void q6_group_dot(const uint8_t* ch, const XRow* x, int64_t c, int g, __m512i sc,
                          __m512i* isum) {
   __m512i u[4];
-  q6_step_quants(ch + 320 + 192 * g, u);
+  q6_group_quants(ch + 320 + 192 * g, u);
   for (int i = 0; i < MB; ++i) {
     const int8_t* q = x[i].q + 256 * c + 16 * g;
     __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], bcast4(q));
