@@ -42,16 +42,18 @@ void q6_set_quants(const uint8_t* u, uint8_t* p) {
   }
 }
 
-// Byte offset in a Q6_K_R16 chunk of lane r's ql / qh byte for weight k (and the qh bit shift).
-int64_t q6_ql_at(int k, int r) {
-  const int p = k / 64, t = (k % 32) / 4, i = k % 4;
-  return 320 + ((p * 8 + t) * 16 + r) * 4 + i;
+// Where a Q6_K_R16 chunk keeps weight k's 6-bit quant in lane r (quant_repack.h): the byte
+// offset of its group vector `slot` for slot 0..2 (the quant in bits 0-5), or of vector 0 for
+// slot 3 (its bits 2s .. 2s + 1 in bits 6-7 of vector s, s = 0..2).
+struct Q6Place {
+  int64_t at;
+  int slot;
+};
+Q6Place q6_place(int k, int r) {
+  const int g = k / 16, slot = (k % 16) / 4, i = k % 4;
+  return {320 + ((3 * g + (slot < 3 ? slot : 0)) * 16 + r) * 4 + i, slot};
 }
-int64_t q6_qh_at(int k, int r, int* shift) {
-  const int p = k / 64, h = (k % 64) / 32, t = (k % 32) / 4, i = k % 4;
-  *shift = 2 * (2 * (p % 2) + h);
-  return 2368 + (((p / 2) * 8 + t) * 16 + r) * 4 + i;
-}
+constexpr int64_t kQ6Vector = 64;
 
 void q4_repack_block(const uint8_t* const* rows, uint8_t* c) {
   for (int r = 0; r < 16; ++r) {
@@ -85,7 +87,7 @@ void q4_unpack_block(const uint8_t* c, int r, uint8_t* p) {
 }
 
 void q6_repack_block(const uint8_t* const* rows, uint8_t* c) {
-  std::memset(c, 0, kQ6Chunk);  // the quants' bits are or-ed in; the padding stays zero
+  std::memset(c, 0, kQ6Chunk);  // the split quants' bits are or-ed in; the padding stays zero
   uint8_t u[256];
   for (int r = 0; r < 16; ++r) {
     const uint8_t* p = rows[r];
@@ -93,10 +95,13 @@ void q6_repack_block(const uint8_t* const* rows, uint8_t* c) {
     for (int g = 0; g < 16; ++g) c[64 + (g / 2) * 32 + 2 * r + g % 2] = p[192 + g];
     q6_quants(p, u);
     for (int k = 0; k < 256; ++k) {
-      const int64_t lo_shift = ((k % 64) / 32) * 4;
-      int shift;
-      c[q6_ql_at(k, r)] |= static_cast<uint8_t>((u[k] & 15) << lo_shift);
-      c[q6_qh_at(k, r, &shift)] |= static_cast<uint8_t>((u[k] >> 4) << shift);
+      const Q6Place w = q6_place(k, r);
+      if (w.slot < 3) {
+        c[w.at] |= u[k];
+      } else {
+        for (int s = 0; s < 3; ++s)
+          c[w.at + s * kQ6Vector] |= static_cast<uint8_t>(((u[k] >> 2 * s) & 3) << 6);
+      }
     }
   }
 }
@@ -104,11 +109,14 @@ void q6_repack_block(const uint8_t* const* rows, uint8_t* c) {
 void q6_unpack_block(const uint8_t* c, int r, uint8_t* p) {
   uint8_t u[256];
   for (int k = 0; k < 256; ++k) {
-    const int lo_shift = ((k % 64) / 32) * 4;
-    int shift;
-    const int lo = (c[q6_ql_at(k, r)] >> lo_shift) & 15;
-    const int hi = (c[q6_qh_at(k, r, &shift)] >> shift) & 3;
-    u[k] = static_cast<uint8_t>(lo | hi << 4);
+    const Q6Place w = q6_place(k, r);
+    int v = 0;
+    if (w.slot < 3) {
+      v = c[w.at] & 63;
+    } else {
+      for (int s = 0; s < 3; ++s) v |= (c[w.at + s * kQ6Vector] >> 6) << 2 * s;
+    }
+    u[k] = static_cast<uint8_t>(v);
   }
   q6_set_quants(u, p);
   for (int g = 0; g < 16; ++g) p[192 + g] = c[64 + (g / 2) * 32 + 2 * r + g % 2];

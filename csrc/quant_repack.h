@@ -19,10 +19,11 @@
 //     [0, 32)      fp16 d[16]
 //     [32, 64)     zero padding
 //     [64, 320)    i8 sc[8][16][2]       pair e, lane r: the int8 scales of 16-weight groups 2e, 2e + 1
-//     [320, 2368)  u8 ql[4][8][16][4]    (p, t, r, i): low nibble u[64p + 4t + i] & 15, high nibble
-//                  u[64p + 32 + 4t + i] & 15
-//     [2368, 3392) u8 qh[2][8][16][4]    (c, t, r, i): bits 2(2a + h) .. +1 = u[64p + 32h + 4t + i] >> 4
-//                  for p = 2c + a (a, h in {0, 1})
+//     [320, 3392)  u8 q[16][3][16][4]    (group g, vector v, r, i), one stream in the order the
+//                  kernel reads it: the 16 weights of group g as 4 slots t (weight 16g + 4t + i).
+//                  Vector v < 3: bits 0-5 = u of slot v, bits 6-7 = bits 2v .. 2v + 1 of u of
+//                  slot 3: a group's 4 vectors of quants in 9 ops (three masks; three shifts,
+//                  two bit selects and a mask for slot 3)
 // The 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; K a multiple of 64): one chunk per two
 // file blocks (64 weights, blocks 2c and 2c + 1 = b0, b1) of the 16 rows, every field lane by
 // lane, so that the chunk and each of its 64-byte vectors sit on whole cache lines:

@@ -4,7 +4,7 @@
 // per sub-block (32 weights Q4_K, 16 Q6_K) its sum times the lane's integer scale (vpmulld)
 // into the block's integer sum; per 256 weights one convert and one FMA (d * d_x) per lane, plus
 // one for the Q4_K mins (an integer sum of mn * 32-quant sums, vpdpwssd). Up to 4 rows of x share
-// each unpacked weight vector (the unpacking is ~1.5 ops per 64 bytes for Q4_K, ~4.5 for Q6_K).
+// each unpacked weight vector (the unpacking is ~1.5 ops per 64 bytes for Q4_K, 3 for Q6_K).
 // The 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): per x row, block and 16 rows the exact
 // integer dot of the block (8 vpdpbusd: 4 weights x 16 rows each, started at -offset * the
 // block's quant sum), then one convert and one FMA by d * d_x per lane, plus one FMA for the
@@ -58,12 +58,11 @@ inline void prefetch_chunk(const uint8_t* chunk) {
     _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * kChunk + off), kHint);
 }
 
-// The chunk two blocks ahead into L1: the unpacking reads a chunk in two streams (Q6_K: low and
-// high bits), which the hardware prefetchers alone leave latency-bound on a single thread once a
-// few rows of x make it slow per byte. At one row of x the K formats stream faster than that
-// from huge pages, and a prefetch per cache line into L1 takes load slots and L1 miss buffers
-// from the hardware prefetchers: Q4_K (one stream of quants) then takes none, Q6_K the chunk
-// four blocks ahead into L2 (benchmarks/RESULTS.md).
+// The chunk two blocks ahead into L1, for the tiles of several rows of x (slower per byte, so
+// latency-bound on the hardware prefetchers alone on a single thread). At one row of x both K
+// layouts are one sequential stream per group, which the hardware prefetchers keep at decode
+// speed from huge pages; a prefetch per cache line would only take load slots and L1 miss
+// buffers from them, so that tile takes none (benchmarks/RESULTS.md).
 template <int64_t kChunk>
 inline void prefetch_ahead(const uint8_t* chunk) {
   prefetch_chunk<kChunk, 2, _MM_HINT_T0>(chunk);
@@ -120,49 +119,38 @@ void q4_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) 
   }
 }
 
-// Bits 2 * sel .. + 1 of each byte moved to bits 4-5 (other bits cleared). 16-bit shifts: the
-// bits that cross into the neighbouring byte land outside 0x30.
-template <int kSel>
-inline __m512i q6_high_bits(__m512i v) {
-  const __m512i mask = _mm512_set1_epi8(0x30);
-  if constexpr (kSel < 2)
-    return _mm512_and_si512(_mm512_slli_epi16(v, 4 - 2 * kSel), mask);
-  else if constexpr (kSel == 2)
-    return _mm512_and_si512(v, mask);
-  else
-    return _mm512_and_si512(_mm512_srli_epi16(v, 2), mask);
+// Bit select, per bit: mask ? a : b.
+inline __m512i select_bits(__m512i mask, __m512i a, __m512i b) {
+  return _mm512_ternarylogic_epi32(a, b, mask, 0xE4);
 }
 
-// Q6_K, pair P of 64 weights of block c, for MB rows of x: per half th of each 32 (quads
-// t = 4th .. 4th + 3), the 16-weight groups 4P + th (half 0) and 4P + 2 + th (half 1), their
-// sums times their scales into isum.
-template <int MB, int P>
-inline void q6_pair(const uint8_t* ch, const XRow* x, int64_t c, __m512i* isum) {
-  const __m512i nib = _mm512_set1_epi8(15);
-  constexpr int kSel = 2 * (P % 2);  // qh bits of half 0; half 1's are the next two
-  for (int th = 0; th < 2; ++th) {
-    __m512i s0[MB], s1[MB];
-    for (int i = 0; i < MB; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
-    for (int t = 4 * th; t < 4 * th + 4; ++t) {
-      const __m512i l = _mm512_loadu_si512(ch + 320 + (P * 8 + t) * 64);
-      const __m512i h = _mm512_loadu_si512(ch + 2368 + ((P / 2) * 8 + t) * 64);
-      const __m512i u0 = _mm512_or_si512(_mm512_and_si512(l, nib), q6_high_bits<kSel>(h));
-      const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), nib),
-                                         q6_high_bits<kSel + 1>(h));
-      for (int i = 0; i < MB; ++i) {
-        const int8_t* q = x[i].q + 256 * c + 64 * P + 4 * t;
-        s0[i] = _mm512_dpbusd_epi32(s0[i], u0, bcast4(q));
-        s1[i] = _mm512_dpbusd_epi32(s1[i], u1, bcast4(q + 32));
-      }
-    }
-    // Groups 4P + th and 4P + 2 + th: members th of scale pairs 2P and 2P + 1.
-    const __m512i pair0 = pairs_i8(ch + 64 + 32 * (2 * P)),
-                  pair1 = pairs_i8(ch + 64 + 32 * (2 * P + 1));
-    const __m512i sc0 = th ? odd_member(pair0) : even_member(pair0);
-    const __m512i sc1 = th ? odd_member(pair1) : even_member(pair1);
-    for (int i = 0; i < MB; ++i)
-      isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(s0[i], sc0),
-                                                           _mm512_mullo_epi32(s1[i], sc1)));
+// The 4 vectors of 6-bit quants of a Q6_K_R16 group (quant_repack.h) from its 3 vectors: slots
+// 0-2 are bits 0-5 of vectors 0-2, slot 3's three bit pairs sit in their bits 6-7. The 16-bit
+// shifts move bits 6-7 of both bytes of a lane to bits 0-1 / 2-3 / 4-5 of the same byte; what
+// they bring in from the neighbouring byte lands in bits the selects and the mask drop.
+inline void q6_group_quants(const uint8_t* q, __m512i* u) {
+  const __m512i six = _mm512_set1_epi8(63), low2 = _mm512_set1_epi8(3), low4 = _mm512_set1_epi8(15);
+  const __m512i a = _mm512_loadu_si512(q), b = _mm512_loadu_si512(q + 64),
+                c = _mm512_loadu_si512(q + 128);
+  u[0] = _mm512_and_si512(a, six);
+  u[1] = _mm512_and_si512(b, six);
+  u[2] = _mm512_and_si512(c, six);
+  const __m512i ab = select_bits(low2, _mm512_srli_epi16(a, 6), _mm512_srli_epi16(b, 4));
+  u[3] = _mm512_and_si512(select_bits(low4, ab, _mm512_srli_epi16(c, 2)), six);
+}
+
+// Q6_K, group g (16 weights) of block c for MB rows of x: the group's integer dot times its
+// scale into isum (one accumulator per row: a 4-row tile fits in registers).
+template <int MB>
+inline void q6_group_dot(const uint8_t* ch, const XRow* x, int64_t c, int g, __m512i sc,
+                         __m512i* isum) {
+  __m512i u[4];
+  q6_group_quants(ch + 320 + 192 * g, u);
+  for (int i = 0; i < MB; ++i) {
+    const int8_t* q = x[i].q + 256 * c + 16 * g;
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], bcast4(q));
+    for (int t = 1; t < 4; ++t) s = _mm512_dpbusd_epi32(s, u[t], bcast4(q + 4 * t));
+    isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(s, sc));
   }
 }
 
@@ -171,19 +159,14 @@ template <int MB>
 void q6_group(const uint8_t* group, int64_t blocks, const XRow* x, __m512* acc) {
   for (int64_t c = 0; c < blocks; ++c) {
     const uint8_t* ch = group + c * (16 * 212);
-    if constexpr (MB > 1)
-      prefetch_ahead<16 * 212>(ch);
-    else
-      prefetch_chunk<16 * 212, 4, _MM_HINT_T1>(ch);
+    if constexpr (MB > 1) prefetch_ahead<16 * 212>(ch);
     __m512i isum[MB], corr[MB];
     for (int i = 0; i < MB; ++i) isum[i] = corr[i] = _mm512_setzero_si512();
-    q6_pair<MB, 0>(ch, x, c, isum);
-    q6_pair<MB, 1>(ch, x, c, isum);
-    q6_pair<MB, 2>(ch, x, c, isum);
-    q6_pair<MB, 3>(ch, x, c, isum);
-    // wq = u - 32: I = sum_g sc[g] * (dot_u - 32 * sum of the group's 16 quants).
-    for (int e = 0; e < 8; ++e) {
+    for (int e = 0; e < 8; ++e) {  // scale pair e: groups 2e, 2e + 1
       const __m512i sc = pairs_i8(ch + 64 + 32 * e);
+      q6_group_dot<MB>(ch, x, c, 2 * e, even_member(sc), isum);
+      q6_group_dot<MB>(ch, x, c, 2 * e + 1, odd_member(sc), isum);
+      // wq = u - 32: I = sum_g sc[g] * (dot_u - 32 * sum of the group's 16 quants).
       for (int i = 0; i < MB; ++i)
         corr[i] = _mm512_dpwssd_epi32(corr[i], sc, bcast4(x[i].bsum16 + 16 * c + 2 * e));
     }

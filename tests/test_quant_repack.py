@@ -13,8 +13,9 @@ from specdec_inductor.ops.quant import (QuantActivation, QuantFormat, file_forma
                                         quant_block, quant_dequantize, quant_embedding,
                                         quant_linear, quant_linear_cat, quant_repack,
                                         quant_row_bytes, repacked_format)
-from specdec_inductor.ops.reference import (quant_dequantize_ref, quant_linear_int8_terms_ref,
-                                            quant_repack_ref, quant_unpack_ref)
+from specdec_inductor.ops.reference import (_q6_file_quants, quant_dequantize_ref,
+                                            quant_linear_int8_terms_ref, quant_repack_ref,
+                                            quant_unpack_ref)
 from test_quant import (PATHS, _int8_x, _saturating_weight, _saturating_x, assert_one_thread_equals_all, bits,
                         check_int8_rows_alone_equal_batches, int8_kernel_of, random_weight)
 
@@ -146,6 +147,36 @@ def test_long_rows(base, path):
             assert torch.equal(quant_linear(x[:rows], r, fmt, activation=INT8), alone[:rows]), rows
     ref, magnitude = quant_linear_int8_terms_ref(x, w, base)
     assert ((alone.double() - ref).abs() <= bound(base, k, magnitude)).all()
+
+
+def _q6_one_quant_per_row(n):
+    """Q6_K file rows [n, 210] (K = 256) whose quants are all u = 32 (wq = 0) but weight n's of
+    row n: 0, 63, 1 or 62 by turns (every bit pattern of the low, middle and high bits), 16
+    distinct nonzero scales, d = 1."""
+    u = torch.full((n, 256), 32, dtype=torch.int64)
+    rows = torch.arange(n)
+    u[rows, rows % 256] = torch.tensor([0, 63, 1, 62])[rows % 4]
+    scales = ((torch.arange(16) + 1) * (1 - 2 * (torch.arange(16) % 2))).repeat(n, 1) & 255  # 1, -2, 3, ...
+    d = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8).long().repeat(n, 1)
+    return torch.cat([_q6_file_quants(u), scales, d], 1).to(torch.uint8)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_q6_every_weight_position_reaches_its_row(path):
+    """Q6_K_R16 keeps each of a block's 256 quants in one of 4 slots per step (slot 3 split over
+    the top bits of three bytes): a weight whose quant alone is nonzero, at every position,
+    meets its own activation quant and scale, M = 1..8, against the fp64 definition."""
+    w = _q6_one_quant_per_row(256)
+    r, fmt = quant_repack(w, QuantFormat.Q6_K), QuantFormat.Q6_K_R16
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3))  # [8, K]
+    ref, magnitude = quant_linear_int8_terms_ref(x, w, QuantFormat.Q6_K)  # [8, 256]
+    assert (ref != 0).sum() > 0.9 * ref.numel()  # most activation quants nonzero
+    specdec_inductor.reset_kernel_path_counts()
+    with specdec_inductor.forced_isa(path):
+        for m in range(1, 9):
+            out = quant_linear(x[:m], r, fmt, activation=INT8)
+            assert ((out.double() - ref[:m]).abs() <= bound(QuantFormat.Q6_K, 256, magnitude[:m])).all(), m
+    assert specdec_inductor.kernel_path_counts() == {f"quant_linear_int8_r16:{r16_kernel_of(path)}": 8}
 
 
 def test_int8_path_names_the_kernel_that_runs():

@@ -67,11 +67,10 @@ def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
     return np.arange(num_rows).reshape(num_heads, dim, 2).swapaxes(2, 1).reshape(num_rows)
 
 
-# File formats repacked at load for INT8 on VNNI. Q6_K_R16 exists and is exact, but its kernel
-# read Q6_K at 0.55-0.7x the file layout's speed at one row (1.1-1.5x at 8; docs/decisions.md),
-# so Q6_K layers keep the file's rows.
+# File formats repacked at load for INT8 on VNNI (docs/decisions.md: Q6_K_R16 reads about as fast
+# as the file layout at one row of x, 0.75-1.25x by shape, and 1.2-2.4x faster at 2-8 rows).
 REPACKED_AT_LOAD = (QuantFormat.Q4_0, QuantFormat.Q4_1, QuantFormat.Q5_0, QuantFormat.Q5_1,
-                    QuantFormat.Q8_0, QuantFormat.Q4_K)
+                    QuantFormat.Q8_0, QuantFormat.Q4_K, QuantFormat.Q6_K)
 
 
 def kernel_layout(weight: Tensor, fmt, activation) -> Tuple[Tensor, QuantFormat]:

@@ -555,13 +555,11 @@ def quant_repack_ref(weight: Tensor, fmt) -> Tensor:
         parts = [_lanes(c[..., 0:2]), _lanes(c[..., 2:4]), _pairs(sc), _pairs(mn),
                  _quads(c[..., 16:144], 4)]
     else:
-        u = _q6_quants(flat).reshape(g, 16, nb, 4, 2, 8, 4)  # [G, 16, nb, p, half, t, i]
-        ql = (u[:, :, :, :, 0] & 15) | (u[:, :, :, :, 1] & 15) << 4  # [G, 16, nb, p, t, i]
-        hi = (u >> 4).reshape(g, 16, nb, 2, 2, 2, 8, 4)  # [G, 16, nb, c, a, h, t, i]
-        qh = sum(hi[:, :, :, :, a, h] << 2 * (2 * a + h) for a in range(2) for h in range(2))
+        u = _q6_quants(flat).reshape(g, 16, nb, 16, 4, 4)  # [G, 16, nb, group, slot, i]
+        split = u[..., 3, :]  # slot 3, its bits over the top bits of slots 0-2's bytes
+        q = torch.stack([u[..., v, :] | ((split >> 2 * v) & 3) << 6 for v in range(3)], -2)  # [G, 16, nb, group, v, i]
         parts = [_lanes(c[..., 208:210]), torch.zeros(g, nb, 32, dtype=torch.int64),  # padding
-                 _pairs(c[..., 192:208]), _quads(ql.reshape(g, 16, nb, -1), 4),
-                 _quads(qh.reshape(g, 16, nb, -1), 2)]
+                 _pairs(c[..., 192:208]), _quads(q.reshape(g, 16, nb, -1), 6)]
     out = torch.cat([p.reshape(g, nb, -1) for p in parts], -1)  # [G, nb, chunk]
     return out.reshape(g, -1).to(torch.uint8)
 
@@ -589,12 +587,9 @@ def quant_unpack_ref(weight: Tensor, fmt) -> Tensor:
         blocks = torch.cat([d, dmin, scales, unquads(ch[..., 320:2368], 4)], -1)
     else:
         d, sc = rows(ch[..., 0:32]), unpairs(ch[..., 64:320], 16)
-        ql = unquads(ch[..., 320:2368], 4).reshape(g, 16, nb, 4, 1, 8, 4)
-        qh = unquads(ch[..., 2368:3392], 2).reshape(g, 16, nb, 2, 1, 1, 8, 4)
-        lo = torch.cat([ql & 15, ql >> 4], 4)  # [G, 16, nb, p, half, t, i]
-        shifts = (2 * (2 * torch.arange(2)[:, None] + torch.arange(2))).reshape(1, 1, 1, 1, 2, 2, 1, 1)
-        hi = ((qh >> shifts) & 3).reshape(g, 16, nb, 4, 2, 8, 4)  # [G, 16, nb, p (= 2c + a), h, t, i]
-        u = (lo | hi << 4).reshape(-1, 256)
+        q = unquads(ch[..., 320:3392], 6).reshape(g, 16, nb, 16, 3, 4)  # [G, 16, nb, group, v, i]
+        split = sum((q[..., v, :] >> 6) << 2 * v for v in range(3))  # slot 3: [G, 16, nb, group, i]
+        u = torch.cat([q & 63, split[..., None, :]], -2).reshape(-1, 256)  # [.., group, slot, i]
         blocks = torch.cat([_q6_file_quants(u).reshape(g, 16, nb, 192), sc, d], -1)
     return blocks.reshape(g * 16, -1).to(torch.uint8)
 
