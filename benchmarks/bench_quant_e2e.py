@@ -266,22 +266,34 @@ def build_methods(args, model, engine):
     return methods
 
 
-def compare_rows(recorder, engine, methods, kind, ids, max_new_tokens):
-    """Prints, per method, how many verify rows reproduce our AR's decode logits bitwise."""
-    recorder.rows, recorder.on = [], True
-    ar = engine.generate([ids], max_new_tokens)[0]
-    ar_rows = recorder.rows
-    for label, spec in methods.items():
-        recorder.rows = []
-        spec.one_program = False  # verify through engine.verify, where the recorder sees it
-        try:
+def compare_rows(recorders, engine, methods, kind, ids, max_new_tokens):
+    """Prints, per method, how many verify rows of the method's own target Engine (EAGLE-3
+    steps a capture_hidden one) reproduce our AR's decode logits bitwise. recorders: one
+    RowRecorder per Engine, made on first use."""
+    def recorder(e):
+        if e not in recorders:
+            recorders[e] = RowRecorder(e)
+        return recorders[e]
+
+    # Steps through engine.decode / engine.verify, where the recorders see them (the plain
+    # generate inside Engine.generate is a SpeculativeGenerator too).
+    SpeculativeGenerator.one_program = False
+    try:
+        rec = recorder(engine)
+        rec.rows, rec.on = [], True
+        ar = engine.generate([ids], max_new_tokens)[0]
+        ar_rows, rec.on = rec.rows, False
+        for label, spec in methods.items():
+            rec = recorder(spec.engine)
+            rec.rows, rec.on = [], True
             out = spec.generate([ids], max_new_tokens)[0]
-        finally:
-            spec.one_program = True
-        same, different, worst = recorder.compare(ar_rows, recorder.rows, ids + ar)
-        print(f"# {kind} {label}: verify rows == decode rows bitwise: {same}, different: "
-              f"{different} (largest |logit difference| {worst:.3g}); tokens == AR: {out == ar}")
-    recorder.on = False
+            rec.on = False
+            same, different, worst = rec.compare(ar_rows, rec.rows, ids + ar)
+            print(f"# {kind} {label}: verify rows == decode rows bitwise: {same}, different: "
+                  f"{different} (largest |logit difference| {worst:.3g}); tokens == AR: "
+                  f"{out == ar}")
+    finally:
+        SpeculativeGenerator.one_program = True
 
 
 def int8_agreement(args):
@@ -440,7 +452,7 @@ def main():
         # any timed run: a size a warm-up generate never reached would otherwise compile inside
         # the first timed one.
         spec.compile_verify(sampled=False)
-    recorder = RowRecorder(engine) if args.compare_rows else None
+    recorders = {} if args.compare_rows else None
 
     bindir = None if args.no_llamacpp else llamacpp_bin(args.llamacpp_bin)
     print("| prompt | engine | tok/s | vs our AR | vs llama.cpp plain | accepted | tokens == our AR |")
@@ -452,8 +464,8 @@ def main():
         engine.generate([ids], 2)
         for spec in methods.values():
             spec.generate([ids], spec.proposer.num_draft_tokens + 2)
-        if recorder is not None:
-            compare_rows(recorder, engine, methods, kind, ids, args.max_new_tokens)
+        if recorders is not None:
+            compare_rows(recorders, engine, methods, kind, ids, args.max_new_tokens)
         rates = {}  # label -> [tok/s]
         accepted, same = {}, {}
         for _ in range(args.repeats):
