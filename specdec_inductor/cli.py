@@ -49,8 +49,7 @@ def proposer_config(args) -> ProposerConfig:
         method=method, num_draft_tokens=args.num_draft_tokens, topk=args.topk,
         depth=args.depth, draft_model=args.draft_model, draft_layers=args.draft_layers,
         draft_vocab=args.draft_vocab, draft_stop_below=args.draft_stop_below,
-        draft_dtype=args.draft_dtype, mtp_layer=args.mtp_layer,
-        lookup=lookup,
+        draft_dtype=args.draft_dtype, mtp_layer=args.mtp_layer, lookup=lookup,
         **({} if window is None else {"ngram_window": window}),
         target_model=args.model, dtype=args.dtype, dequantize=args.dequantize,
         quant_activations=args.quant_activations)
@@ -90,13 +89,6 @@ def make_proposer(args, engine=None):
         return registry.make_proposer(config, engine, log=lambda msg: _log(f"[specdec] {msg}"))
     except ProposerConfigError as exc:
         raise SystemExit(f"specdec: {_config_error(exc)}")
-
-
-def make_generator(args, engine):
-    """The SpeculativeGenerator of --method over `engine` (its verify sizes follow the
-    proposer: every size 1..N for chains that may end early, --draft-stop-below)."""
-    from specdec_inductor.speculative import SpeculativeGenerator
-    return SpeculativeGenerator(engine, make_proposer(args, engine))
 
 
 def machine_line() -> str:
@@ -168,9 +160,9 @@ def cmd_generate(args) -> int:
 
 def _generate_speculative(args, engine, tokenizer, prompt_ids, eos) -> int:
     from specdec_inductor.sampler import SamplingParams
-    from specdec_inductor.speculative import SpeculativeStats
+    from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    spec = make_generator(args, engine)
+    spec = SpeculativeGenerator(engine, make_proposer(args, engine))
     if engine.compiled:
         t0 = time.perf_counter()
         _log("[specdec] compiling the step programs (first run only)...")
@@ -266,13 +258,13 @@ def run_method_bench(args) -> dict:
     """--method: the speculative method vs our own compiled AR (same engine) on BENCH_PROMPTS,
     batch 1, greedy, exactly args.max_new_tokens tokens each (no eos stop)."""
     from specdec_inductor.engine.engine import GenerationStats
-    from specdec_inductor.speculative import SpeculativeStats
+    from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
     model, tokenizer = load_checked(args.model, DTYPES[args.dtype], args.dequantize,
                                     args.quant_activations)
     prompts = [encode(tokenizer, p, args.chat) for p in BENCH_PROMPTS[:args.num_prompts]]
     check_room(args, [len(p) for p in prompts])
     engine = build_engine(args, model)
-    spec = make_generator(args, engine)
+    spec = SpeculativeGenerator(engine, make_proposer(args, engine))
     t0 = time.perf_counter()
     engine.generate([prompts[0]], max_new_tokens=warm_up_tokens(args, 2))
     spec.compile_verify(sampled=False)  # greedy runs
