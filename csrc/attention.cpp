@@ -72,7 +72,7 @@ void attention_chunk_portable(const AttnChunk& c) {
   }
   std::fill(c.acc, c.acc + M * D, 0.0f);
   for (int64_t p = c.key_begin; p < c.key_end; ++p) {
-    const int64_t slot = c.slots[p * c.slot_stride];
+    const int64_t slot = key_slot(c, p);
     load_row(c.k, slot * c.k_stride_slot, c.dtype, D, k.data());
     load_row(c.v, slot * c.v_stride_slot, c.dtype, D, v.data());
     for (int64_t m = 0; m < M; ++m) {
@@ -99,15 +99,19 @@ void attention_chunk_portable(const AttnChunk& c) {
 namespace {
 
 // Rows of one (request, KV head, query-row block); its key range may be split into `splits`.
+// A PATH row's item (plan_items) also has vprefix (its keys before its own: prefix + depth) and
+// tail (the offset of its ancestors' slots in the call's tail slots); -1 otherwise.
 struct WorkItem {
   int64_t b, g, row0, rows, key_begin, key_end, splits, first_task;
+  int64_t vprefix = -1, tail = -1;
 };
 struct Task {
   int64_t item, key_begin, key_end;
 };
 
 constexpr int64_t kMaxQueriesPerChunk = 128;  // rows * heads of a chunk (acc [M, D] stays in L2)
-constexpr int64_t kMinSplitKeys = 256;        // a key-range split is never shorter than this
+constexpr int64_t kSplitKeys = 256;           // key-range cuts (split_key_ranges), a multiple of 64
+constexpr int64_t kFixedSplitRows = 64;       // calls of at most this many rows: fixed cuts
 constexpr int64_t kAmxMinQueries = 8;         // AMX kernel from this many queries per chunk
 
 void check_pool(const at::Tensor& pool, const char* name) {
@@ -253,7 +257,10 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_pool, const
 using ChunkKernel = void (*)(const AttnChunk&);
 
 // The chunk kernel of this call (see the file comment); *ran records its ISA.
-ChunkKernel choose_kernel(AttnDtype dtype, int64_t T, int64_t H, int64_t Hkv, int64_t D, Isa* ran) {
+// path_rows: the call has PATH rows (plan_items), which run as decode rows do: never on AMX, which
+// decode does not take either (and whose key loads read the slot table directly).
+ChunkKernel choose_kernel(AttnDtype dtype, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                          bool path_rows, Isa* ran) {
   const Isa isa = active_isa();
   ChunkKernel kernel = attention_chunk_portable;
   *ran = Isa::PORTABLE;
@@ -272,7 +279,7 @@ ChunkKernel choose_kernel(AttnDtype dtype, int64_t T, int64_t H, int64_t Hkv, in
 #ifdef SPECDEC_BUILT_AMX
   // AMX pads each chunk's queries to 16 tile rows; below kAmxMinQueries per chunk (decode:
   // one row times the GQA group) the AVX-512 kernel is faster.
-  if (isa == Isa::AMX && dtype == AttnDtype::BFLOAT16 && D % 32 == 0 &&
+  if (isa == Isa::AMX && !path_rows && dtype == AttnDtype::BFLOAT16 && D % 32 == 0 &&
       std::min(T, std::max<int64_t>(1, kMaxQueriesPerChunk / (H / Hkv))) * (H / Hkv) >=
           kAmxMinQueries) {
     kernel = attention_chunk_amx;
@@ -280,65 +287,170 @@ ChunkKernel choose_kernel(AttnDtype dtype, int64_t T, int64_t H, int64_t Hkv, in
   }
 #endif
   (void)isa;
+  (void)path_rows;
   return kernel;
 }
 
-// One work item per (request, KV head, block of query rows), each with the key range its rows
-// can see: up to the block's last row (causal) or all new keys (tree), from the block's first
-// in-window position on.
+// How plan_items runs one new row of a request.
+enum class RowKind : uint8_t {
+  CAUSAL,  // sees new keys [0, t] exactly (no tree, or a tree row on the first chain)
+  PATH,    // a tree row whose visible new keys are its ancestors, depth i at the i-th of them
+  OTHER,   // any other mask row: all new keys are read, the mask decides
+};
+
+// Each row's kind; for PATH rows, path[b * T + t] = the first index of its ancestors in
+// `ancestors` (which holds them in order, the row itself last), else -1.
+std::vector<RowKind> row_kinds(const uint8_t* tree, int64_t B, int64_t T,
+                               const std::vector<int64_t>& extend, std::vector<int64_t>& path,
+                               std::vector<int64_t>& ancestors) {
+  std::vector<RowKind> kinds(B * T, RowKind::CAUSAL);
+  path.assign(B * T, -1);
+  if (tree == nullptr) return kinds;
+  std::vector<int64_t> count(T);
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* tb = tree + b * T * T;
+    for (int64_t t = 0; t < extend[b]; ++t) {
+      count[t] = 0;
+      for (int64_t e = 0; e < extend[b]; ++e) count[t] += tb[t * T + e] != 0;
+    }
+    for (int64_t t = 0; t < extend[b]; ++t) {
+      const uint8_t* row = tb + t * T;
+      bool causal = true;
+      for (int64_t e = 0; e < extend[b] && causal; ++e) causal = (row[e] != 0) == (e <= t);
+      if (causal) continue;
+      // A path: the i-th visible key (in index order) sees exactly i + 1 keys, the last is t.
+      const int64_t start = static_cast<int64_t>(ancestors.size());
+      bool is_path = row[t] != 0;
+      for (int64_t e = 0; e <= t && is_path; ++e) {
+        if (!row[e]) continue;
+        is_path = count[e] == static_cast<int64_t>(ancestors.size()) - start + 1;
+        ancestors.push_back(e);
+      }
+      for (int64_t e = t + 1; e < extend[b] && is_path; ++e) is_path = row[e] == 0;
+      if (is_path) {
+        kinds[b * T + t] = RowKind::PATH;
+        path[b * T + t] = start;
+      } else {
+        ancestors.resize(start);
+        kinds[b * T + t] = RowKind::OTHER;
+      }
+    }
+  }
+  return kinds;
+}
+
+// First key index a chunk reads when its first query sits at token position `pos`: the window
+// start (a key's position never exceeds its index, so the cut by index is safe), rounded down
+// to a 64-key boundary so that every kernel's key blocks fall at the same
+// key indices whichever call a row comes in (the extra keys are outside the window, masked).
+int64_t first_key(int64_t pos, int64_t sliding_window) {
+  if (sliding_window <= 0) return 0;
+  return std::max<int64_t>(0, pos - sliding_window + 1) / 64 * 64;
+}
+
+// The work items of a call: per (request, KV head), runs of CAUSAL or OTHER rows in blocks of
+// up to rows_per_item, each with the key range its rows can see (up to the block's last row
+// for CAUSAL rows, all new keys for OTHER ones), from the block's first in-window position on;
+// and one item per PATH row, run as the decode step of its position would run: a one-row causal
+// chunk over prefix + depth keys whose keys past the prefix are the row's ancestors
+// (`tail_slots`). So a tree row reproduces its decode row bit for bit: the same keys in the same
+// order, key blocks and lanes, whatever else the tree holds (decode_attention is the one-row
+// causal case). `tails` receives the PATH rows' slots.
 std::vector<WorkItem> plan_items(int64_t B, int64_t T, int64_t Hkv, int64_t hpg,
                                  const std::vector<int64_t>& prefix,
-                                 const std::vector<int64_t>& extend, bool is_tree,
-                                 const std::vector<int32_t>& depth, int64_t sliding_window) {
+                                 const std::vector<int64_t>& extend, const uint8_t* tree,
+                                 const std::vector<int32_t>& depth, int64_t sliding_window,
+                                 const int32_t* table, int64_t ts0, int64_t ts1,
+                                 const std::vector<int64_t>& rows, std::vector<int32_t>& tails) {
   const int64_t rows_per_item = std::max<int64_t>(1, kMaxQueriesPerChunk / hpg);
+  std::vector<int64_t> path, ancestors;
+  const std::vector<RowKind> kinds = row_kinds(tree, B, T, extend, path, ancestors);
+  std::vector<int64_t> tail_of(B * T, -1);  // offset of a PATH row's slots in tails
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < extend[b]; ++t) {
+      if (kinds[b * T + t] != RowKind::PATH) continue;
+      tail_of[b * T + t] = static_cast<int64_t>(tails.size());
+      const int64_t* a = ancestors.data() + path[b * T + t];
+      for (int64_t i = 0;; ++i) {
+        tails.push_back(table[rows[b] * ts0 + (prefix[b] + a[i]) * ts1]);
+        if (a[i] == t) break;
+      }
+    }
+  }
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t g = 0; g < Hkv; ++g) {
-      for (int64_t r0 = 0; r0 < extend[b]; r0 += rows_per_item) {
-        const int64_t nr = std::min(rows_per_item, extend[b] - r0);
-        const int64_t kend = is_tree ? prefix[b] + extend[b] : prefix[b] + r0 + nr;
-        // Keys before the block's first in-window position are skipped (a key's position never
-        // exceeds its index, so the cut by index is safe). Tree rows: the block's least depth.
+      for (int64_t r0 = 0; r0 < extend[b];) {
+        const RowKind kind = kinds[b * T + r0];
+        if (kind == RowKind::PATH) {
+          int64_t d = 0;  // the row's depth: its ancestors before it
+          for (const int64_t* a = ancestors.data() + path[b * T + r0]; a[d] != r0; ++d) {}
+          const int64_t vprefix = prefix[b] + d;
+          WorkItem it{b, g, r0, 1, first_key(vprefix, sliding_window), vprefix + 1, 1, 0};
+          it.vprefix = vprefix;
+          it.tail = tail_of[b * T + r0];
+          items.push_back(it);
+          ++r0;
+          continue;
+        }
+        int64_t nr = 1;
+        while (nr < rows_per_item && r0 + nr < extend[b] && kinds[b * T + r0 + nr] == kind) ++nr;
+        const int64_t kend =
+            kind == RowKind::OTHER ? prefix[b] + extend[b] : prefix[b] + r0 + nr;
+        // Tree rows: the window starts from the block's least depth.
         int64_t first_pos = prefix[b] + r0;
         if (!depth.empty()) {
           first_pos = prefix[b] + *std::min_element(depth.begin() + b * T + r0,
                                                     depth.begin() + b * T + r0 + nr);
         }
-        const int64_t kbeg =
-            sliding_window > 0 ? std::max<int64_t>(0, first_pos - sliding_window + 1) : 0;
-        items.push_back({b, g, r0, nr, kbeg, kend, 1, 0});
+        items.push_back({b, g, r0, nr, first_key(first_pos, sliding_window), kend, 1, 0});
+        r0 += nr;
       }
     }
   }
   return items;
 }
 
-// The tasks of the work items: with fewer items than 2x the threads, key ranges are split
-// (flash-decoding, never below kMinSplitKeys keys) so every thread gets work; a split task keeps
-// its partial acc / max / sum at offset[task] of a shared workspace of `split_floats` floats for
-// merge_splits, the others (offset -1) write their rows directly.
+// The tasks of the work items. Calls of at most kFixedSplitRows rows per request (decode,
+// verify, chunked prefill) cut every key range at the key indices that are multiples of
+// kSplitKeys: the cuts depend neither on the call's key count nor on the thread count, so a row
+// sums the same partials, merged in the same order, in its decode step and in any verify that
+// holds it, at any thread count (a row's empty partials add exact zeros). Larger calls (prefill)
+// are split only when there are fewer items than 2x the threads (flash-decoding, no split below
+// kSplitKeys keys) so that every thread gets work. A split task keeps its partial acc / max / sum
+// at offset[task] of a shared workspace of `split_floats` floats for merge_splits, the others
+// (offset -1) write their rows directly.
 struct TaskPlan {
   std::vector<Task> tasks;
   std::vector<int64_t> offset;
   int64_t split_floats = 0;
 };
 
-TaskPlan split_key_ranges(std::vector<WorkItem>& items, int64_t hpg, int64_t D) {
+TaskPlan split_key_ranges(std::vector<WorkItem>& items, int64_t T, int64_t hpg, int64_t D) {
   const int64_t threads = at::get_num_threads();
   const int64_t n_items = static_cast<int64_t>(items.size());
+  const bool fixed_cuts = T <= kFixedSplitRows;
   TaskPlan plan;
   for (int64_t i = 0; i < n_items; ++i) {
     WorkItem& it = items[i];
-    const int64_t keys = it.key_end - it.key_begin;
-    if (n_items < 2 * threads) {
-      const int64_t want = (2 * threads + n_items - 1) / n_items;
-      it.splits = std::max<int64_t>(1, std::min(want, keys / kMinSplitKeys));
-    }
     it.first_task = static_cast<int64_t>(plan.tasks.size());
-    const int64_t step = ((keys + it.splits - 1) / it.splits + 63) / 64 * 64;
     int64_t made = 0;
-    for (int64_t k0 = it.key_begin; k0 < it.key_end || made == 0; k0 += step, ++made) {
-      plan.tasks.push_back({i, k0, std::min(it.key_end, k0 + step)});
+    if (fixed_cuts) {
+      for (int64_t k0 = it.key_begin; k0 < it.key_end || made == 0; ++made) {
+        const int64_t k1 = std::min(it.key_end, (k0 / kSplitKeys + 1) * kSplitKeys);
+        plan.tasks.push_back({i, k0, k1});
+        k0 = k1;
+      }
+    } else {
+      const int64_t keys = it.key_end - it.key_begin;
+      if (n_items < 2 * threads) {
+        const int64_t want = (2 * threads + n_items - 1) / n_items;
+        it.splits = std::max<int64_t>(1, std::min(want, keys / kSplitKeys));
+      }
+      const int64_t step = ((keys + it.splits - 1) / it.splits + 63) / 64 * 64;
+      for (int64_t k0 = it.key_begin; k0 < it.key_end || made == 0; k0 += step, ++made) {
+        plan.tasks.push_back({i, k0, std::min(it.key_end, k0 + step)});
+      }
     }
     it.splits = made;
   }
@@ -368,6 +480,7 @@ struct AttnCall {
   const std::vector<int32_t>& depth;
   int64_t sliding_window;
   float scale, logit_cap;
+  const int32_t* tails;  // the PATH rows' slots (plan_items)
 };
 
 AttnChunk make_chunk(const AttnCall& a, const WorkItem& it, const Task& task, float* ws) {
@@ -394,6 +507,14 @@ AttnChunk make_chunk(const AttnCall& a, const WorkItem& it, const Task& task, fl
   c.tree = a.tree ? a.tree + it.b * a.T * a.T : nullptr;
   c.tree_stride = a.T;
   c.depth = a.depth.empty() ? nullptr : a.depth.data() + it.b * a.T;
+  if (it.tail >= 0) {  // a PATH row: one causal row over prefix + depth keys, ancestors last
+    c.row0 = 0;
+    c.prefix = it.vprefix;
+    c.tree = nullptr;
+    c.depth = nullptr;
+    c.tail_slots = a.tails + it.tail;
+    c.tail_from = a.prefix[it.b];
+  }
   c.window = a.sliding_window;
   c.scale = a.scale;
   c.logit_cap = a.logit_cap;
@@ -464,16 +585,19 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
   at::Tensor out = at::zeros({B, T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (B == 0 || T == 0 || H == 0) return out;  // [B, T, H, D]
 
-  const ChunkKernel kernel = choose_kernel(dtype, T, H, Hkv, D, ran);
-  std::vector<WorkItem> items =
-      plan_items(B, T, Hkv, hpg, prefix, extend, tree != nullptr, depth, sliding_window);
-  const TaskPlan plan = split_key_ranges(items, hpg, D);
+  std::vector<int32_t> tails;
+  const int32_t* table = req_to_token.const_data_ptr<int32_t>();
+  std::vector<WorkItem> items = plan_items(B, T, Hkv, hpg, prefix, extend, tree, depth,
+                                           sliding_window, table, req_to_token.stride(0),
+                                           req_to_token.stride(1), rows, tails);
+  const ChunkKernel kernel = choose_kernel(dtype, T, H, Hkv, D, !tails.empty(), ran);
+  const TaskPlan plan = split_key_ranges(items, T, hpg, D);
   std::vector<float> workspace(plan.split_floats);
   const AttnCall call{dtype,
                       q,
                       k_pool,
                       v_pool,
-                      req_to_token.const_data_ptr<int32_t>(),
+                      table,
                       req_to_token.stride(0),
                       req_to_token.stride(1),
                       T,
@@ -484,7 +608,8 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
                       depth,
                       sliding_window,
                       static_cast<float>(scale),
-                      static_cast<float>(logit_cap)};
+                      static_cast<float>(logit_cap),
+                      tails.data()};
   at::parallel_for(0, static_cast<int64_t>(plan.tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> local;
     for (int64_t t = t0; t < t1; ++t) {

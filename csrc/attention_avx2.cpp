@@ -305,16 +305,18 @@ inline void query_tile(const AttnChunk& c, const float* q, const float* kt, cons
   pv_tile<MT>(s, v, nk, alpha, c.acc + m0 * D, D);
 }
 
-// Chunks with at least this many queries take the transposed-block (tiled) path.
+// GQA groups of at least this many query heads take the transposed-block (tiled) path: one full
+// tile per row. Decided by the group, not by the chunk's query count, so that a verify row runs
+// the path its decode step runs (the two paths sum q . k in different orders).
 constexpr int kTileQueries = 6;
-constexpr int64_t kTiledMinQueries = kTileQueries;  // at least one full tile
+constexpr int64_t kTiledMinHeads = kTileQueries;
 
 }  // namespace
 
 void attention_chunk_avx2(const AttnChunk& c) {
   const bool bf16 = c.dtype == AttnDtype::BFLOAT16;
   const int64_t D = c.head_dim, M = c.rows * c.heads, elem = bf16 ? 2 : 4;
-  const bool tiled = M >= kTiledMinQueries;
+  const bool tiled = c.heads >= kTiledMinHeads;
   float* q = t_q.get(M * D);
   float* kbuf = bf16 ? t_k.get(kKeyBlock * D) : nullptr;
   // fp32 V rows are copied into a dense block for the tiled path: its P.V re-reads every row once
@@ -346,7 +348,7 @@ void attention_chunk_avx2(const AttnChunk& c) {
         krow[j] = vrow[j] = zero;
         continue;
       }
-      const int64_t slot = c.slots[(kb0 + j) * c.slot_stride];
+      const int64_t slot = key_slot(c, kb0 + j);
       const char* kr = kbase + slot * c.k_stride_slot * elem;
       const char* vr = vbase + slot * c.v_stride_slot * elem;
       if (bf16) {
@@ -367,7 +369,7 @@ void attention_chunk_avx2(const AttnChunk& c) {
       // them: ask for them now, into L2, while this block's tiles compute.
       const int64_t next_end = kb0 + 2 * kKeyBlock < c.key_end ? kb0 + 2 * kKeyBlock : c.key_end;
       for (int64_t p = kb0 + kKeyBlock; p < next_end; ++p) {
-        const int64_t slot = c.slots[p * c.slot_stride];
+        const int64_t slot = key_slot(c, p);
         const char* kr = kbase + slot * c.k_stride_slot * elem;
         const char* vr = vbase + slot * c.v_stride_slot * elem;
         for (int64_t off = 0; off < D * elem; off += 64) {

@@ -214,7 +214,7 @@ void attention_chunk_avx512(const AttnChunk& c) {
     const uint32_t* krow[kKeyBlock];
     for (int64_t j = 0; j < kKeyBlock; ++j) {
       krow[j] = j < nk ? reinterpret_cast<const uint32_t*>(
-                             kbase + c.slots[(kb0 + j) * c.slot_stride] * c.k_stride_slot * elem)
+                             kbase + key_slot(c, kb0 + j) * c.k_stride_slot * elem)
                        : s.zero.data();
     }
     // Slots are scattered over the pool, so the hardware prefetcher cannot follow: the next
@@ -324,7 +324,7 @@ void attention_chunk_avx512(const AttnChunk& c) {
 
     if (!bf16) {  // fp32 V rows straight from the pool
       for (int64_t j = 0; j < nk; ++j) {
-        vrow[j] = reinterpret_cast<const float*>(vbase + c.slots[(kb0 + j) * c.slot_stride] *
+        vrow[j] = reinterpret_cast<const float*>(vbase + key_slot(c, kb0 + j) *
                                                              c.v_stride_slot * elem);
       }
       pv_rows(s.s.data(), s.alpha.data(), vrow, nk, M, acc, D);
@@ -337,8 +337,8 @@ void attention_chunk_avx512(const AttnChunk& c) {
                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const int64_t npairs = (nk + 1) / 2;
     for (int64_t j2 = 0; j2 < npairs; ++j2) {
-      const char* r0 = vbase + c.slots[(kb0 + 2 * j2) * c.slot_stride] * c.v_stride_slot * elem;
-      const char* r1 = 2 * j2 + 1 < nk ? vbase + c.slots[(kb0 + 2 * j2 + 1) * c.slot_stride] *
+      const char* r0 = vbase + key_slot(c, kb0 + 2 * j2) * c.v_stride_slot * elem;
+      const char* r1 = 2 * j2 + 1 < nk ? vbase + key_slot(c, kb0 + 2 * j2 + 1) *
                                                      c.v_stride_slot * elem
                                        : reinterpret_cast<const char*>(s.zero.data());
       uint32_t* dst = s.vp.data() + j2 * D;

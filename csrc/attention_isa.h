@@ -20,6 +20,10 @@ enum class AttnDtype : int { FLOAT32 = 0, BFLOAT16 = 1 };
 // (a tree draft's depth) and e otherwise (causal rows); a prefix key's token position is its
 // index. A key is visible only if it passes the window as well as the tree / causal rule.
 // query_pos / key_pos below are the definitions every kernel uses.
+// Key slots: key index p < tail_from reads slots[p * slot_stride]; p >= tail_from reads
+// tail_slots[p - tail_from] (a tree row run as its own chunk: its visible new keys packed after
+// the prefix, so it sees the very key sequence its decode step would; attention.cpp plan_items).
+// Every kernel reads slots through key_slot below.
 struct AttnChunk {
   AttnDtype dtype;
   int64_t head_dim;                     // D
@@ -31,6 +35,8 @@ struct AttnChunk {
   int64_t k_stride_slot, v_stride_slot;  // elements; rows of D are dense
   const int32_t* slots;
   int64_t slot_stride;
+  const int32_t* tail_slots = nullptr;  // read for key indices >= tail_from only
+  int64_t tail_from = INT64_MAX;
   int64_t key_begin, key_end, prefix;
   const uint8_t* tree;  // [T, T] visibility of new keys for this request, or nullptr (causal)
   int64_t tree_stride;
@@ -50,6 +56,9 @@ struct AttnChunk {
 namespace {
 inline int64_t query_pos(const AttnChunk& c, int64_t t) {
   return c.prefix + (c.depth != nullptr ? c.depth[t] : t);
+}
+inline int64_t key_slot(const AttnChunk& c, int64_t p) {
+  return p < c.tail_from ? c.slots[p * c.slot_stride] : c.tail_slots[p - c.tail_from];
 }
 inline int64_t key_pos(const AttnChunk& c, int64_t p) {
   return p < c.prefix || c.depth == nullptr ? p : c.prefix + c.depth[p - c.prefix];

@@ -140,7 +140,7 @@ uint64_t visible_bits(const AttnChunk& c, int64_t t, int64_t kb0, int64_t nk) {
 void prefetch_rows(const AttnChunk& c, const char* base, int64_t stride, int64_t p0, int64_t n,
                    int64_t row_bytes) {
   for (int64_t j = 0; j < n; ++j) {
-    const char* row = base + c.slots[(p0 + j) * c.slot_stride] * stride * (row_bytes / c.head_dim);
+    const char* row = base + key_slot(c, p0 + j) * stride * (row_bytes / c.head_dim);
     for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
   }
 }

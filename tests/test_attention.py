@@ -146,8 +146,21 @@ def run_extend(isa, q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, exte
         out = extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens,
                                extend_lens, tree_mask, scale, **kw)
     path = recorded(isa, q.dtype, q.shape[-1], q.shape[1], q.shape[2] // k_pool.shape[1])
+    if path == "amx" and has_path_rows(tree_mask, q.shape[0], q.shape[1], extend_lens):
+        path = "avx512"  # tree rows run as their decode steps run, and decode is not on AMX
     assert si.kernel_path_counts() == {f"extend_attention:{path}": 1}
     return out
+
+
+def has_path_rows(tree_mask, bs, n, extend_lens):
+    """Whether a tree mask has a row that is not causal (sees other than new keys [0, t]):
+    extend_attention then runs such rows one by one, decode-shaped."""
+    if tree_mask is None:
+        return False
+    tree = unpack_tree_mask_ref(tree_mask, bs, n).view(bs, n, n)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    return any(not torch.equal(tree[b, :e, :e], causal[:e, :e])
+               for b, e in enumerate(extend_lens.tolist()))
 
 
 def check_extend(isa, dtype, q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens,
@@ -508,6 +521,76 @@ def test_gemma2_window_and_softcap_speculative_greedy_equals_stock():
     spec = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=6, breadth=(2, 1)))
     assert spec.generate([prompt], 16, stats=stats) == plain
     assert stats.verify_steps > 0 and stats.mean_accepted_length > 1.0, stats.summary()
+
+
+# ---- verify rows == decode rows, bit for bit -------------------------------------------------
+
+# (prefix, N, H, Hkv, D, tree kind, window): trees across a 64-key block and a 256-key cut,
+# split key ranges, chains, a window.
+BITWISE_CASES = [
+    (0, 8, 4, 2, 64, "random", -1),
+    (61, 9, 6, 3, 64, "random", -1),
+    (250, 12, 4, 1, 64, "wide", -1),
+    (700, 16, 8, 2, 128, "random", -1),
+    (700, 16, 8, 2, 128, "chain", -1),
+    (300, 10, 4, 2, 64, "random", 100),
+    (130, 9, 12, 2, 64, "random", -1),  # a GQA group of 6: AVX2's tiled path
+]
+
+
+def with_threads(n, fn):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", BITWISE_CASES,
+                         ids=lambda c: f"p{c[0]}-n{c[1]}-h{c[2]}x{c[3]}-d{c[4]}-{c[5]}-w{c[6]}")
+def test_verify_rows_reproduce_decode_rows_bitwise(isa, dtype, case):
+    """Every verify row -- a tree row, a chain row -- equals bit for bit the decode step of its
+    position over the same keys (the prefix, then its ancestors), alone or in a batch, at 1 or 2
+    threads: greedy speculation == plain greedy needs exactly that, since INT8 activations turn
+    last-bit differences into different tokens."""
+    prefix, n, h, h_kv, d, kind, window = case
+    mask, _ = tree_with_depths(1, n, seed=prefix + n, kind=kind)  # bool [N*N]
+    q, k_pool, v_pool, table, rows = make_batch([prefix], n, h, h_kv, d, dtype, seed=prefix)
+    kw = {"sliding_window": window} if window > 0 else {}
+    if (isa == "amx" and dtype == torch.bfloat16
+            and not has_path_rows(mask, 1, n, torch.tensor([n]))):
+        pytest.skip("a chain verify runs AMX tiles where decode runs AVX-512: equal within "
+                    "the 2x rule, not bitwise (docs/decisions.md)")
+
+    def verify():
+        with si.forced_isa(isa):
+            return extend_attention(q, k_pool, v_pool, table, rows, torch.tensor([prefix]),
+                                    torch.tensor([n]), mask, 0.125, **kw)
+
+    one, two = with_threads(1, verify), with_threads(2, verify)
+    assert torch.equal(one, two)
+    tree = mask.view(n, n)
+    dtab = torch.full((n, prefix + n), -1, dtype=torch.int32)  # [N, L]: row t = t's decode table
+    kv_lens = torch.zeros(n, dtype=torch.int64)
+    for t in range(n):
+        ancestors = torch.nonzero(tree[t]).flatten()
+        dtab[t, :prefix] = table[rows[0], :prefix]
+        dtab[t, prefix:prefix + len(ancestors)] = table[rows[0], prefix + ancestors]
+        kv_lens[t] = prefix + len(ancestors)
+    with si.forced_isa(isa):
+        batched = decode_attention(q[0], k_pool, v_pool, dtab, torch.arange(n), kv_lens, 0.125,
+                                   **kw)  # [N, H, D]
+    for t in range(n):
+        with si.forced_isa(isa):
+            alone = decode_attention(q[0, t:t + 1], k_pool, v_pool, dtab, torch.tensor([t]),
+                                     kv_lens[t:t + 1], 0.125, **kw)
+        assert torch.equal(alone[0], batched[t]), f"row {t}: decode alone != in a batch"
+        assert torch.equal(one[0, t], batched[t]), (
+            f"row {t} (depth {int(kv_lens[t]) - prefix - 1}): verify != decode, "
+            f"max diff {(one[0, t] - batched[t]).abs().max().item():.3g}")
 
 
 # ---- decode -----------------------------------------------------------------------------------
