@@ -56,6 +56,7 @@ from specdec_inductor.proposers.ngram import NgramProposer
 from specdec_inductor.proposers.draft_vocab import apply_draft_vocab
 from specdec_inductor.proposers.standalone import StandaloneProposer
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+from specdec_inductor.testing import RowRecorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,51 +140,6 @@ def llamacpp_runs(bindir, target, draft, prompt_text, new_tokens, threads, n_dra
 
 
 # ---- ours ----
-
-class RowRecorder:
-    """Records the logits of every decode step and verify row of an Engine by position, to
-    check that a verify row reproduces the decode row bit for bit (--compare-rows): greedy
-    speculation equals AR only where they agree."""
-
-    def __init__(self, engine):
-        self.rows, self.on = [], False
-        decode, verify = engine.decode, engine.verify
-
-        def recorded_decode(tokens, req_rows, seq_lens, aux=None):
-            out = decode(tokens, req_rows, seq_lens, aux)
-            if self.on:
-                self.rows.append(("decode", int(seq_lens[0]), [int(tokens[0])], out[1][:1].clone()))
-            return out
-
-        def recorded_verify(tokens, positions, req_rows, seq_lens, tree_mask, aux=None):
-            out = verify(tokens, positions, req_rows, seq_lens, tree_mask, aux)
-            if self.on:
-                self.rows.append(("verify", int(seq_lens[0]), tokens[0].tolist(), out[1][0].clone()))
-            return out
-
-        engine.decode, engine.verify = recorded_decode, recorded_verify
-
-    def compare(self, ar_rows, verify_rows, sequence):
-        """(same, different, largest |difference|) over the verify rows of a chain whose tokens
-        up to that row are the AR sequence's (row j of a verify at seq_len s is position s + j)."""
-        decoded = {pos: logits[0] for kind, pos, _, logits in ar_rows if kind == "decode"}
-        same = different = 0
-        worst = 0.0
-        for kind, start, tokens, logits in verify_rows:
-            if kind != "verify":
-                continue
-            for j in range(len(tokens)):
-                pos = start + j
-                if pos not in decoded or tokens[:j + 1] != sequence[start:pos + 1]:
-                    break
-                if torch.equal(decoded[pos], logits[j]):
-                    same += 1
-                else:
-                    different += 1
-                    worst = max(worst, (decoded[pos] - logits[j]).abs().max().item())
-        return same, different, worst
-
-
 
 STANDALONE_METHODS = ("standalone", "standalone+lookup")
 # Draft tokens of STANDALONE: 4 drafts a step (N = 5) measured best for the 0.5B drafting the

@@ -2,12 +2,15 @@
 section 1): cumulative log-prob scores, topk beams kept per step, the N-1 best ids selected and
 sorted; random greedy-verify inputs that accept, reject and hop siblings; random EAGLE and
 EAGLE-3 heads written in the published checkpoint layouts; tiny target checkpoints carrying
-random MTP (NextN) layers in the DeepSeek-V3 layout. Used by the tests and the benchmarks."""
+random MTP (NextN) layers in the DeepSeek-V3 layout; RowRecorder, which checks verify rows
+against decode rows bit for bit. Used by the tests and the benchmarks."""
 import json
 import os
 from dataclasses import dataclass
 
 import torch
+
+from specdec_inductor.ops import reference
 
 
 @dataclass
@@ -262,3 +265,55 @@ def tiny_gemma2(num_layers: int = 2, seed: int = 11):
         sliding_window=3, attn_logit_softcapping=5.0, final_logit_softcapping=None)
     config._attn_implementation = "eager"
     return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+class RowRecorder:
+    """Records the logits of every decode step and verify row of an Engine by position, to
+    check that a verify row reproduces the decode row bit for bit: greedy speculation equals
+    AR by construction only where they agree. Sees the steps a SpeculativeGenerator runs
+    through engine.decode / engine.verify, i.e. with its class attribute one_program = False
+    (the step programs call the step functions inside one graph)."""
+
+    def __init__(self, engine):
+        self.rows, self.on = [], False
+        decode, verify = engine.decode, engine.verify
+
+        def recorded_decode(tokens, req_rows, seq_lens, aux=None):
+            out = decode(tokens, req_rows, seq_lens, aux)
+            if self.on:
+                self.rows.append(("decode", int(seq_lens[0]), [int(tokens[0])],
+                                  out[1][:1].clone()))
+            return out
+
+        def recorded_verify(tokens, positions, req_rows, seq_lens, tree_mask, aux=None):
+            out = verify(tokens, positions, req_rows, seq_lens, tree_mask, aux)
+            if self.on:
+                n = tokens.shape[1]
+                tree = reference.unpack_tree_mask_ref(tree_mask, tokens.shape[0], n).view(-1, n, n)[0]
+                paths = [torch.nonzero(tree[j]).flatten().tolist() for j in range(n)]
+                self.rows.append(("verify", int(seq_lens[0]), tokens[0].tolist(),
+                                  (positions[0].tolist(), paths), out[1][0].clone()))
+            return out
+
+        engine.decode, engine.verify = recorded_decode, recorded_verify
+
+    def compare(self, ar_rows, verify_rows, sequence):
+        """(same, different, largest |difference|) over the verify rows -- chain or tree rows --
+        whose path (the tokens of the row's ancestors in the tree mask, itself last) is the AR
+        sequence's from the verify's seq_len up to the row's position."""
+        decoded = {row[1]: row[-1][0] for row in ar_rows if row[0] == "decode"}
+        same = different = 0
+        worst = 0.0
+        for kind, start, tokens, *rest in verify_rows:
+            if kind != "verify":
+                continue
+            (positions, paths), logits = rest
+            for j, pos in enumerate(positions):
+                if pos not in decoded or [tokens[e] for e in paths[j]] != sequence[start:pos + 1]:
+                    continue
+                if torch.equal(decoded[pos], logits[j]):
+                    same += 1
+                else:
+                    different += 1
+                    worst = max(worst, (decoded[pos] - logits[j]).abs().max().item())
+        return same, different, worst

@@ -348,7 +348,8 @@ def test_activation_mode_reaches_every_quantized_layer(tiny):
 def test_speculation_on_a_quantized_target_equals_its_ar(tiny, activation, compiled, tmp_path,
                                                          monkeypatch):
     """Greedy STANDALONE (a draft that is the target itself, so nearly every draft reaches a
-    verify row, and a 1-layer cut that gets rejected often) and NGRAM on the quantized target
+    verify row, as a chain and as a top-2 tree, and a 1-layer cut that gets rejected often) and
+    NGRAM on the quantized target
     emit exactly the target's own AR tokens in the same activation mode, batch 1 and a ragged
     batch of 2: every verify row reproduces the decode row bit for bit (INT8 rounds x to 8
     bits, so a verify row that differed in the last bit of any layer input would show)."""
@@ -373,6 +374,11 @@ def test_speculation_on_a_quantized_target_equals_its_ar(tiny, activation, compi
     assert any(k.split(":")[0] in kernels for k in specdec_inductor.kernel_path_counts())
     proposers = [StandaloneProposer(Engine(d, max_batch=2, max_len=96, compile=compiled,
                                            prefill_chunk=16), 5) for d in (self_draft, cut_draft)]
+    # A top-2 tree from the self-draft: its accepted paths run through breadth-first rows
+    # (1, 3, 5) whose masks skip their siblings -- tree rows, not a chain's.
+    tree_draft = Engine(load_gguf(tiny["qwen2"], activation=act)[0], max_batch=2 * 3,
+                        max_len=96 + 2 * 3, compile=compiled, prefill_chunk=16)
+    proposers.append(StandaloneProposer(tree_draft, 7, topk=2, depth=3))
     proposers.append(NgramProposer(num_draft_tokens=4))
     accepted = []
     for proposer in proposers:
@@ -382,6 +388,7 @@ def test_speculation_on_a_quantized_target_equals_its_ar(tiny, activation, compi
             assert spec.generate(prompts[:b], 24, stats=stats) == plain[b], (type(proposer), b)
             accepted.append(stats.mean_accepted_length)
     assert accepted[0] > 4.0  # the self-draft's chains were verified, not skipped
+    assert accepted[4] > 2.0  # and its trees, through rows of depth 2 and more
 
 
 @pytest.mark.parametrize("arch", list(TYPES))
@@ -430,3 +437,35 @@ def test_int8_repacks_layers_where_the_vnni_kernel_runs(tiny, arch):
     assert ("quant_linear_int8_r16:avx512" in counts) == vnni
     assert not any(k.startswith("quant_linear_int8_r16:") and not k.endswith("avx512") for k in counts)
     assert (got - ref).abs().max() <= 0.08 * ref.abs().max()
+
+
+def test_int8_tree_verify_rows_reproduce_decode_rows_bitwise(tiny, tmp_path, monkeypatch):
+    """Compiled with INT8 activations: every verify row of a top-2 tree whose path is the AR
+    text -- first-branch rows and rows past a sibling alike -- reproduces the AR decode row's
+    logits bit for bit (RowRecorder), across 64-key attention blocks. Token checks alone cannot
+    show this: a differing row changes a token only at a near tie, which a short run rarely
+    meets."""
+    from specdec_inductor.engine.engine import Engine
+    from specdec_inductor.ops.quant import QuantActivation
+    from specdec_inductor.proposers.standalone import StandaloneProposer
+    from specdec_inductor.speculative import SpeculativeGenerator
+    from specdec_inductor.testing import RowRecorder
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(SpeculativeGenerator, "one_program", False)  # steps via engine.verify
+    act = QuantActivation.INT8
+    model, tokenizer = load_gguf(tiny["qwen2"], activation=act)
+    engine = Engine(model, max_batch=1, max_len=160, compile=True, prefill_chunk=16)
+    draft = Engine(load_gguf(tiny["qwen2"], activation=act)[0], max_batch=3, max_len=166,
+                   compile=True, prefill_chunk=16)
+    prompt = tokenizer(PROMPTS[0])["input_ids"]
+    recorder = RowRecorder(engine)
+    recorder.on = True
+    ar = engine.generate([prompt], 96)[0]
+    ar_rows, recorder.rows = recorder.rows, []
+    spec = SpeculativeGenerator(engine, StandaloneProposer(draft, 7, topk=2, depth=3),
+                                min_accepted=0.0)
+    out = spec.generate([prompt], 96)[0]
+    recorder.on = False
+    same, different, worst = recorder.compare(ar_rows, recorder.rows, prompt + ar)
+    assert out == ar
+    assert different == 0 and same > 60, (same, different, worst)
