@@ -110,8 +110,8 @@ struct Task {
 };
 
 constexpr int64_t kMaxQueriesPerChunk = 128;  // rows * heads of a chunk (acc [M, D] stays in L2)
-constexpr int64_t kSplitKeys = 256;           // key-range cuts (split_key_ranges), a multiple of 64
-constexpr int64_t kFixedSplitRows = 64;       // calls of at most this many rows: fixed cuts
+constexpr int64_t kSplitKeys = 1024;          // key-range cuts (split_key_ranges), a multiple of 64
+constexpr int64_t kFixedSplitRows = 64;      // calls of at most this many rows: fixed cuts
 constexpr int64_t kAmxMinQueries = 8;         // AMX kernel from this many queries per chunk
 
 void check_pool(const at::Tensor& pool, const char* name) {
@@ -503,6 +503,7 @@ AttnChunk make_chunk(const AttnCall& a, const WorkItem& it, const Task& task, fl
   c.slot_stride = a.ts1;
   c.key_begin = task.key_begin;
   c.key_end = task.key_end;
+  c.prefetch_end = it.key_end;
   c.prefix = a.prefix[it.b];
   c.tree = a.tree ? a.tree + it.b * a.T * a.T : nullptr;
   c.tree_stride = a.T;

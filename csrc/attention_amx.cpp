@@ -346,7 +346,7 @@ void key_block(const AmxChunk& a, int64_t kb0, int64_t nk) {
   const AttnChunk& c = a.c;
   const int32_t* sl = c.slots + kb0 * c.slot_stride;
   const int64_t next = kb0 + kKeyBlock;
-  const int64_t next_n = std::min<int64_t>(kKeyBlock, c.key_end - next);
+  const int64_t next_n = std::min<int64_t>(kKeyBlock, prefetch_limit(c) - next);
   // The next block's K rows now, its V rows after the scores (slots are scattered: the
   // hardware prefetcher cannot follow them).
   if (next_n > 0) prefetch_rows(c, a.kbase, c.k_stride_slot, next, next_n, a.row_bytes);

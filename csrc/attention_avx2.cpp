@@ -367,7 +367,7 @@ void attention_chunk_avx2(const AttnChunk& c) {
     if (tiled) {
       // The next block's K/V rows are scattered over the pool, so no hardware prefetcher finds
       // them: ask for them now, into L2, while this block's tiles compute.
-      const int64_t next_end = kb0 + 2 * kKeyBlock < c.key_end ? kb0 + 2 * kKeyBlock : c.key_end;
+      const int64_t next_end = std::min<int64_t>(kb0 + 2 * kKeyBlock, prefetch_limit(c));
       for (int64_t p = kb0 + kKeyBlock; p < next_end; ++p) {
         const int64_t slot = key_slot(c, p);
         const char* kr = kbase + slot * c.k_stride_slot * elem;

@@ -222,7 +222,7 @@ void attention_chunk_avx512(const AttnChunk& c) {
     // use), 16 rows per transpose step, so the misses stay in flight while this block computes
     // instead of filling the miss queue in one burst.
     const int64_t next = kb0 + kKeyBlock;
-    const int64_t next_n = std::min<int64_t>(kKeyBlock, c.key_end - next);
+    const int64_t next_n = std::min<int64_t>(kKeyBlock, prefetch_limit(c) - next);
     for (int64_t jt = 0; jt < kKeyBlock; jt += 16) {
       const int64_t pn = std::min<int64_t>(16, next_n - jt);
       if (pn > 0) {

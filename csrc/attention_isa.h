@@ -38,6 +38,9 @@ struct AttnChunk {
   const int32_t* tail_slots = nullptr;  // read for key indices >= tail_from only
   int64_t tail_from = INT64_MAX;
   int64_t key_begin, key_end, prefix;
+  // Keys up to here may be prefetched (the key range's split continues there, usually on the
+  // same thread: its first block is then warm); at most key_end when 0.
+  int64_t prefetch_end = 0;
   const uint8_t* tree;  // [T, T] visibility of new keys for this request, or nullptr (causal)
   int64_t tree_stride;
   const int32_t* depth;  // [T] token-position offsets of this request's new tokens, or nullptr
@@ -59,6 +62,9 @@ inline int64_t query_pos(const AttnChunk& c, int64_t t) {
 }
 inline int64_t key_slot(const AttnChunk& c, int64_t p) {
   return p < c.tail_from ? c.slots[p * c.slot_stride] : c.tail_slots[p - c.tail_from];
+}
+inline int64_t prefetch_limit(const AttnChunk& c) {
+  return c.prefetch_end > c.key_end ? c.prefetch_end : c.key_end;
 }
 inline int64_t key_pos(const AttnChunk& c, int64_t p) {
   return p < c.prefix || c.depth == nullptr ? p : c.prefix + c.depth[p - c.prefix];
