@@ -11,6 +11,12 @@
 // active_isa() >= AVX2 and D % 8 == 0; else the portable kernel below. The
 // path that ran is recorded per op. When there are fewer (request, head, row-block) items than
 // 2x the threads, key ranges are split (flash-decoding) and merged here.
+// Row reproducibility: a verify row (causal, or a tree row whose mask shows its ancestors) runs
+// the key sequence its decode step runs -- the prefix, then its ancestors -- in the same 64-key
+// blocks and lanes, with key ranges cut at fixed key indices (split_key_ranges), so it equals
+// the decode row bit for bit (plan_items; tests/test_attention.py
+// test_verify_rows_reproduce_decode_rows_bitwise). The AVX2 kernel picks its path by the GQA
+// group, never by the chunk's row count, for the same reason.
 // Sliding window with a tree mask: a draft's token position is prefix + its depth in the tree
 // (derived from the mask: tree_depths), not its row; every kernel applies the same rule through
 // query_pos / key_pos (attention_isa.h).
@@ -99,11 +105,12 @@ void attention_chunk_portable(const AttnChunk& c) {
 namespace {
 
 // Rows of one (request, KV head, query-row block); its key range may be split into `splits`.
-// A PATH row's item (plan_items) also has vprefix (its keys before its own: prefix + depth) and
+// A PATH row's own item (plan_items) also has vprefix (its keys before its own: prefix + depth) and
 // tail (the offset of its ancestors' slots in the call's tail slots); -1 otherwise.
 struct WorkItem {
   int64_t b, g, row0, rows, key_begin, key_end, splits, first_task;
   int64_t vprefix = -1, tail = -1;
+  bool row_tails = false;  // rows of a request planned with row tails (plan_items)
 };
 struct Task {
   int64_t item, key_begin, key_end;
@@ -348,47 +355,105 @@ int64_t first_key(int64_t pos, int64_t sliding_window) {
   return std::max<int64_t>(0, pos - sliding_window + 1) / 64 * 64;
 }
 
-// The work items of a call: per (request, KV head), runs of CAUSAL or OTHER rows in blocks of
-// up to rows_per_item, each with the key range its rows can see (up to the block's last row
-// for CAUSAL rows, all new keys for OTHER ones), from the block's first in-window position on;
-// and one item per PATH row, run as the decode step of its position would run: a one-row causal
-// chunk over prefix + depth keys whose keys past the prefix are the row's ancestors
-// (`tail_slots`). So a tree row reproduces its decode row bit for bit: the same keys in the same
-// order, key blocks and lanes, whatever else the tree holds (decode_attention is the one-row
-// causal case). `tails` receives the PATH rows' slots.
+// What the chunks read besides the items: PATH rows' ancestor slots (per-row items, `tails`);
+// for row-tail items each row's slots past its request's tail_from (`row_slots`, reached through
+// row_tail [B*T]) and its key end (row_end [B*T]).
+struct PlanData {
+  std::vector<int32_t> tails;
+  std::vector<int32_t> row_slots;
+  std::vector<const int32_t*> row_tail;
+  std::vector<int64_t> row_end;
+  std::vector<int64_t> tail_from;  // [B]
+};
+
+// The work items of a call, per (request, KV head). A tree row runs as the decode step of its
+// position would run -- the prefix, then its ancestors as the next keys, in the same key
+// blocks and lanes -- so it reproduces its decode row bit for bit whatever else the tree holds
+// (decode_attention is the one-row causal case):
+//  - row tails (the AVX-512 kernel, requests whose rows are all CAUSAL or PATH): blocks of up to
+//    rows_per_item rows share the prefix's 64-key blocks, then each row continues over its own
+//    keys (AttnChunk::row_tail);
+//  - other kernels: one item per PATH row, a one-row causal chunk over prefix + depth keys whose
+//    keys past the prefix are its ancestors (AttnChunk::tail_slots);
+//  - CAUSAL runs (every row of a call without a tree) and OTHER rows in blocks of up to
+//    rows_per_item rows, with the key range their rows can see (up to the block's last row for
+//    CAUSAL rows, all new keys for OTHER ones).
+// Every item starts at its rows' first in-window position, rounded down to 64 keys (first_key).
 std::vector<WorkItem> plan_items(int64_t B, int64_t T, int64_t Hkv, int64_t hpg,
                                  const std::vector<int64_t>& prefix,
-                                 const std::vector<int64_t>& extend, const uint8_t* tree,
+                                 const std::vector<int64_t>& extend,
+                                 const std::vector<RowKind>& kinds,
+                                 const std::vector<int64_t>& path,
+                                 const std::vector<int64_t>& ancestors,
                                  const std::vector<int32_t>& depth, int64_t sliding_window,
                                  const int32_t* table, int64_t ts0, int64_t ts1,
-                                 const std::vector<int64_t>& rows, std::vector<int32_t>& tails) {
+                                 const std::vector<int64_t>& rows, bool row_tails,
+                                 PlanData& pd) {
   const int64_t rows_per_item = std::max<int64_t>(1, kMaxQueriesPerChunk / hpg);
-  std::vector<int64_t> path, ancestors;
-  const std::vector<RowKind> kinds = row_kinds(tree, B, T, extend, path, ancestors);
-  std::vector<int64_t> tail_of(B * T, -1);  // offset of a PATH row's slots in tails
+  auto slot = [&](int64_t b, int64_t p) { return table[rows[b] * ts0 + p * ts1]; };
+  // A row's new keys in order (CAUSAL: 0..t; PATH: its ancestors), t last.
+  auto new_keys = [&](int64_t b, int64_t t, std::vector<int64_t>& out) {
+    out.clear();
+    if (kinds[b * T + t] == RowKind::CAUSAL) {
+      for (int64_t e = 0; e <= t; ++e) out.push_back(e);
+      return;
+    }
+    for (const int64_t* a = ancestors.data() + path[b * T + t];; ++a) {
+      out.push_back(*a);
+      if (*a == t) return;
+    }
+  };
+  std::vector<bool> tails_of(B, false);  // requests planned with row tails
+  pd.tail_from.assign(B, 0);
+  pd.row_end.assign(B * T, 0);
+  std::vector<int64_t> offset(B * T, -1), keys;
   for (int64_t b = 0; b < B; ++b) {
+    bool has_path = false, has_other = false;
     for (int64_t t = 0; t < extend[b]; ++t) {
-      if (kinds[b * T + t] != RowKind::PATH) continue;
-      tail_of[b * T + t] = static_cast<int64_t>(tails.size());
-      const int64_t* a = ancestors.data() + path[b * T + t];
-      for (int64_t i = 0;; ++i) {
-        tails.push_back(table[rows[b] * ts0 + (prefix[b] + a[i]) * ts1]);
-        if (a[i] == t) break;
+      has_path |= kinds[b * T + t] == RowKind::PATH;
+      has_other |= kinds[b * T + t] == RowKind::OTHER;
+    }
+    tails_of[b] = row_tails && has_path && !has_other;
+    pd.tail_from[b] = prefix[b] / 64 * 64;
+    for (int64_t t = 0; t < extend[b] && has_path; ++t) {
+      if (!tails_of[b] && kinds[b * T + t] != RowKind::PATH) continue;
+      new_keys(b, t, keys);
+      pd.row_end[b * T + t] = prefix[b] + static_cast<int64_t>(keys.size());
+      if (tails_of[b]) {
+        offset[b * T + t] = static_cast<int64_t>(pd.row_slots.size());
+        for (int64_t p = pd.tail_from[b]; p < prefix[b]; ++p) pd.row_slots.push_back(slot(b, p));
+        for (int64_t e : keys) pd.row_slots.push_back(slot(b, prefix[b] + e));
+      } else {
+        offset[b * T + t] = static_cast<int64_t>(pd.tails.size());
+        for (int64_t e : keys) pd.tails.push_back(slot(b, prefix[b] + e));
       }
     }
+  }
+  pd.row_tail.assign(B * T, nullptr);
+  for (int64_t i = 0; i < B * T; ++i) {
+    if (offset[i] >= 0 && tails_of[i / T]) pd.row_tail[i] = pd.row_slots.data() + offset[i];
   }
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t g = 0; g < Hkv; ++g) {
       for (int64_t r0 = 0; r0 < extend[b];) {
         const RowKind kind = kinds[b * T + r0];
+        if (tails_of[b]) {
+          const int64_t nr = std::min(rows_per_item, extend[b] - r0);
+          const int64_t* end = pd.row_end.data() + b * T + r0;
+          WorkItem it{b, g, r0, nr, first_key(*std::min_element(end, end + nr) - 1,
+                                              sliding_window),
+                      *std::max_element(end, end + nr), 1, 0};
+          it.row_tails = true;
+          items.push_back(it);
+          r0 += nr;
+          continue;
+        }
         if (kind == RowKind::PATH) {
-          int64_t d = 0;  // the row's depth: its ancestors before it
-          for (const int64_t* a = ancestors.data() + path[b * T + r0]; a[d] != r0; ++d) {}
-          const int64_t vprefix = prefix[b] + d;
+          const int64_t vprefix = pd.row_end[b * T + r0] - 1;  // prefix + depth
           WorkItem it{b, g, r0, 1, first_key(vprefix, sliding_window), vprefix + 1, 1, 0};
           it.vprefix = vprefix;
-          it.tail = tail_of[b * T + r0];
+          it.tail = offset[b * T + r0];
           items.push_back(it);
           ++r0;
           continue;
@@ -480,7 +545,7 @@ struct AttnCall {
   const std::vector<int32_t>& depth;
   int64_t sliding_window;
   float scale, logit_cap;
-  const int32_t* tails;  // the PATH rows' slots (plan_items)
+  const PlanData& plan;
 };
 
 AttnChunk make_chunk(const AttnCall& a, const WorkItem& it, const Task& task, float* ws) {
@@ -513,8 +578,15 @@ AttnChunk make_chunk(const AttnCall& a, const WorkItem& it, const Task& task, fl
     c.prefix = it.vprefix;
     c.tree = nullptr;
     c.depth = nullptr;
-    c.tail_slots = a.tails + it.tail;
+    c.tail_slots = a.plan.tails.data() + it.tail;
     c.tail_from = a.prefix[it.b];
+  }
+  if (it.row_tails) {  // the prefix's blocks shared, then each row's own keys
+    c.tree = nullptr;
+    c.depth = nullptr;
+    c.tail_from = a.plan.tail_from[it.b];
+    c.row_tail = a.plan.row_tail.data() + it.b * a.T + it.row0;
+    c.row_end = a.plan.row_end.data() + it.b * a.T + it.row0;
   }
   c.window = a.sliding_window;
   c.scale = a.scale;
@@ -586,12 +658,16 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
   at::Tensor out = at::zeros({B, T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (B == 0 || T == 0 || H == 0) return out;  // [B, T, H, D]
 
-  std::vector<int32_t> tails;
+  std::vector<int64_t> path, ancestors;
+  const std::vector<RowKind> kinds = row_kinds(tree, B, T, extend, path, ancestors);
+  const bool path_rows = std::find(kinds.begin(), kinds.end(), RowKind::PATH) != kinds.end();
+  const ChunkKernel kernel = choose_kernel(dtype, T, H, Hkv, D, path_rows, ran);
+  PlanData pd;
   const int32_t* table = req_to_token.const_data_ptr<int32_t>();
-  std::vector<WorkItem> items = plan_items(B, T, Hkv, hpg, prefix, extend, tree, depth,
-                                           sliding_window, table, req_to_token.stride(0),
-                                           req_to_token.stride(1), rows, tails);
-  const ChunkKernel kernel = choose_kernel(dtype, T, H, Hkv, D, !tails.empty(), ran);
+  std::vector<WorkItem> items =
+      plan_items(B, T, Hkv, hpg, prefix, extend, kinds, path, ancestors, depth, sliding_window,
+                 table, req_to_token.stride(0), req_to_token.stride(1), rows,
+                 *ran == Isa::AVX512, pd);
   const TaskPlan plan = split_key_ranges(items, T, hpg, D);
   std::vector<float> workspace(plan.split_floats);
   const AttnCall call{dtype,
@@ -610,7 +686,7 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
                       sliding_window,
                       static_cast<float>(scale),
                       static_cast<float>(logit_cap),
-                      tails.data()};
+                      pd};
   at::parallel_for(0, static_cast<int64_t>(plan.tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> local;
     for (int64_t t = t0; t < t1; ++t) {

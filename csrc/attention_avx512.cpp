@@ -203,18 +203,23 @@ void attention_chunk_avx512(const AttnChunk& c) {
   const char* kbase = static_cast<const char*>(c.k);
   const char* vbase = static_cast<const char*>(c.v);
   const float* vrow[kKeyBlock];
-  {  // the first block's rows (later blocks are requested one block ahead, below)
-    const int64_t n0 = std::min<int64_t>(kKeyBlock, c.key_end - c.key_begin);
-    prefetch_rows(c, kbase, c.k_stride_slot, c.key_begin, n0, D * elem);
-    prefetch_rows(c, vbase, c.v_stride_slot, c.key_begin, n0, D * elem);
-  }
-  for (int64_t kb0 = c.key_begin; kb0 < c.key_end; kb0 += kKeyBlock) {
-    const int64_t nk = std::min<int64_t>(kKeyBlock, c.key_end - kb0);
+  // Row tails (c.row_tail): keys below `shared_end` are the committed prefix every query sees;
+  // past it each row r reads its own keys row_tail[r] up to row_end[r], as its decode step does.
+  const bool tails = c.row_tail != nullptr;
+  const int64_t shared_end = tails ? std::min(c.key_end, c.tail_from) : c.key_end;
+  // One key block [kb0, kb0 + nk) for queries [m0, m1): slot of key p = tail ? tail[p - tail_from]
+  // : key_slot(c, p); keys up to pf_end may be prefetched one block ahead.
+  auto block = [&](int64_t kb0, int64_t nk, int64_t m0, int64_t m1, const int32_t* tail,
+                   int64_t pf_end) {
+    const int64_t Mq = m1 - m0;
+    auto slot = [&](int64_t p) -> int64_t {
+      return tail != nullptr ? tail[p - c.tail_from] : key_slot(c, p);
+    };
     // K^T tile [W, 64] from the block's rows (missing rows read as zeros, masked below).
     const uint32_t* krow[kKeyBlock];
     for (int64_t j = 0; j < kKeyBlock; ++j) {
       krow[j] = j < nk ? reinterpret_cast<const uint32_t*>(
-                             kbase + key_slot(c, kb0 + j) * c.k_stride_slot * elem)
+                             kbase + slot(kb0 + j) * c.k_stride_slot * elem)
                        : s.zero.data();
     }
     // Slots are scattered over the pool, so the hardware prefetcher cannot follow: the next
@@ -222,7 +227,7 @@ void attention_chunk_avx512(const AttnChunk& c) {
     // use), 16 rows per transpose step, so the misses stay in flight while this block computes
     // instead of filling the miss queue in one burst.
     const int64_t next = kb0 + kKeyBlock;
-    const int64_t next_n = std::min<int64_t>(kKeyBlock, prefetch_limit(c) - next);
+    const int64_t next_n = tail != nullptr ? 0 : std::min<int64_t>(kKeyBlock, pf_end - next);
     for (int64_t jt = 0; jt < kKeyBlock; jt += 16) {
       const int64_t pn = std::min<int64_t>(16, next_n - jt);
       if (pn > 0) {
@@ -240,9 +245,9 @@ void attention_chunk_avx512(const AttnChunk& c) {
       }
     }
     if (bf16) {
-      qk_rows<true>(s.q.data(), M, W, s.kt.data(), s.s.data());
+      qk_rows<true>(s.q.data() + m0 * W, Mq, W, s.kt.data(), s.s.data() + m0 * kKeyBlock);
     } else {
-      qk_rows<false>(s.q.data(), M, W, s.kt.data(), s.s.data());
+      qk_rows<false>(s.q.data() + m0 * W, Mq, W, s.kt.data(), s.s.data() + m0 * kKeyBlock);
     }
 
     // Online softmax with lazy rescaling: probabilities are taken relative to a per-row
@@ -251,15 +256,17 @@ void attention_chunk_avx512(const AttnChunk& c) {
     // rescale (alpha = 1). Uncapped scores with a positive scale compare raw products against
     // a raw threshold (the scale is monotone) and fold scale and max into one FMA before a
     // base-2 exp. Row sums stay 16-lane vectors until the end of the chunk.
-    const bool all_visible = c.window <= 0 && nk == kKeyBlock && kb0 + nk <= c.prefix;
+    // (A row tail's full block takes the masked path with every bit set: the same numbers.)
+    const bool all_visible = c.window <= 0 && nk == kKeyBlock &&
+                             kb0 + nk <= (tails ? shared_end : c.prefix);
     int64_t last_t = -1;
     uint64_t bits = ~0ull;
-    for (int64_t m = 0; m < M; ++m) {
+    for (int64_t m = m0; m < m1; ++m) {
       float* sr = s.s.data() + m * kKeyBlock;
       if (!all_visible) {
         const int64_t t = c.row0 + m / c.heads;
         if (t != last_t) {
-          bits = visible_bits(c, t, kb0, nk);
+          bits = tails ? tail_bits(c, m / c.heads, kb0, nk) : visible_bits(c, t, kb0, nk);
           last_t = t;
         }
         if (bits == 0) {
@@ -324,11 +331,10 @@ void attention_chunk_avx512(const AttnChunk& c) {
 
     if (!bf16) {  // fp32 V rows straight from the pool
       for (int64_t j = 0; j < nk; ++j) {
-        vrow[j] = reinterpret_cast<const float*>(vbase + key_slot(c, kb0 + j) *
-                                                             c.v_stride_slot * elem);
+        vrow[j] = reinterpret_cast<const float*>(vbase + slot(kb0 + j) * c.v_stride_slot * elem);
       }
-      pv_rows(s.s.data(), s.alpha.data(), vrow, nk, M, acc, D);
-      continue;
+      pv_rows(s.s.data() + m0 * kKeyBlock, s.alpha.data() + m0, vrow, nk, Mq, acc + m0 * D, D);
+      return;
     }
     // bf16: interleave V rows j, j+1 into key-pair words once for the whole group (an odd last
     // key pairs with zeros; its probability is zero too).
@@ -337,8 +343,8 @@ void attention_chunk_avx512(const AttnChunk& c) {
                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const int64_t npairs = (nk + 1) / 2;
     for (int64_t j2 = 0; j2 < npairs; ++j2) {
-      const char* r0 = vbase + key_slot(c, kb0 + 2 * j2) * c.v_stride_slot * elem;
-      const char* r1 = 2 * j2 + 1 < nk ? vbase + key_slot(c, kb0 + 2 * j2 + 1) *
+      const char* r0 = vbase + slot(kb0 + 2 * j2) * c.v_stride_slot * elem;
+      const char* r1 = 2 * j2 + 1 < nk ? vbase + slot(kb0 + 2 * j2 + 1) *
                                                      c.v_stride_slot * elem
                                        : reinterpret_cast<const char*>(s.zero.data());
       uint32_t* dst = s.vp.data() + j2 * D;
@@ -352,7 +358,29 @@ void attention_chunk_avx512(const AttnChunk& c) {
     // Pairs past the block's keys are zero (their probabilities are zero too; zeros keep 0 * x
     // finite for products that run over the whole block).
     std::memset(s.vp.data() + npairs * D, 0, (kKeyBlock / 2 - npairs) * D * sizeof(uint32_t));
-    pv_rows_bf16(s.pb.data(), s.alpha.data(), s.vp.data(), npairs, M, acc, D);
+    pv_rows_bf16(s.pb.data() + m0 * (kKeyBlock / 2), s.alpha.data() + m0, s.vp.data(), npairs,
+                 Mq, acc + m0 * D, D);
+  };
+
+  {  // the first block's rows (later blocks are requested one block ahead, in block)
+    const int64_t n0 = std::min<int64_t>(kKeyBlock, shared_end - c.key_begin);
+    if (n0 > 0) {
+      prefetch_rows(c, kbase, c.k_stride_slot, c.key_begin, n0, D * elem);
+      prefetch_rows(c, vbase, c.v_stride_slot, c.key_begin, n0, D * elem);
+    }
+  }
+  const int64_t pf_end = tails ? shared_end : prefetch_limit(c);
+  for (int64_t kb0 = c.key_begin; kb0 < shared_end; kb0 += kKeyBlock) {
+    block(kb0, std::min<int64_t>(kKeyBlock, shared_end - kb0), 0, M, nullptr, pf_end);
+  }
+  if (tails) {
+    for (int64_t r = 0; r < c.rows; ++r) {
+      const int64_t end = std::min(c.key_end, c.row_end[r]);
+      for (int64_t kb0 = std::max(c.key_begin, c.tail_from); kb0 < end; kb0 += kKeyBlock) {
+        block(kb0, std::min<int64_t>(kKeyBlock, end - kb0), r * c.heads, (r + 1) * c.heads,
+              c.row_tail[r], 0);
+      }
+    }
   }
   for (int64_t m = 0; m < M; ++m)
     c.sum[m] = _mm512_reduce_add_ps(_mm512_loadu_ps(s.sumv.data() + 16 * m));

@@ -137,6 +137,21 @@ uint64_t visible_bits(const AttnChunk& c, int64_t t, int64_t kb0, int64_t nk) {
   return bits;
 }
 
+// Visibility of keys [kb0, kb0 + nk) for row r of a row-tail chunk (AttnChunk::row_tail): every
+// key below its row_end, from its window's first position on; the bits visible_bits gives the
+// decode step of the same position.
+inline uint64_t tail_bits(const AttnChunk& c, int64_t r, int64_t kb0, int64_t nk) {
+  const int64_t n = std::min<int64_t>(nk, c.row_end[r] - kb0);
+  if (n <= 0) return 0;
+  uint64_t bits = n >= 64 ? ~0ull : ((1ull << n) - 1);
+  if (c.window > 0) {
+    const int64_t lo = c.row_end[r] - c.window - kb0;  // first j inside the window
+    if (lo >= 64) return 0;
+    if (lo > 0) bits &= ~((1ull << lo) - 1);
+  }
+  return bits;
+}
+
 // Rows [p0, p0 + n) of a slot table (stride apart) into L2.
 __attribute__((always_inline)) inline void prefetch_slots(const char* base, int64_t scale, const int32_t* slots, int64_t stride,
                            int64_t n, int64_t row_bytes) {

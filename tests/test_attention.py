@@ -531,7 +531,7 @@ BITWISE_CASES = [
     (0, 8, 4, 2, 64, "random", -1),
     (61, 9, 6, 3, 64, "random", -1),
     (250, 12, 4, 1, 64, "wide", -1),
-    (700, 16, 8, 2, 128, "random", -1),
+    (1015, 16, 8, 2, 128, "random", -1),  # the tree crosses a 1024-key cut
     (700, 16, 8, 2, 128, "chain", -1),
     (300, 10, 4, 2, 64, "random", 100),
     (130, 9, 12, 2, 64, "random", -1),  # a GQA group of 6: AVX2's tiled path

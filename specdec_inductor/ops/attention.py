@@ -56,7 +56,13 @@ def extend_attention(
     precede their children, so depth(t) <= t; a row showing more raises ValueError).
     logit_cap > 0 maps scores s -> cap * tanh(s / cap).
     Returns out [B, T, H, D] contiguous in q's dtype; rows t >= extend_lens[b] are zero, and so
-    is a row that sees no key (a tree row with no visible token and no prefix)."""
+    is a row that sees no key (a tree row with no visible token and no prefix).
+    Row reproducibility (calls of at most 64 rows per request): a causal row, or a tree row whose
+    mask shows exactly its ancestors, equals bit for bit the decode_attention row of the same
+    position over the same keys (the prefix, then its ancestors in order), at any thread count
+    and alone or in a batch -- so greedy speculation reproduces plain greedy decoding even where
+    INT8 activations magnify last bits. Exception: bf16 on AMX, where a chain verify of 8+ query
+    rows per chunk runs AMX tiles and decode AVX-512 (both within the 2x rule)."""
     return torch.ops.specdec.extend_attention.default(
         q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, tree_mask, scale,
         sliding_window, logit_cap)
