@@ -15,6 +15,8 @@ time, time to the first token (load + compile + prefill, this process: cold with
 TORCHINDUCTOR_CACHE_DIR), resident memory against the file size plus the KV pool.
 --compare-rows: per prompt and method, how many verify rows reproduce our AR's decode logits
 bit for bit (greedy speculation can equal AR only where they do).
+--min-accepted A: every method's acceptance-gate threshold set by hand (0 drafts every step),
+to see a method's own acceptance where the calibrated gate would switch it off.
 --profile N: only a torch.profiler table of our AR decoding N tokens of the first prompt (after a
 warm-up): where a decode step's time goes, op by op, with the quantized linears' share.
 --step-costs: only the seconds of one step program (target step, acceptance, commit) of each
@@ -346,6 +348,9 @@ def main():
                    help="our quantized layers' activations (ops.quant.QuantActivation)")
     p.add_argument("--llamacpp-bin", default=None, help="llama.cpp bin dir (default: build it)")
     p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--min-accepted", type=float, default=None, metavar="A",
+                   help="the acceptance gate's threshold for every method (0: always draft; "
+                        "default: calibrated from the measured step costs)")
     p.add_argument("--compare-rows", action="store_true",
                    help="check that each verify row's logits equal the decode step's bit for bit "
                         "(one extra AR and speculative run per prompt, untimed)")
@@ -408,6 +413,8 @@ def main():
         # any timed run: a size a warm-up generate never reached would otherwise compile inside
         # the first timed one.
         spec.compile_verify(sampled=False)
+        if args.min_accepted is not None:  # by hand: the gate's cost-based threshold unused
+            spec.min_accepted = args.min_accepted
     recorders = {} if args.compare_rows else None
 
     bindir = None if args.no_llamacpp else llamacpp_bin(args.llamacpp_bin)

@@ -15,8 +15,8 @@
 // the key sequence its decode step runs -- the prefix, then its ancestors -- in the same 64-key
 // blocks and lanes, with key ranges cut at fixed key indices (split_key_ranges), so it equals
 // the decode row bit for bit (plan_items; tests/test_attention.py
-// test_verify_rows_reproduce_decode_rows_bitwise). The AVX2 kernel picks its path by the GQA
-// group, never by the chunk's row count, for the same reason.
+// test_verify_rows_reproduce_decode_rows_bitwise). The AVX2 kernel has one path for every
+// chunk for the same reason.
 // Sliding window with a tree mask: a draft's token position is prefix + its depth in the tree
 // (derived from the mask: tree_depths), not its row; every kernel applies the same rule through
 // query_pos / key_pos (attention_isa.h).
@@ -370,10 +370,10 @@ struct PlanData {
 // position would run -- the prefix, then its ancestors as the next keys, in the same key
 // blocks and lanes -- so it reproduces its decode row bit for bit whatever else the tree holds
 // (decode_attention is the one-row causal case):
-//  - row tails (the AVX-512 kernel, requests whose rows are all CAUSAL or PATH): blocks of up to
-//    rows_per_item rows share the prefix's 64-key blocks, then each row continues over its own
-//    keys (AttnChunk::row_tail);
-//  - other kernels: one item per PATH row, a one-row causal chunk over prefix + depth keys whose
+//  - row tails (the AVX-512 and AVX2 kernels, requests whose rows are all CAUSAL or PATH):
+//    blocks of up to rows_per_item rows share the prefix's 64-key blocks, then each row
+//    continues over its own keys (AttnChunk::row_tail);
+//  - the portable kernel: one item per PATH row, a one-row causal chunk over prefix + depth keys whose
 //    keys past the prefix are its ancestors (AttnChunk::tail_slots);
 //  - CAUSAL runs (every row of a call without a tree) and OTHER rows in blocks of up to
 //    rows_per_item rows, with the key range their rows can see (up to the block's last row for
@@ -667,7 +667,7 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
   std::vector<WorkItem> items =
       plan_items(B, T, Hkv, hpg, prefix, extend, kinds, path, ancestors, depth, sliding_window,
                  table, req_to_token.stride(0), req_to_token.stride(1), rows,
-                 *ran == Isa::AVX512, pd);
+                 *ran == Isa::AVX512 || *ran == Isa::AVX2, pd);
   const TaskPlan plan = split_key_ranges(items, T, hpg, D);
   std::vector<float> workspace(plan.split_floats);
   const AttnCall call{dtype,

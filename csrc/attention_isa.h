@@ -37,7 +37,7 @@ struct AttnChunk {
   int64_t slot_stride;
   const int32_t* tail_slots = nullptr;  // read for key indices >= tail_from only
   int64_t tail_from = INT64_MAX;
-  // Row tails (AVX-512 kernel only; nullptr elsewhere): keys [key_begin, tail_from) are prefix
+  // Row tails (the AVX-512 and AVX2 kernels; nullptr elsewhere): keys [key_begin, tail_from) are prefix
   // keys every row sees; past tail_from row r (of this chunk) reads keys [tail_from, row_end[r])
   // with slots row_tail[r][p - tail_from], all visible to it (its token position is
   // row_end[r] - 1, key positions are indices) -- the decode step of its position, with the
