@@ -9,8 +9,9 @@
 // (attention_avx512.cpp) when active_isa() >= AVX512 and D allows it (fp32: D % 16 == 0, bf16:
 // D % 32 == 0) -- so fp32 on an AMX machine runs AVX-512; else AVX2 (attention_avx2.cpp) when
 // active_isa() >= AVX2 and D % 8 == 0; else the portable kernel below. The
-// path that ran is recorded per op. When there are fewer (request, head, row-block) items than
-// 2x the threads, key ranges are split (flash-decoding) and merged here.
+// path that ran is recorded per op. Key ranges are split (flash-decoding) and merged here: at
+// fixed key indices (every 1024 keys) in calls of up to 64 rows per request, else only when
+// there are fewer (request, head, row-block) items than 2x the threads (split_key_ranges).
 // Row reproducibility: a verify row (causal, or a tree row whose mask shows its ancestors) runs
 // the key sequence its decode step runs -- the prefix, then its ancestors -- in the same 64-key
 // blocks and lanes, with key ranges cut at fixed key indices (split_key_ranges), so it equals
@@ -118,7 +119,7 @@ struct Task {
 
 constexpr int64_t kMaxQueriesPerChunk = 128;  // rows * heads of a chunk (acc [M, D] stays in L2)
 constexpr int64_t kSplitKeys = 1024;          // key-range cuts (split_key_ranges), a multiple of 64
-constexpr int64_t kFixedSplitRows = 64;      // calls of at most this many rows: fixed cuts
+constexpr int64_t kFixedSplitRows = 64;       // calls of at most this many rows: fixed cuts
 constexpr int64_t kAmxMinQueries = 8;         // AMX kernel from this many queries per chunk
 
 void check_pool(const at::Tensor& pool, const char* name) {
@@ -379,16 +380,12 @@ struct PlanData {
 //    rows_per_item rows, with the key range their rows can see (up to the block's last row for
 //    CAUSAL rows, all new keys for OTHER ones).
 // Every item starts at its rows' first in-window position, rounded down to 64 keys (first_key).
-std::vector<WorkItem> plan_items(int64_t B, int64_t T, int64_t Hkv, int64_t hpg,
-                                 const std::vector<int64_t>& prefix,
-                                 const std::vector<int64_t>& extend,
-                                 const std::vector<RowKind>& kinds,
-                                 const std::vector<int64_t>& path,
-                                 const std::vector<int64_t>& ancestors,
-                                 const std::vector<int32_t>& depth, int64_t sliding_window,
-                                 const int32_t* table, int64_t ts0, int64_t ts1,
-                                 const std::vector<int64_t>& rows, bool row_tails,
-                                 PlanData& pd) {
+std::vector<WorkItem> plan_items(
+    int64_t B, int64_t T, int64_t Hkv, int64_t hpg, const std::vector<int64_t>& prefix,
+    const std::vector<int64_t>& extend, const std::vector<RowKind>& kinds,
+    const std::vector<int64_t>& path, const std::vector<int64_t>& ancestors,
+    const std::vector<int32_t>& depth, int64_t sliding_window, const int32_t* table, int64_t ts0,
+    int64_t ts1, const std::vector<int64_t>& rows, bool row_tails, PlanData& pd) {
   const int64_t rows_per_item = std::max<int64_t>(1, kMaxQueriesPerChunk / hpg);
   auto slot = [&](int64_t b, int64_t p) { return table[rows[b] * ts0 + p * ts1]; };
   // A row's new keys in order (CAUSAL: 0..t; PATH: its ancestors), t last.
@@ -441,9 +438,8 @@ std::vector<WorkItem> plan_items(int64_t B, int64_t T, int64_t Hkv, int64_t hpg,
         if (tails_of[b]) {
           const int64_t nr = std::min(rows_per_item, extend[b] - r0);
           const int64_t* end = pd.row_end.data() + b * T + r0;
-          WorkItem it{b, g, r0, nr, first_key(*std::min_element(end, end + nr) - 1,
-                                              sliding_window),
-                      *std::max_element(end, end + nr), 1, 0};
+          const int64_t kbeg = first_key(*std::min_element(end, end + nr) - 1, sliding_window);
+          WorkItem it{b, g, r0, nr, kbeg, *std::max_element(end, end + nr), 1, 0};
           it.row_tails = true;
           items.push_back(it);
           r0 += nr;
@@ -460,8 +456,7 @@ std::vector<WorkItem> plan_items(int64_t B, int64_t T, int64_t Hkv, int64_t hpg,
         }
         int64_t nr = 1;
         while (nr < rows_per_item && r0 + nr < extend[b] && kinds[b * T + r0 + nr] == kind) ++nr;
-        const int64_t kend =
-            kind == RowKind::OTHER ? prefix[b] + extend[b] : prefix[b] + r0 + nr;
+        const int64_t kend = kind == RowKind::OTHER ? prefix[b] + extend[b] : prefix[b] + r0 + nr;
         // Tree rows: the window starts from the block's least depth.
         int64_t first_pos = prefix[b] + r0;
         if (!depth.empty()) {

@@ -195,9 +195,9 @@ inline bool softmax_step(const AttnChunk& c, int64_t m, int64_t kb0, int64_t nk,
     for (int64_t j = 0; j < kKeyBlock; ++j) {
       float x = s[j] * c.scale;
       if (c.logit_cap > 0) x = c.logit_cap * std::tanh(x / c.logit_cap);
-      if (j >= nk || (!all_visible && !(c.row_tail != nullptr
-                                            ? tail_visible(c, m / c.heads, kb0 + j)
-                                            : visible(c, t, kb0 + j)))) {
+      if (j >= nk ||
+          (!all_visible && !(c.row_tail != nullptr ? tail_visible(c, m / c.heads, kb0 + j)
+                                                   : visible(c, t, kb0 + j)))) {
         x = kNegInf;
       }
       s[j] = x;
@@ -304,9 +304,10 @@ void attention_chunk_avx2(const AttnChunk& c) {
     const bool all_visible = c.window <= 0 && kb0 + nk <= (tails ? shared_end : c.prefix);
     // The next block's K/V rows are scattered over the pool, so no hardware prefetcher finds
     // them: ask for them now, into L2, while this block's tiles compute.
-    const int64_t next_end = tail != nullptr ? 0
-                             : std::min<int64_t>(kb0 + 2 * kKeyBlock,
-                                                 tails ? shared_end : prefetch_limit(c));
+    const int64_t next_end =
+        tail != nullptr
+            ? 0
+            : std::min<int64_t>(kb0 + 2 * kKeyBlock, tails ? shared_end : prefetch_limit(c));
     for (int64_t p = kb0 + kKeyBlock; p < next_end; ++p) {
       const int64_t slot = key_slot(c, p);
       const char* kr = kbase + slot * c.k_stride_slot * elem;

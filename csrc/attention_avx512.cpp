@@ -218,9 +218,9 @@ void attention_chunk_avx512(const AttnChunk& c) {
     // K^T tile [W, 64] from the block's rows (missing rows read as zeros, masked below).
     const uint32_t* krow[kKeyBlock];
     for (int64_t j = 0; j < kKeyBlock; ++j) {
-      krow[j] = j < nk ? reinterpret_cast<const uint32_t*>(
-                             kbase + slot(kb0 + j) * c.k_stride_slot * elem)
-                       : s.zero.data();
+      krow[j] =
+          j < nk ? reinterpret_cast<const uint32_t*>(kbase + slot(kb0 + j) * c.k_stride_slot * elem)
+                 : s.zero.data();
     }
     // Slots are scattered over the pool, so the hardware prefetcher cannot follow: the next
     // block's K and V rows are requested into L2 (the 32 KB L1 would evict them again before
@@ -257,8 +257,8 @@ void attention_chunk_avx512(const AttnChunk& c) {
     // a raw threshold (the scale is monotone) and fold scale and max into one FMA before a
     // base-2 exp. Row sums stay 16-lane vectors until the end of the chunk.
     // (A row tail's full block takes the masked path with every bit set: the same numbers.)
-    const bool all_visible = c.window <= 0 && nk == kKeyBlock &&
-                             kb0 + nk <= (tails ? shared_end : c.prefix);
+    const bool all_visible =
+        c.window <= 0 && nk == kKeyBlock && kb0 + nk <= (tails ? shared_end : c.prefix);
     int64_t last_t = -1;
     uint64_t bits = ~0ull;
     for (int64_t m = m0; m < m1; ++m) {
@@ -344,8 +344,7 @@ void attention_chunk_avx512(const AttnChunk& c) {
     const int64_t npairs = (nk + 1) / 2;
     for (int64_t j2 = 0; j2 < npairs; ++j2) {
       const char* r0 = vbase + slot(kb0 + 2 * j2) * c.v_stride_slot * elem;
-      const char* r1 = 2 * j2 + 1 < nk ? vbase + slot(kb0 + 2 * j2 + 1) *
-                                                     c.v_stride_slot * elem
+      const char* r1 = 2 * j2 + 1 < nk ? vbase + slot(kb0 + 2 * j2 + 1) * c.v_stride_slot * elem
                                        : reinterpret_cast<const char*>(s.zero.data());
       uint32_t* dst = s.vp.data() + j2 * D;
       for (int64_t d = 0; d < D; d += 16) {
@@ -358,8 +357,8 @@ void attention_chunk_avx512(const AttnChunk& c) {
     // Pairs past the block's keys are zero (their probabilities are zero too; zeros keep 0 * x
     // finite for products that run over the whole block).
     std::memset(s.vp.data() + npairs * D, 0, (kKeyBlock / 2 - npairs) * D * sizeof(uint32_t));
-    pv_rows_bf16(s.pb.data() + m0 * (kKeyBlock / 2), s.alpha.data() + m0, s.vp.data(), npairs,
-                 Mq, acc + m0 * D, D);
+    pv_rows_bf16(s.pb.data() + m0 * (kKeyBlock / 2), s.alpha.data() + m0, s.vp.data(), npairs, Mq,
+                 acc + m0 * D, D);
   };
 
   {  // the first block's rows (later blocks are requested one block ahead, in block)

@@ -153,8 +153,9 @@ inline uint64_t tail_bits(const AttnChunk& c, int64_t r, int64_t kb0, int64_t nk
 }
 
 // Rows [p0, p0 + n) of a slot table (stride apart) into L2.
-__attribute__((always_inline)) inline void prefetch_slots(const char* base, int64_t scale, const int32_t* slots, int64_t stride,
-                           int64_t n, int64_t row_bytes) {
+__attribute__((always_inline)) inline void prefetch_slots(const char* base, int64_t scale,
+                                                          const int32_t* slots, int64_t stride,
+                                                          int64_t n, int64_t row_bytes) {
   for (int64_t j = 0; j < n; ++j) {
     const char* row = base + slots[j * stride] * scale;
     for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
@@ -164,8 +165,9 @@ __attribute__((always_inline)) inline void prefetch_slots(const char* base, int6
 // Key rows [p0, p0 + n) of the chunk into L2: the slot table's, then the tail's. always_inline:
 // GCC 12 found an out-of-line version free of side effects (prefetches only) and deleted its
 // calls, every prefetch of the kernels (decode at 4096 keys ran 2x slower).
-__attribute__((always_inline)) inline void prefetch_rows(const AttnChunk& c, const char* base, int64_t stride, int64_t p0, int64_t n,
-                   int64_t row_bytes) {
+__attribute__((always_inline)) inline void prefetch_rows(const AttnChunk& c, const char* base,
+                                                         int64_t stride, int64_t p0, int64_t n,
+                                                         int64_t row_bytes) {
   const int64_t scale = stride * (row_bytes / c.head_dim);
   const int64_t cut = std::min(p0 + n, std::max(p0, c.tail_from));
   prefetch_slots(base, scale, c.slots + p0 * c.slot_stride, c.slot_stride, cut - p0, row_bytes);
