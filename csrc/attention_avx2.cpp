@@ -7,9 +7,7 @@
 // K^T row, and O [6, 16 dims] += broadcast p[j] times a V row; each K^T or V vector loaded feeds
 // up to 6 FMAs. Every chunk takes this path, decode's few queries included: a row then sums
 // q . k in the same order whichever call it comes in (verify rows == decode rows bit for bit),
-// and it measured faster than per-query dot products for decode too (9 heads over 3 KV heads,
-// 256 keys: 27 against 36 us; 32 over 8, 4096 keys, fp32: 1.65x against 0.74x SDPA in
-// benchmarks/bench_attention.py --isa avx2).
+// and it also measured faster than per-query dot products for decode (docs/decisions.md).
 // No std:: containers: template code compiled with AVX2 flags must not be shared with the
 // portable library.
 #include <immintrin.h>
