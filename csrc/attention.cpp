@@ -78,12 +78,15 @@ void attention_chunk_portable(const AttnChunk& c) {
     c.sum[m] = 0.0f;
   }
   std::fill(c.acc, c.acc + M * D, 0.0f);
-  for (int64_t p = c.key_begin; p < c.key_end; ++p) {
-    const int64_t slot = key_slot(c, p);
+  // Key p (in slot `slot`) for queries [m0, m1).
+  auto key = [&](int64_t p, int64_t slot, int64_t m0, int64_t m1) {
     load_row(c.k, slot * c.k_stride_slot, c.dtype, D, k.data());
     load_row(c.v, slot * c.v_stride_slot, c.dtype, D, v.data());
-    for (int64_t m = 0; m < M; ++m) {
-      if (!visible(c, c.row0 + m / c.heads, p)) continue;
+    for (int64_t m = m0; m < m1; ++m) {
+      if (!(c.row_tail != nullptr ? tail_visible(c, m / c.heads, p)
+                                  : visible(c, c.row0 + m / c.heads, p))) {
+        continue;
+      }
       const float* qm = q.data() + m * D;
       float dot = 0.0f;
       for (int64_t d = 0; d < D; ++d) dot += qm[d] * k[d];
@@ -100,17 +103,23 @@ void attention_chunk_portable(const AttnChunk& c) {
       c.sum[m] += w;
       for (int64_t d = 0; d < D; ++d) acc[d] += w * v[d];
     }
+  };
+  // Row tails (AttnChunk::row_tail): the prefix for every query, then each row's own keys.
+  const int64_t shared_end = c.row_tail != nullptr ? std::min(c.key_end, c.tail_from) : c.key_end;
+  for (int64_t p = c.key_begin; p < shared_end; ++p) key(p, c.slots[p * c.slot_stride], 0, M);
+  for (int64_t r = 0; c.row_tail != nullptr && r < c.rows; ++r) {
+    const int64_t end = std::min(c.key_end, c.row_end[r]);
+    for (int64_t p = std::max(c.key_begin, c.tail_from); p < end; ++p) {
+      key(p, c.row_tail[r][p - c.tail_from], r * c.heads, (r + 1) * c.heads);
+    }
   }
 }
 
 namespace {
 
 // Rows of one (request, KV head, query-row block); its key range may be split into `splits`.
-// A PATH row's own item (plan_items) also has vprefix (its keys before its own: prefix + depth) and
-// tail (the offset of its ancestors' slots in the call's tail slots); -1 otherwise.
 struct WorkItem {
   int64_t b, g, row0, rows, key_begin, key_end, splits, first_task;
-  int64_t vprefix = -1, tail = -1;
   bool row_tails = false;  // rows of a request planned with row tails (plan_items)
 };
 struct Task {
@@ -265,8 +274,8 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k_pool, const
 using ChunkKernel = void (*)(const AttnChunk&);
 
 // The chunk kernel of this call (see the file comment); *ran records its ISA.
-// path_rows: the call has PATH rows (plan_items), which run as decode rows do: never on AMX, which
-// decode does not take either (and whose key loads read the slot table directly).
+// path_rows: the call has PATH rows (plan_items), run with row tails, which the AMX kernel does
+// not read (decode never runs AMX either).
 ChunkKernel choose_kernel(AttnDtype dtype, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                           bool path_rows, Isa* ran) {
   const Isa isa = active_isa();
@@ -356,11 +365,9 @@ int64_t first_key(int64_t pos, int64_t sliding_window) {
   return std::max<int64_t>(0, pos - sliding_window + 1) / 64 * 64;
 }
 
-// What the chunks read besides the items: PATH rows' ancestor slots (per-row items, `tails`);
-// for row-tail items each row's slots past its request's tail_from (`row_slots`, reached through
-// row_tail [B*T]) and its key end (row_end [B*T]).
+// What row-tail items read besides the items: each row's slots past its request's tail_from
+// (`row_slots`, reached through row_tail [B*T]) and its key end (row_end [B*T]).
 struct PlanData {
-  std::vector<int32_t> tails;
   std::vector<int32_t> row_slots;
   std::vector<const int32_t*> row_tail;
   std::vector<int64_t> row_end;
@@ -371,12 +378,10 @@ struct PlanData {
 // position would run -- the prefix, then its ancestors as the next keys, in the same key
 // blocks and lanes -- so it reproduces its decode row bit for bit whatever else the tree holds
 // (decode_attention is the one-row causal case):
-//  - row tails (the AVX-512 and AVX2 kernels, requests whose rows are all CAUSAL or PATH):
-//    blocks of up to rows_per_item rows share the prefix's 64-key blocks, then each row
-//    continues over its own keys (AttnChunk::row_tail);
-//  - the portable kernel: one item per PATH row, a one-row causal chunk over prefix + depth keys whose
-//    keys past the prefix are its ancestors (AttnChunk::tail_slots);
-//  - CAUSAL runs (every row of a call without a tree) and OTHER rows in blocks of up to
+//  - row tails (requests with PATH rows and no OTHER row): blocks of up to rows_per_item rows
+//    share the prefix's 64-key blocks, then each row continues over its own keys
+//    (AttnChunk::row_tail);
+//  - otherwise CAUSAL runs (every row of a call without a tree) and OTHER rows in blocks of up to
 //    rows_per_item rows, with the key range their rows can see (up to the block's last row for
 //    CAUSAL rows, all new keys for OTHER ones).
 // Every item starts at its rows' first in-window position, rounded down to 64 keys (first_key).
@@ -385,7 +390,7 @@ std::vector<WorkItem> plan_items(
     const std::vector<int64_t>& extend, const std::vector<RowKind>& kinds,
     const std::vector<int64_t>& path, const std::vector<int64_t>& ancestors,
     const std::vector<int32_t>& depth, int64_t sliding_window, const int32_t* table, int64_t ts0,
-    int64_t ts1, const std::vector<int64_t>& rows, bool row_tails, PlanData& pd) {
+    int64_t ts1, const std::vector<int64_t>& rows, PlanData& pd) {
   const int64_t rows_per_item = std::max<int64_t>(1, kMaxQueriesPerChunk / hpg);
   auto slot = [&](int64_t b, int64_t p) { return table[rows[b] * ts0 + p * ts1]; };
   // A row's new keys in order (CAUSAL: 0..t; PATH: its ancestors), t last.
@@ -410,25 +415,19 @@ std::vector<WorkItem> plan_items(
       has_path |= kinds[b * T + t] == RowKind::PATH;
       has_other |= kinds[b * T + t] == RowKind::OTHER;
     }
-    tails_of[b] = row_tails && has_path && !has_other;
+    tails_of[b] = has_path && !has_other;
     pd.tail_from[b] = prefix[b] / 64 * 64;
-    for (int64_t t = 0; t < extend[b] && has_path; ++t) {
-      if (!tails_of[b] && kinds[b * T + t] != RowKind::PATH) continue;
+    for (int64_t t = 0; t < extend[b] && tails_of[b]; ++t) {
       new_keys(b, t, keys);
       pd.row_end[b * T + t] = prefix[b] + static_cast<int64_t>(keys.size());
-      if (tails_of[b]) {
-        offset[b * T + t] = static_cast<int64_t>(pd.row_slots.size());
-        for (int64_t p = pd.tail_from[b]; p < prefix[b]; ++p) pd.row_slots.push_back(slot(b, p));
-        for (int64_t e : keys) pd.row_slots.push_back(slot(b, prefix[b] + e));
-      } else {
-        offset[b * T + t] = static_cast<int64_t>(pd.tails.size());
-        for (int64_t e : keys) pd.tails.push_back(slot(b, prefix[b] + e));
-      }
+      offset[b * T + t] = static_cast<int64_t>(pd.row_slots.size());
+      for (int64_t p = pd.tail_from[b]; p < prefix[b]; ++p) pd.row_slots.push_back(slot(b, p));
+      for (int64_t e : keys) pd.row_slots.push_back(slot(b, prefix[b] + e));
     }
   }
   pd.row_tail.assign(B * T, nullptr);
   for (int64_t i = 0; i < B * T; ++i) {
-    if (offset[i] >= 0 && tails_of[i / T]) pd.row_tail[i] = pd.row_slots.data() + offset[i];
+    if (offset[i] >= 0) pd.row_tail[i] = pd.row_slots.data() + offset[i];
   }
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < B; ++b) {
@@ -443,15 +442,6 @@ std::vector<WorkItem> plan_items(
           it.row_tails = true;
           items.push_back(it);
           r0 += nr;
-          continue;
-        }
-        if (kind == RowKind::PATH) {
-          const int64_t vprefix = pd.row_end[b * T + r0] - 1;  // prefix + depth
-          WorkItem it{b, g, r0, 1, first_key(vprefix, sliding_window), vprefix + 1, 1, 0};
-          it.vprefix = vprefix;
-          it.tail = offset[b * T + r0];
-          items.push_back(it);
-          ++r0;
           continue;
         }
         int64_t nr = 1;
@@ -568,14 +558,6 @@ AttnChunk make_chunk(const AttnCall& a, const WorkItem& it, const Task& task, fl
   c.tree = a.tree ? a.tree + it.b * a.T * a.T : nullptr;
   c.tree_stride = a.T;
   c.depth = a.depth.empty() ? nullptr : a.depth.data() + it.b * a.T;
-  if (it.tail >= 0) {  // a PATH row: one causal row over prefix + depth keys, ancestors last
-    c.row0 = 0;
-    c.prefix = it.vprefix;
-    c.tree = nullptr;
-    c.depth = nullptr;
-    c.tail_slots = a.plan.tails.data() + it.tail;
-    c.tail_from = a.prefix[it.b];
-  }
   if (it.row_tails) {  // the prefix's blocks shared, then each row's own keys
     c.tree = nullptr;
     c.depth = nullptr;
@@ -661,8 +643,7 @@ at::Tensor attention_forward(Isa* ran, const at::Tensor& q_in, const at::Tensor&
   const int32_t* table = req_to_token.const_data_ptr<int32_t>();
   std::vector<WorkItem> items =
       plan_items(B, T, Hkv, hpg, prefix, extend, kinds, path, ancestors, depth, sliding_window,
-                 table, req_to_token.stride(0), req_to_token.stride(1), rows,
-                 *ran == Isa::AVX512 || *ran == Isa::AVX2, pd);
+                 table, req_to_token.stride(0), req_to_token.stride(1), rows, pd);
   const TaskPlan plan = split_key_ranges(items, T, hpg, D);
   std::vector<float> workspace(plan.split_floats);
   const AttnCall call{dtype,

@@ -56,12 +56,6 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// Row r of a row-tail chunk sees every key below its row_end, inside its window (its token
-// position is row_end - 1; key positions are indices).
-inline bool tail_visible(const AttnChunk& c, int64_t r, int64_t p) {
-  return p < c.row_end[r] && !(c.window > 0 && p <= c.row_end[r] - 1 - c.window);
-}
-
 inline bool visible(const AttnChunk& c, int64_t t, int64_t p) {
   if (c.window > 0 && key_pos(c, p) <= query_pos(c, t) - c.window) return false;
   if (p < c.prefix) return true;
@@ -277,14 +271,15 @@ void attention_chunk_avx2(const AttnChunk& c) {
   const bool tails = c.row_tail != nullptr;
   const int64_t shared_end = tails ? std::min(c.key_end, c.tail_from) : c.key_end;
   // One key block [kb0, kb0 + nk) for queries [m0, m1); slot of key p = tail ? tail[p -
-  // tail_from] : key_slot(c, p).
+  // tail_from] : slots[p * slot_stride].
   auto block = [&](int64_t kb0, int64_t nk, int64_t m0, int64_t m1, const int32_t* tail) {
     for (int64_t j = 0; j < kKeyBlock; ++j) {
       if (j >= nk) {
         krow[j] = vrow[j] = zero;
         continue;
       }
-      const int64_t slot = tail != nullptr ? tail[kb0 + j - c.tail_from] : key_slot(c, kb0 + j);
+      const int64_t slot =
+          tail != nullptr ? tail[kb0 + j - c.tail_from] : c.slots[(kb0 + j) * c.slot_stride];
       const char* kr = kbase + slot * c.k_stride_slot * elem;
       const char* vr = vbase + slot * c.v_stride_slot * elem;
       if (bf16) {
@@ -307,7 +302,7 @@ void attention_chunk_avx2(const AttnChunk& c) {
             ? 0
             : std::min<int64_t>(kb0 + 2 * kKeyBlock, tails ? shared_end : prefetch_limit(c));
     for (int64_t p = kb0 + kKeyBlock; p < next_end; ++p) {
-      const int64_t slot = key_slot(c, p);
+      const int64_t slot = c.slots[p * c.slot_stride];
       const char* kr = kbase + slot * c.k_stride_slot * elem;
       const char* vr = vbase + slot * c.v_stride_slot * elem;
       for (int64_t off = 0; off < D * elem; off += 64) {

@@ -208,12 +208,12 @@ void attention_chunk_avx512(const AttnChunk& c) {
   const bool tails = c.row_tail != nullptr;
   const int64_t shared_end = tails ? std::min(c.key_end, c.tail_from) : c.key_end;
   // One key block [kb0, kb0 + nk) for queries [m0, m1): slot of key p = tail ? tail[p - tail_from]
-  // : key_slot(c, p); keys up to pf_end may be prefetched one block ahead.
+  // : slots[p * slot_stride]; keys up to pf_end may be prefetched one block ahead.
   auto block = [&](int64_t kb0, int64_t nk, int64_t m0, int64_t m1, const int32_t* tail,
                    int64_t pf_end) {
     const int64_t Mq = m1 - m0;
     auto slot = [&](int64_t p) -> int64_t {
-      return tail != nullptr ? tail[p - c.tail_from] : key_slot(c, p);
+      return tail != nullptr ? tail[p - c.tail_from] : c.slots[p * c.slot_stride];
     };
     // K^T tile [W, 64] from the block's rows (missing rows read as zeros, masked below).
     const uint32_t* krow[kKeyBlock];

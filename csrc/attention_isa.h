@@ -20,10 +20,6 @@ enum class AttnDtype : int { FLOAT32 = 0, BFLOAT16 = 1 };
 // (a tree draft's depth) and e otherwise (causal rows); a prefix key's token position is its
 // index. A key is visible only if it passes the window as well as the tree / causal rule.
 // query_pos / key_pos below are the definitions every kernel uses.
-// Key slots: key index p < tail_from reads slots[p * slot_stride]; p >= tail_from reads
-// tail_slots[p - tail_from] (a tree row run as its own chunk: its visible new keys packed after
-// the prefix, so it sees the very key sequence its decode step would; attention.cpp plan_items).
-// Every kernel reads slots through key_slot below.
 struct AttnChunk {
   AttnDtype dtype;
   int64_t head_dim;                     // D
@@ -35,13 +31,12 @@ struct AttnChunk {
   int64_t k_stride_slot, v_stride_slot;  // elements; rows of D are dense
   const int32_t* slots;
   int64_t slot_stride;
-  const int32_t* tail_slots = nullptr;  // read for key indices >= tail_from only
-  int64_t tail_from = INT64_MAX;
-  // Row tails (the AVX-512 and AVX2 kernels; nullptr elsewhere): keys [key_begin, tail_from) are prefix
+  // Row tails (every kernel but AMX; nullptr when unused): keys [key_begin, tail_from) are prefix
   // keys every row sees; past tail_from row r (of this chunk) reads keys [tail_from, row_end[r])
   // with slots row_tail[r][p - tail_from], all visible to it (its token position is
   // row_end[r] - 1, key positions are indices) -- the decode step of its position, with the
   // prefix blocks computed once for all rows. tail_from is a multiple of 64.
+  int64_t tail_from = 0;
   const int32_t* const* row_tail = nullptr;
   const int64_t* row_end = nullptr;
   int64_t key_begin, key_end, prefix;
@@ -67,8 +62,10 @@ namespace {
 inline int64_t query_pos(const AttnChunk& c, int64_t t) {
   return c.prefix + (c.depth != nullptr ? c.depth[t] : t);
 }
-inline int64_t key_slot(const AttnChunk& c, int64_t p) {
-  return p < c.tail_from ? c.slots[p * c.slot_stride] : c.tail_slots[p - c.tail_from];
+// Row r of a row-tail chunk sees every key below its row_end, inside its window (its token
+// position is row_end - 1; key positions are indices).
+inline bool tail_visible(const AttnChunk& c, int64_t r, int64_t p) {
+  return p < c.row_end[r] && !(c.window > 0 && p <= c.row_end[r] - 1 - c.window);
 }
 inline int64_t prefetch_limit(const AttnChunk& c) {
   return c.prefetch_end > c.key_end ? c.prefetch_end : c.key_end;

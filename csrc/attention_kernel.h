@@ -152,27 +152,15 @@ inline uint64_t tail_bits(const AttnChunk& c, int64_t r, int64_t kb0, int64_t nk
   return bits;
 }
 
-// Rows [p0, p0 + n) of a slot table (stride apart) into L2.
-__attribute__((always_inline)) inline void prefetch_slots(const char* base, int64_t scale,
-                                                          const int32_t* slots, int64_t stride,
-                                                          int64_t n, int64_t row_bytes) {
-  for (int64_t j = 0; j < n; ++j) {
-    const char* row = base + slots[j * stride] * scale;
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
-  }
-}
-
-// Key rows [p0, p0 + n) of the chunk into L2: the slot table's, then the tail's. always_inline:
-// GCC 12 found an out-of-line version free of side effects (prefetches only) and deleted its
-// calls, every prefetch of the kernels (decode at 4096 keys ran 2x slower).
+// Key rows [p0, p0 + n) of the chunk into L2. always_inline: GCC 12 once found an out-of-line
+// version free of side effects (prefetches only) and deleted its calls, every prefetch of the
+// kernels (docs/decisions.md).
 __attribute__((always_inline)) inline void prefetch_rows(const AttnChunk& c, const char* base,
                                                          int64_t stride, int64_t p0, int64_t n,
                                                          int64_t row_bytes) {
-  const int64_t scale = stride * (row_bytes / c.head_dim);
-  const int64_t cut = std::min(p0 + n, std::max(p0, c.tail_from));
-  prefetch_slots(base, scale, c.slots + p0 * c.slot_stride, c.slot_stride, cut - p0, row_bytes);
-  if (cut < p0 + n) {
-    prefetch_slots(base, scale, c.tail_slots + (cut - c.tail_from), 1, p0 + n - cut, row_bytes);
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = base + c.slots[(p0 + j) * c.slot_stride] * stride * (row_bytes / c.head_dim);
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
   }
 }
 
