@@ -10,6 +10,7 @@ public API, so the same script measures an older checkout (PYTHONPATH=that check
     python benchmarks/bench_step.py --pieces    # one program against the step in pieces
     python benchmarks/bench_step.py --program-ab --batches 8   # in-graph cost of the program
     python benchmarks/bench_step.py --ar-ab     # Engine.generate against its former own loop
+    python benchmarks/bench_step.py --methods eagle3 --drafted-ab   # the draft in the program
 
 --profile counts, per step of one generate run (deterministic, so comparable across checkouts on
 a loaded machine where times are not): eager aten ops called from the host outside the compiled
@@ -30,6 +31,7 @@ from specdec_inductor.engine.engine import Engine
 from specdec_inductor.loading import load_model
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
 from specdec_inductor.proposers.ngram import NgramProposer
+from specdec_inductor.proposers.registry import ProposerConfig, make_proposer, make_target_engine
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
 
 PROMPT = ("def bubble_sort(items):\n    n = len(items)\n    for i in range(n):\n"
@@ -39,14 +41,22 @@ PROMPT = ("def bubble_sort(items):\n    n = len(items)\n    for i in range(n):\n
 
 
 class InGraphTimer:
-    """Seconds spent inside the engine's public step calls (the compiled graphs, their guards
-    and input checks), installed over the engine's decode, verify and run_program."""
+    """Seconds spent inside the engines' public step calls (the compiled graphs, their guards
+    and input checks), installed over each engine's decode, verify, extend and run_program
+    (the loop's step programs, and a draft engine's tree program)."""
 
-    def __init__(self, engine):
+    def __init__(self, *engines):
         self.seconds = 0.0
-        for name in ("decode", "verify", "run_program"):
-            if hasattr(engine, name):  # run_program: the loop's greedy step programs
-                setattr(engine, name, self._timed(getattr(engine, name)))
+        self.installed = set()
+        for engine in engines:
+            self.install(engine)
+
+    def install(self, engine):
+        if id(engine) in self.installed:
+            return
+        self.installed.add(id(engine))
+        for name in ("decode", "verify", "extend", "run_program"):
+            setattr(engine, name, self._timed(getattr(engine, name)))
 
     def _timed(self, fn):
         def call(*args, **kwargs):
@@ -60,12 +70,12 @@ class InGraphTimer:
 
 def measure(variants, timer, prompts, new_tokens, rounds):
     """{label: median over rounds of (ms per step, in-graph ms per step, host share)};
-    variants: {label: (generator, one_program)}, taking turns within every round so that a
-    drift of the machine's speed hits them alike."""
+    variants: {label: (generator, one_program, draft_in_program)}, taking turns within every
+    round so that a drift of the machine's speed hits them alike."""
     rows = {label: [] for label in variants}
     for _ in range(rounds):
-        for label, (spec, one_program) in variants.items():
-            spec.one_program = one_program
+        for label, (spec, one_program, in_program) in variants.items():
+            spec.one_program, spec.draft_in_program = one_program, in_program
             stats = SpeculativeStats()
             timer.seconds = 0.0
             spec.generate(prompts, new_tokens, stats=stats)
@@ -197,6 +207,13 @@ def main():
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--methods", default="ngram,ar",
+                        help="comma list of ngram, ar, eagle3 (the shipped head, N = 8, its "
+                             "default tree, drafting every step)")
+    parser.add_argument("--drafted-ab", action="store_true",
+                        help="also time eagle3 with its draft tree in its own graph before the "
+                             "step program (draft_in_program = False), in turns with the step "
+                             "program that drafts inside it")
     parser.add_argument("--pieces", action="store_true",
                         help="also time each method with one_program = False (the engine's step "
                              "graph, then acceptance and commit in eager), in turns with it")
@@ -220,8 +237,22 @@ def main():
                     prefill_chunk=64)
     timer = InGraphTimer(engine)
     ids = tokenizer(PROMPT)["input_ids"]
-    methods = {"ngram": SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=8)),
-               "ar": SpeculativeGenerator(engine, AutoregressiveProposer())}
+    methods = {}
+    for name in args.methods.split(","):
+        if name == "ngram":
+            methods[name] = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=8))
+        elif name == "ar":
+            methods[name] = SpeculativeGenerator(engine, AutoregressiveProposer())
+        elif name == "eagle3":
+            config = ProposerConfig(method="eagle3", num_draft_tokens=8)
+            target = make_target_engine(config, model, max_batch=engine.max_batch, max_len=512,
+                                        compile=True, prefill_chunk=64)
+            proposer = make_proposer(config, target)
+            timer.install(target)
+            timer.install(proposer.engine)
+            methods[name] = SpeculativeGenerator(target, proposer, min_accepted=0.0)
+        else:
+            raise SystemExit(f"--methods: unknown method {name!r}")
     if args.program_ab:
         for bs in batches:
             for z, (bare, program) in program_ab(engine, bs).items():
@@ -257,18 +288,29 @@ def main():
             spec.compile_verify(batch_size=bs)
             spec.generate(prompts, 16)  # the bucket's prefill and decode graphs
             if args.profile:
-                steps, ops, calls, reads, names = profile_counts(spec, prompts,
-                                                                 args.max_new_tokens)
-                print(f"| {name} | {bs} | {steps} | {ops:.1f} | {calls:.0f} | {reads:.1f} |",
-                      flush=True)
-                print(f"#   most called per step: {names}", flush=True)
+                draft_graph = args.drafted_ab and spec.proposer is not None and spec.proposer.engine
+                for in_program in ((True, False) if draft_graph else (True,)):
+                    spec.draft_in_program = in_program
+                    spec.generate(prompts, 16)  # what this variant compiles
+                    steps, ops, calls, reads, names = profile_counts(spec, prompts,
+                                                                     args.max_new_tokens)
+                    label = name if in_program else f"{name} draft graph"
+                    print(f"| {label} | {bs} | {steps} | {ops:.1f} | {calls:.0f} | {reads:.1f} |",
+                          flush=True)
+                    print(f"#   most called per step: {names}", flush=True)
+                spec.draft_in_program = True
                 continue
-            variants = {name: (spec, True)}
+            variants = {name: (spec, True, True)}
             if args.pieces:
-                variants[f"{name} pieces"] = (spec, False)
+                variants[f"{name} pieces"] = (spec, False, True)
                 spec.one_program = False
                 spec.generate(prompts, 16)  # the engine's own decode graph
                 spec.one_program = True
+            if args.drafted_ab and spec.proposer is not None and spec.proposer.engine:
+                variants[f"{name} draft graph"] = (spec, True, False)
+                spec.draft_in_program = False
+                spec.generate(prompts, 16)  # the draft's own tree graph
+                spec.draft_in_program = True
             for label, (step, graph, share) in measure(variants, timer, prompts,
                                                        args.max_new_tokens, args.rounds).items():
                 print(f"| {label} | {bs} | {step:.2f} | {graph:.2f} | {step - graph:.2f} | "

@@ -189,7 +189,10 @@ def test_bad_checkpoints_are_refused(tmp_path):
 
 
 def _recorded(spec, ps, max_new):
-    """(output, the proposer's draft trees' tokens step by step) of spec.generate(ps)."""
+    """(output, the proposer's draft trees' tokens step by step) of spec.generate(ps), every
+    tree drafted by propose (not inside the step program, which drafts the same trees:
+    test_speculative's test_drafting_inside_the_step_program_keeps_trees_and_tokens)."""
+    spec.draft_in_program = False
     proposer, trees = spec.proposer, []
     propose = proposer.propose
 

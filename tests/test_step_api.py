@@ -56,6 +56,10 @@ def _setup(method, tmp_path, capacity=3, compiled=False):
         draft = Engine(tiny_model(seed=5), max_batch=capacity, max_len=128, compile=compiled,
                        prefill_chunk=16)
         proposer = StandaloneProposer(draft, 4)
+    elif method == "standalone-tree":  # the target's own weights: most drafts accepted
+        draft = Engine(tiny_model(), max_batch=capacity * 3, max_len=128 + 6, compile=compiled,
+                       prefill_chunk=16)
+        proposer = StandaloneProposer(draft, 6, topk=2, depth=3)
     else:
         write_random_eagle_checkpoint(str(tmp_path), target.config, seed=1, scale=0.3)
         head = load_eagle_head(str(tmp_path), target)
@@ -370,6 +374,93 @@ def test_one_program_and_pieces_emit_the_same_tokens(method, tmp_path):
     assert spec.generate(prompts, 24) == whole == engine.generate(prompts, 24)
     assert calls and spec._greedy.compiled_runs == 0  # eager: nothing compiled either way
     _all_free(engine, draft)
+
+
+def _ragged_run(spec, prompts, budget):
+    """Tokens and stats of a batch of 3 that one request starts and two join after 3 steps."""
+    stats = SpeculativeStats()
+    with spec.batch(3, stats) as batch:
+        requests = spec.admit(batch, prompts[:1], budget)
+        for _ in range(3):
+            spec.step(batch)
+        requests += spec.admit(batch, prompts[1:3], budget)
+        while batch.live:
+            spec.step(batch)
+    return [r.tokens for r in requests], stats
+
+
+@pytest.mark.parametrize("method,compiled", [("standalone-tree", False), ("eagle-tree", False),
+                                             ("eagle-tree", True)])
+def test_drafting_inside_the_step_program_keeps_trees_and_tokens(method, compiled, tmp_path):
+    """Draft trees made inside the step program (DraftedStep: the draft's catch-up and tree,
+    verify, acceptance and commit as one program) and by propose before the step program:
+    the same tokens, plain greedy's, and the same acceptance at every depth (a draft that
+    accepts most drafts, so another tree would show) on a ragged batch that requests join
+    mid-run. Every step but a request's first (whose catch-up covers its prompt) drafts in
+    the program, on a compiled engine as the compiled program; the pools end free."""
+    engine, spec, draft = _setup(method, tmp_path, compiled=compiled)
+    prompts = repetitive_prompts(3, shapes=3)
+    solo = [engine.generate([p], 24)[0] for p in prompts]
+    spec.draft_in_program = False
+    want, by_propose = _ragged_run(spec, prompts, 24)
+    spec.draft_in_program = True
+    got, in_program = _ragged_run(spec, prompts, 24)
+    assert got == want == solo
+    assert in_program.accepted_at_depth == by_propose.accepted_at_depth
+    assert in_program.verify_steps == by_propose.verify_steps
+    if method == "standalone-tree":
+        assert in_program.mean_accepted_length > 2.0, in_program.summary()
+    assert by_propose.drafted_in_program == 0
+    assert in_program.drafted_in_program >= in_program.verify_steps - 3, in_program.summary()
+    (step,) = spec._drafted_steps.values()
+    assert step.compiled_runs == (in_program.drafted_in_program if compiled else 0)
+    _all_free(engine, draft)
+
+
+def _warm_draft_graphs(spec, prompts, capacity):
+    """Compile what a draft-model proposer's steps use in a batch of `capacity`: the draft's
+    graphs per number of requests (a request's first draft catches up by propose), and the
+    step program that drafts inside it."""
+    for k in range(1, capacity + 1):
+        with spec.batch(capacity) as batch:
+            spec.admit(batch, prompts[:k], 6)
+            while batch.live:
+                spec.step(batch)
+
+
+def test_drafted_step_program_never_recompiles_while_requests_join_and_leave(tmp_path):
+    """256 steps of a compiled EAGLE tree batch while requests join (some chunk-prefilled)
+    and leave: after a warm-up nothing compiles or recompiles, most steps drafted inside the
+    compiled step program, every request's tokens equal plain greedy's, and the eager engine
+    gives the same tokens."""
+    torch._dynamo.reset()
+    engine, spec, draft = _setup("eagle-tree", tmp_path, capacity=4, compiled=True)
+    prompts = repetitive_prompts(96, seed=3, shapes=4)
+    prompts = [p * (1 + i % 2) for i, p in enumerate(prompts)]
+    rng = random.Random(2)
+    budgets = [rng.randrange(4, 32) for _ in prompts]
+    spec.compile_verify(batch_size=4, sampled=False)
+    _warm_draft_graphs(spec, prompts, 4)
+    _warm_chunked_prefill(spec, prompts[0])
+    counters = torch._dynamo.utils.counters
+    graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+    (step,) = spec._drafted_steps.values()
+    runs = step.compiled_runs
+    with torch.compiler.set_stance("fail_on_recompile"):
+        done, steps = _join_and_leave(spec, prompts, budgets, 4)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert sum(counters["recompiles"].values()) == recompiles
+    assert steps == 256 and len(done) >= 16, (steps, len(done))
+    assert any(r.prefill_chunk for r in done)
+    assert step.compiled_runs - runs >= 128, step.compiled_runs - runs
+    for r in done:
+        assert r.tokens == engine.generate([r.prompt], r.max_new_tokens)[0]
+    _all_free(engine, draft)
+    _, eager, eager_draft = _setup("eagle-tree", tmp_path, capacity=4, compiled=False)
+    eager_done, _ = _join_and_leave(eager, prompts, budgets, 4)
+    assert ({tuple(r.prompt): r.tokens for r in eager_done} ==
+            {tuple(r.prompt): r.tokens for r in done})
+    _all_free(eager_draft)
 
 
 def test_chunked_admission_checks_the_parameter_layout():

@@ -452,20 +452,26 @@ def test_compiled_tree_program_equals_eager_with_an_idle_request(tmp_path):
 
 def test_compiled_eagle_tree_extends_in_the_tree_graph_and_is_exact(tmp_path):
     """A compiled EAGLE tree runs the draft extend of the committed pairs inside the tree's
-    graph (TreeDrafter.draft with `extend`): greedy output equals plain greedy on a ragged
-    batch, every step's tree ran compiled, a second generation recompiles nothing, and both
+    graph (TreeDrafter.draft with `extend`), on its own (draft_in_program False) or inside the
+    step program (DraftedStep): greedy output equals plain greedy on a ragged batch either
+    way, every step's tree ran compiled, a second generation recompiles nothing, and both
     pools end free."""
     engine, draft, _, spec = _eagle(tmp_path, tiny(1), 2, 6, 2, 3, compiled=True)
     drafter = spec.proposer._tree
     ps = prompts(2)
-    stats = SpeculativeStats()
-    assert spec.generate(ps, 12, stats=stats) == engine.generate(ps, 12)
-    assert drafter.compiled_drafts == stats.verify_steps - stats.decode_steps > 0
-    with torch.compiler.set_stance("fail_on_recompile"):
-        ps2 = prompts(2, seed=9)
+    for in_program in (False, True):
+        spec.draft_in_program = in_program
         stats = SpeculativeStats()
-        assert spec.generate(ps2, 10, stats=stats) == engine.generate(ps2, 10)
-    assert stats.recompiles == 0
+        before = drafter.compiled_drafts
+        assert spec.generate(ps, 12, stats=stats) == engine.generate(ps, 12)
+        drafted = stats.verify_steps - stats.decode_steps
+        assert drafter.compiled_drafts - before + stats.drafted_in_program == drafted > 0
+        assert (stats.drafted_in_program > 0) == in_program
+        with torch.compiler.set_stance("fail_on_recompile"):
+            ps2 = prompts(2, seed=9)
+            stats = SpeculativeStats()
+            assert spec.generate(ps2, 10, stats=stats) == engine.generate(ps2, 10)
+        assert stats.recompiles == 0
     _free(engine, draft)
 
 

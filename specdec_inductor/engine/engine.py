@@ -70,11 +70,18 @@ def _skip_model_guards(guard_entries) -> List[bool]:
     return [not _engine_owned(e.name) and threads.keeps_guard(e) for e in guard_entries]
 
 
+_OWNED_ROOTS = tuple(f"self.{owner}{part}" for owner in ("", "engine.", "step.engine.",
+                                                          "drafter.engine.")
+                     for part in ("model", "pool"))
+
+
 def _engine_owned(name: str) -> bool:
-    """A guard source on the engine's model (its attributes, parameters, and the class dicts of
+    """A guard source on an engine's model (its attributes, parameters, and the class dicts of
     its modules: `dict(type(self.model.model.layers[0]))...`) or its KV pool, which the engine
-    creates and never replaces; reached as `self.engine....` from a compile_program owner."""
-    for root in ("self.model", "self.pool", "self.engine.model", "self.engine.pool"):
+    creates and never replaces; reached as `self.engine....` from a compile_program owner, and
+    as `self.step.engine....` / `self.drafter.engine....` from a program that runs another
+    program's step and a draft Engine's (commit.DraftedStep)."""
+    for root in _OWNED_ROOTS:
         at = name.find(root)
         while at >= 0:
             end = at + len(root)
@@ -148,7 +155,7 @@ def _inference(t: Optional[Tensor]) -> Optional[Tensor]:
     keys, so a graph traced on inference tensors recompiles for normal ones: the public steps
     hand their graphs inference tensors only, and every caller -- generate, the speculative
     loop, a test's own tensors -- shares one graph per shape."""
-    return t if t is None or t.is_inference() else t.clone()
+    return t if not isinstance(t, Tensor) or t.is_inference() else t.clone()
 
 
 class StepOutput(NamedTuple):

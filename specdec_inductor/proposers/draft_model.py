@@ -24,7 +24,7 @@ from torch import Tensor
 
 from specdec_inductor import ops
 from specdec_inductor.proposers.tree_draft import TreeDrafter, check_tree_shape
-from specdec_inductor.speculative import DraftTree, Proposer
+from specdec_inductor.speculative import DraftProgram, DraftTree, Proposer
 
 # Tokens a KV-reusing chain leaves to catch up after a step: the bonus, plus the last draft
 # when all K were accepted (its KV was never written). One small T keeps one extend graph.
@@ -213,6 +213,31 @@ class DraftModelProposer(Proposer):
                                 [st.cached for st in states],
                                 [st.virtual_rows for st in states], None, extend=extend)
 
+    def draft_program(self, request_ids: List[int], seq_lens: Tensor,
+                      roots: Tensor) -> Optional[DraftProgram]:
+        """This step's tree as TreeDrafter.tree_program and its inputs over the batch's whole
+        bucket (seq_lens / roots [bucket]; rows past the requests draft nothing), for the step
+        program that drafts, verifies, accepts and commits in one graph (commit.DraftedStep).
+        The request state advances as propose advances it. None for chains, and while a live
+        request has more pending tokens than one catch-up extend takes (its prompt, or the
+        tokens decoded while the acceptance gate rested): propose catches those up first."""
+        if self._tree is None:
+            return None
+        states = [self._requests[r] for r in request_ids]
+        small = self.catch_up_tokens()
+        if any(not st.pending or len(st.pending) > small for st in states if not st.done):
+            return None
+        bucket = roots.shape[0]
+        req_rows = self._rows(states, bucket)
+        take = [0 if st.done else len(st.pending) for st in states]
+        extend = self._extend_inputs(states, take, req_rows, small)
+        # A request that finished drafts nothing; its tree (and the padding rows') is never
+        # accepted from: the target verifies it on its padding row.
+        inputs = self._tree.program_inputs(
+            roots, seq_lens, None, [None if st.done else st.request.row for st in states],
+            [st.cached for st in states], [st.virtual_rows for st in states], None, extend)
+        return DraftProgram(self._tree, inputs[2:])  # the program passes roots and seq_lens
+
     def commit(self, request_ids: List[int], emitted: List[List[int]],
                hidden: Optional[List[Tensor]] = None) -> None:
         for i, (rid, toks) in enumerate(zip(request_ids, emitted)):
@@ -234,11 +259,13 @@ class DraftModelProposer(Proposer):
         finish_draft_requests(self._requests, request_ids, self.engine.pool, self._tree)
 
     # -- drafting ------------------------------------------------------------------------------
-    def _rows(self, states) -> Tensor:
+    def _rows(self, states, rows: Optional[int] = None) -> Tensor:
+        """Each request's draft-pool row (the padding row once done), padded to the draft
+        Engine's bucket of `rows` rows (default: one per request)."""
         pad = self.engine.pool.padding_row
-        rows = [pad if st.done else st.request.row for st in states]
-        rows += [pad] * (self.engine.bucket_for(len(rows)) - len(rows))
-        return torch.tensor(rows, dtype=torch.int64)  # [B]
+        out = [pad if st.done else st.request.row for st in states]
+        out += [pad] * (self.engine.bucket_for(rows or len(out)) - len(out))
+        return torch.tensor(out, dtype=torch.int64)  # [B]
 
     def _catch_up(self, states, req_rows: Tensor, small: int, keep: int):
         """Extend each live request over its pending tokens but the last `keep`, in chunks of

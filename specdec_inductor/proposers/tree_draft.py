@@ -107,8 +107,8 @@ class TreeDrafter:
         self.token_map = None if token_map is None else token_map.to(torch.int64)
         # Row positions past a request's committed prefix that drafting writes.
         self.draft_positions = topk * (depth - 1)
-        self._compiled = None  # _tree compiled by the draft Engine, made at the first draft
-        self.compiled_drafts = 0  # draft calls that ran the compiled _tree
+        self._compiled = None  # tree_program compiled by the draft Engine, made at the first draft
+        self.compiled_drafts = 0  # draft calls that ran the compiled tree_program
 
     def _children(self, logits: Tensor):
         """(scores, target ids) [R, topk] of each row of draft logits [R, V]: top_children of
@@ -159,20 +159,45 @@ class TreeDrafter:
                 root's logits (and, when the draft Engine captures hidden, aux) are then those
                 of each request's last extended row; `bases` count the extended rows.
 
-        The checks and the tables' inputs are made here; the tree itself is `_tree`, one
-        compiled graph on a compiled draft Engine (every draft decode, top-k and the tree
-        build: `compiled_drafts` counts its calls), the same code run op by op otherwise.
+        The checks and the tables' inputs are made here (program_inputs); the tree itself is
+        `tree_program`, one compiled graph on a compiled draft Engine (every draft decode,
+        top-k and the tree build: `compiled_drafts` counts its calls), the same code run op
+        by op otherwise.
         """
+        inputs = self.program_inputs(roots, seq_lens, logits, rows, bases, virtual_rows, aux,
+                                     extend)
+        if self._compiled is None and getattr(self.engine, "compiled", False):
+            self._compiled = self.engine.compile_program(self.tree_program)
+        if self._compiled is not None:
+            self.compiled_drafts += 1
+            out = self.engine.run_program(self._compiled, *inputs)
+        else:
+            out = self.tree_program(*inputs)
+        return DraftTree(*out, torch.full((roots.shape[0],), self.num_draft_tokens - 1,
+                                          dtype=torch.int64))
+
+    def program_inputs(self, roots: Tensor, seq_lens: Tensor, logits: Optional[Tensor],
+                       rows: Sequence[Optional[int]], bases: Sequence[int],
+                       virtual_rows: Sequence[Sequence[int]], aux: Optional[Tensor] = None,
+                       extend: Optional[Sequence] = None) -> List[Optional[Tensor]]:
+        """tree_program's inputs for draft's arguments (checked here: room for the draft-tree
+        slots, the extend's arity). Rows past len(rows) (roots and seq_lens may be longer: a
+        whole batch bucket) are padding requests that draft nothing: their beams decode on the
+        padding row and their virtual rows are the padding row, whose table entries stay the
+        sink (a step program verifies their trees on the target's padding row)."""
         k, depth = self.topk, self.depth
         bs = roots.shape[0]
         pool = self.engine.pool
-        live = [r is not None for r in rows]
+        padding = bs - len(rows)
+        live = [r is not None for r in rows] + [False] * padding
         # A request that drafts nothing reads no prefix (base 0 from the padding row); its
         # virtual rows, still its own, take harmless table writes that nobody reads.
-        req = torch.tensor([r if r is not None else pool.padding_row for r in rows],
-                           dtype=torch.int64)  # [B]
-        base = torch.tensor([b if ok else 0 for b, ok in zip(bases, live)], dtype=torch.int64)
-        vrows = torch.tensor([r for v in virtual_rows for r in v], dtype=torch.int64)  # [B*k]
+        req = torch.tensor([r if r is not None else pool.padding_row for r in rows] +
+                           [pool.padding_row] * padding, dtype=torch.int64)  # [B]
+        base = torch.tensor([b if ok else 0 for b, ok in zip(bases, live)] + [0] * padding,
+                            dtype=torch.int64)  # [B]
+        vrows = torch.tensor([r for v in virtual_rows for r in v] +
+                             [pool.padding_row] * (padding * k), dtype=torch.int64)  # [B*k]
         live_t = torch.tensor(live, dtype=torch.bool)  # [B]
         own = None
         if depth > 1:
@@ -188,29 +213,25 @@ class TreeDrafter:
                                  f"{top} has no reserved room for its "
                                  f"{self.draft_positions} draft-tree slots; make the draft "
                                  "Engine's max_len larger")
-            own = own.masked_fill(~live_t.view(bs, 1, 1), 0)
+            # Beams that draft nothing write the sink: the padding row's entries stay the sink.
+            own = own.masked_fill(~live_t.view(bs, 1, 1), pool.padding_slot)
         if (logits is None) == (extend is None):
             raise ValueError("TreeDrafter.draft: pass the root's logits or an extend, not both")
         if extend is not None and len(extend) != 6:
             raise ValueError(f"argument 'extend' must hold Engine.extend's 6 inputs (input_ids, "
                              f"positions, req_rows, prefix_lens, extend_lens, aux), got "
                              f"{len(extend)}")
-        inputs = [_as_inference(t) for t in (roots.long(), seq_lens.long(), logits, live_t, req,
-                                             base, vrows, own, aux,
-                                             *(extend if extend is not None else [None] * 6))]
-        if self._compiled is None and getattr(self.engine, "compiled", False):
-            self._compiled = self.engine.compile_program(self._tree)
-        if self._compiled is not None:
-            self.compiled_drafts += 1
-            out = self._compiled(*inputs)
-        else:
-            out = self._tree(*inputs)
-        return DraftTree(*out, torch.full((bs,), self.num_draft_tokens - 1, dtype=torch.int64))
+        return [_as_inference(t) for t in (roots.long(), seq_lens.long(), logits, live_t, req,
+                                           base, vrows, own, aux,
+                                           *(extend if extend is not None else [None] * 6))]
 
-    def _tree(self, roots, seq_lens, logits, live, req, base, vrows, own, aux, ext_ids=None,
-              ext_positions=None, ext_rows=None, ext_prefix=None, ext_lens=None, ext_aux=None):
-        """draft's tree as tensors only (traced whole on a compiled Engine): (tokens [B, N],
-        mask, positions, retrieve_index, retrieve_next_token, retrieve_next_sibling)."""
+    def tree_program(self, roots, seq_lens, logits, live, req, base, vrows, own, aux,
+                     ext_ids=None, ext_positions=None, ext_rows=None, ext_prefix=None,
+                     ext_lens=None, ext_aux=None):
+        """draft's tree as tensors only (traced whole on a compiled Engine, alone or inside a
+        step program of the target's: commit.DraftedStep) from program_inputs: (tokens
+        [B, N], mask, positions, retrieve_index, retrieve_next_token,
+        retrieve_next_sibling)."""
         k, depth, n = self.topk, self.depth, self.num_draft_tokens
         bs = roots.shape[0]
         if ext_ids is not None:  # the draft extend; its last row per request is the root's

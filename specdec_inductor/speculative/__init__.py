@@ -8,8 +8,9 @@ from specdec_inductor.speculative.policies import (AcceptanceGate, AdaptiveVerif
                                                    DraftPolicy, StepCosts, StepPlan)
 from specdec_inductor.speculative.proposer import Proposer
 from specdec_inductor.speculative.stats import SpeculativeStats, step_times
-from specdec_inductor.speculative.tree import DraftTree, VerifyInputs, root_only_draft, star_tree
+from specdec_inductor.speculative.tree import (DraftProgram, DraftTree, VerifyInputs,
+                                               root_only_draft, star_tree)
 
 __all__ = ["AcceptanceGate", "ActiveRequest", "AdaptiveVerifySize", "Batch", "DraftPolicy",
-           "DraftTree", "Proposer", "SpeculativeGenerator", "SpeculativeStats", "StepCosts",
+           "DraftProgram", "DraftTree", "Proposer", "SpeculativeGenerator", "SpeculativeStats", "StepCosts",
            "StepPlan", "VerifyInputs", "root_only_draft", "star_tree", "step_times"]

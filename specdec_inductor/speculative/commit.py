@@ -221,3 +221,38 @@ class SampledStep(GreedyStep):
                     u_final):
         probs = sampling_probs(out.logits, temperature, top_k, top_p, greedy)  # [B, N, V]
         return self.tree_sampling(tokens, *linkage, u, u_final, probs, steps)
+
+
+class DraftedStep:
+    """The whole speculative step of a batch bucket as one program: the proposer's draft trees
+    (a DraftProgram's tree_program: the draft's catch-up extend over what the last step
+    committed, every draft decode, the top-k work and build_tree), then `step`'s verify
+    program (the target's verify(N) pass, greedy acceptance or tree rejection sampling, the
+    commit). One compiled graph per bucket on a compiled target Engine (compile_program; the
+    draft Engine's steps trace into it with the target's backend options, which may only
+    change the draft's last bits, never a verified token); op by op in eager. The host prepares
+    the draft's inputs and reads the step's one result, as for the other programs."""
+
+    def __init__(self, step: GreedyStep, drafter):
+        self.engine, self.step, self.drafter = step.engine, step, drafter
+        self.compiled_runs = 0  # steps run as the compiled program (tests assert the path)
+        compiled = self.engine.compile_program if self.engine.compiled else (lambda m: m)
+        self._program = compiled(self.program)
+
+    def run(self, draft_inputs, req_rows: Tensor, seq_lens: Tensor, roots: Tensor,
+            *acceptance: Tensor) -> StepResult:
+        """Draft, verify, accept and commit the bucket (draft_inputs: the DraftProgram's;
+        req_rows / seq_lens / roots: the batch's state, updated in place as by step.verify)."""
+        self.compiled_runs += int(self.engine.compiled)
+        return self.engine.run_program(self._program, len(draft_inputs), *draft_inputs,
+                                       req_rows, seq_lens, roots, *acceptance)
+
+    def program(self, count: int, *args) -> StepResult:
+        """args: the `count` draft inputs, then req_rows, seq_lens, roots and the acceptance."""
+        draft_inputs, (req_rows, seq_lens, roots, *acceptance) = args[:count], args[count:]
+        # The draft reads the roots and lengths before the commit advances them in place.
+        tokens, mask, positions, ridx, nxt, sib = self.drafter.tree_program(roots, seq_lens,
+                                                                            *draft_inputs)
+        bs, n = tokens.shape
+        return self.step.verify_program(tokens, positions.view(bs, n), req_rows, seq_lens, mask,
+                                        ridx, nxt, sib, roots, *acceptance)

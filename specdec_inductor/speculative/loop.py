@@ -32,7 +32,7 @@ decoding in fp32; a mismatch is reported with the logit margin, never hidden by 
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -40,14 +40,14 @@ from torch import Tensor
 from specdec_inductor import ops
 from specdec_inductor.engine.kv_pool import Request
 from specdec_inductor.sampler import Sampler, SamplingParams, request_generator, request_params
-from specdec_inductor.speculative.commit import (GreedyStep, SampledStep, StepResult, commit_step,
-                                                 sampling_inputs, step_result)
+from specdec_inductor.speculative.commit import (DraftedStep, GreedyStep, SampledStep, StepResult,
+                                                 commit_step, sampling_inputs, step_result)
 from specdec_inductor.speculative.policies import (NO_DRAFT, AcceptanceGate, AdaptiveVerifySize,
                                                    CostAwareVerifySize, DraftPolicy, StartPolicy,
-                                                   StepCosts, VerifySizePlanner)
+                                                   StepCosts, StepPlan, VerifySizePlanner)
 from specdec_inductor.speculative.proposer import Proposer
 from specdec_inductor.speculative.stats import SpeculativeStats, dynamo_counts, step_times
-from specdec_inductor.speculative.tree import DraftTree, VerifyInputs, truncate_draft
+from specdec_inductor.speculative.tree import DraftProgram, DraftTree, VerifyInputs, truncate_draft
 
 
 @dataclass(eq=False)
@@ -214,6 +214,11 @@ class SpeculativeGenerator:
     # graph, then acceptance and commit in eager (benchmarks A/B the two; a recorder of the
     # engine's public steps sees every verify).
     one_program = True
+    # Draft inside the step program where the proposer can (Proposer.draft_program: the draft
+    # trees of draft-model proposers) and the policy plans before drafting: draft, verify,
+    # accept and commit as one program (DraftedStep). False: the proposer's own draft graph,
+    # then the step program (benchmarks A/B the two).
+    draft_in_program = True
 
     def __init__(self, engine, proposer: Optional[Proposer],
                  tree_sizes: Optional[Sequence[int]] = None,
@@ -257,6 +262,7 @@ class SpeculativeGenerator:
         self._drafts = proposer is not None and sizes[-1] > 1
         self._spec_steps = proposer.num_spec_steps if proposer is not None else 1
         self._greedy = GreedyStep.of(engine, self._spec_steps)
+        self._drafted_steps: Dict[tuple, DraftedStep] = {}  # _run_drafted's programs
         # The tree rejection-sampling rule (an op; tests swap in a deliberately wrong one to
         # show the losslessness test catches it).
         self.tree_sampling = ops.tree_speculative_sampling
@@ -540,20 +546,33 @@ class SpeculativeGenerator:
             return {}
         bs = len(reqs)
         t0 = self.clock()
-        plan, draft = NO_DRAFT, None
+        plan, draft, in_program = NO_DRAFT, None, None
         if self._drafts and policy.wants_draft():
-            draft = self.proposer.propose(batch.rows, batch.seq_lens[:bs])
-            policy.drafted(self.clock() - t0)
-            offered = (draft.num_drafts.tolist() if draft.num_drafts is not None
-                       else [self.num_draft_tokens - 1] * bs)  # before the cut to the plan's size
-            plan = policy.plan(offered, live, [r.policy_state for r in reqs], draft, batch.bucket)
-        if plan.size > 1:
+            in_program = self._draft_in_program(batch, live)
+            if in_program is None:
+                draft = self.proposer.propose(batch.rows, batch.seq_lens[:bs])
+                policy.drafted(self.clock() - t0)
+                offered = (draft.num_drafts.tolist() if draft.num_drafts is not None
+                           else [self.num_draft_tokens - 1] * bs)  # before the cut to the plan's size
+                plan = policy.plan(offered, live, [r.policy_state for r in reqs], draft,
+                                   batch.bucket)
+            else:
+                plan = in_program[0]
+        if plan.size > 1 and in_program is None:
             draft = truncate_draft(draft, plan.size, batch.seq_lens[:bs])
         t1 = self.clock()
-        result = self._run(batch, plan.size, draft)
+        if in_program is None:
+            result = self._run(batch, plan.size, draft)
+        else:
+            result = self._run_drafted(batch, in_program[1])
         # The step's one host read: per request [accepted drafts, tokens...].
         host = result.host.tolist()[:bs]
         t2 = self.clock()
+        if in_program is not None:
+            stats.drafted_in_program += 1
+            # The draft ran inside the step: price it as what the step took beyond a verify.
+            if self.costs.verify_cost is not None and self.costs.decode_s is not None:
+                policy.drafted(max(0.0, (t2 - t1) - self.costs.verify_cost * self.costs.decode_s))
         if plan is not NO_DRAFT:
             policy.observe(plan, live, [r.policy_state for r in reqs], [h[0] for h in host],
                            [h[1] for h in host], t2 - t1)
@@ -593,6 +612,36 @@ class SpeculativeGenerator:
         tokens, positions, mask, *linkage = inputs
         return program.verify(tokens, positions, batch.req_rows, batch.seq_lens, mask, *linkage,
                               batch.roots, *acceptance)
+
+    def _draft_in_program(self, batch: Batch,
+                          live: List[bool]) -> Optional[Tuple[StepPlan, DraftProgram]]:
+        """(the step's plan, the proposer's DraftProgram) when this step drafts inside its
+        program (DraftedStep): the policy plans before drafting (plans_before_draft) and
+        verifies full trees of N nodes, and the proposer has its drafts as a program this
+        step (Proposer.draft_program); else None, and the step drafts with propose."""
+        policy, reqs, n = batch.policy, batch.requests, self.num_draft_tokens
+        if not (self.draft_in_program and self.one_program and policy.plans_before_draft):
+            return None
+        plan = policy.plan([n - 1] * len(reqs), live, [r.policy_state for r in reqs], None,
+                           batch.bucket)
+        if plan.size != n:
+            return None
+        program = self.proposer.draft_program(batch.rows, batch.seq_lens, batch.roots)
+        return None if program is None else (plan, program)
+
+    def _run_drafted(self, batch: Batch, program: DraftProgram) -> StepResult:
+        """The step drafted inside its program: DraftedStep over the greedy or the sampled
+        step program (one per drafter and acceptance rule, kept by this generator)."""
+        sampler = batch.sampler
+        key = (program.drafter, None if sampler is None else self.tree_sampling)
+        step = self._drafted_steps.get(key)
+        if step is None:
+            inner = (self._greedy if sampler is None else
+                     SampledStep.of(self.engine, self._spec_steps, self.tree_sampling))
+            step = self._drafted_steps[key] = DraftedStep(inner, program.drafter)
+        acceptance = (() if sampler is None else
+                      sampling_inputs(sampler, self.num_draft_tokens))
+        return step.run(program.inputs, batch.req_rows, batch.seq_lens, batch.roots, *acceptance)
 
     def _run_pieces(self, batch: Batch, size: int, inputs) -> StepResult:
         """_run with the engine's decode / verify graph, then acceptance (the same rules and

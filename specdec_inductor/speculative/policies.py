@@ -86,6 +86,10 @@ class DraftPolicy:
     """Every draft verified whole, at the smallest compiled size that holds the largest.
     Subclasses cut or skip drafts; the lists they get are in the batch's request order."""
 
+    # Whether plan reads nothing of the draft but what each request offers: the loop may then
+    # plan before drafting and, for full trees, draft inside the step program.
+    plans_before_draft = True
+
     def __init__(self, tree_sizes: Sequence[int]):
         self.tree_sizes = sorted(tree_sizes)
 
@@ -184,6 +188,8 @@ class _AdaptiveState:
 
 class AdaptiveVerifySize(DraftPolicy):
     """Drafts cut to the probe size while a request's drafts miss (module docstring)."""
+
+    plans_before_draft = False  # the probe rule reads the drafts' first tokens
 
     def __init__(self, tree_sizes: Sequence[int], costs: StepCosts, grow_at: float = 0.5):
         super().__init__(tree_sizes)
@@ -302,6 +308,8 @@ class CostAwareVerifySize(DraftPolicy):
     (the proposer's lookup and the plan are not free either): 1, then twice as many after
     each further such plan, at most max_rest; a planned verify, or an admission, ends it."""
 
+    plans_before_draft = False  # its plans score the drafts' first tokens
+
     def __init__(self, tree_sizes: Sequence[int], planner: VerifySizePlanner,
                  prior_hit: float = 0.5, smoothing: float = 0.3, drift: float = 0.05,
                  rest_below: float = 0.8, max_rest: int = 8):
@@ -399,6 +407,8 @@ class _StartState:
 class StartPolicy(DraftPolicy):
     """When a request starts paying for full drafts (module docstring): `inner` (the policy
     the loop would use) behind a start rule."""
+
+    plans_before_draft = False  # probes cut drafts to a smaller size first
 
     def __init__(self, inner: DraftPolicy, plain_steps: int = 0, probe_hits: int = 1,
                  probe_misses: int = 2, backoff_steps: int = 4):

@@ -5,7 +5,7 @@ from typing import List, Optional
 
 from torch import Tensor
 
-from specdec_inductor.speculative.tree import DraftTree
+from specdec_inductor.speculative.tree import DraftProgram, DraftTree
 
 
 class Proposer:
@@ -42,6 +42,16 @@ class Proposer:
     def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
         """Draft trees rooted at each request's last emitted token; seq_lens [B] = cached tokens."""
         raise NotImplementedError(f"{type(self).__name__} must implement propose")
+
+    def draft_program(self, request_ids: List[int], seq_lens: Tensor,
+                      roots: Tensor) -> Optional[DraftProgram]:
+        """This step's drafts as a function the loop traces into the step program (draft,
+        verify, accept and commit as one graph: commit.DraftedStep), over the batch's whole
+        bucket (seq_lens, roots [bucket]); it advances the proposer's state as propose would.
+        None (the default): draft with propose this step. Asked only when the step verifies
+        full trees of N nodes whatever the drafts (the policy plans before drafting), so the
+        drafts must be full trees for every request."""
+        return None
 
     def commit(self, request_ids: List[int], emitted: List[List[int]],
                hidden: Optional[List[Tensor]] = None) -> None:

@@ -24,12 +24,14 @@ class SpeculativeStats:
     accepted_at_depth: List[int] = field(default_factory=list)  # [S-1] requests accepting >= k
     prefill_s: float = 0.0
     draft_s: float = 0.0  # proposing and planning (host, the draft model's graphs)
-    verify_s: float = 0.0  # the target step, acceptance and commit (greedy: one program)
+    verify_s: float = 0.0  # the target step, acceptance and commit (one program; the draft
+    # too in the steps drafted_in_program counts)
     commit_s: float = 0.0  # handing out the accepted tokens, the proposer's commit
     decode_s: float = 0.0
     graphs: int = 0
     recompiles: int = 0
     steps_by_size: Dict[int, int] = field(default_factory=dict)  # tree size -> steps (1: decode)
+    drafted_in_program: int = 0  # steps that drafted inside the step program (DraftedStep)
 
     @property
     def tokens_per_s(self) -> float:

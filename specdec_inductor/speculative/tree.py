@@ -2,7 +2,7 @@
 smaller verify size, and the bucket-sized verify inputs with padding requests' trees
 (VerifyInputs, reused buffers)."""
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -20,6 +20,17 @@ class DraftTree:
     retrieve_next_token: Tensor  # [B, N]
     retrieve_next_sibling: Tensor  # [B, N]
     num_drafts: Optional[Tensor] = None  # [B] real (unpadded) drafts, for metrics
+
+
+class DraftProgram(NamedTuple):
+    """A proposer's draft as a function to trace into the step program and its inputs
+    (Proposer.draft_program): `drafter.tree_program(roots, seq_lens, *inputs)`, with the
+    batch's roots and seq_lens [bucket] (the program's own inputs, which its commit then
+    advances in place), returns the draft trees of the batch's whole bucket as (tokens [B, N], tree_mask [B*N*N], positions [B*N],
+    retrieve_index, retrieve_next_token, retrieve_next_sibling [B, N]), rows past the batch's
+    requests drafting nothing. The drafter keys the compiled program."""
+    drafter: object
+    inputs: List[Optional[Tensor]]
 
 
 def star_tree(n: int) -> Tuple[Tensor, Tensor]:
