@@ -82,7 +82,11 @@ def measure(variants, timer, prompts, new_tokens, rounds):
             steps = stats.verify_steps
             rows[label].append((1e3 * stats.decode_s / steps, 1e3 * timer.seconds / steps,
                                 1.0 - timer.seconds / stats.decode_s))
-    return {label: [statistics.median(r[i] for r in rs) for i in range(3)]
+    first = next(iter(rows.values()))
+    # ms/step against the first variant's in the same round: the machine's drift between
+    # rounds cancels out
+    return {label: [statistics.median(r[i] for r in rs) for i in range(3)] +
+            [sorted(r[0] / f[0] for r, f in zip(rs, first))]
             for label, rs in rows.items()}
 
 
@@ -280,8 +284,9 @@ def main():
     else:
         print(f"# {os.cpu_count()} CPUs, torch {torch.__version__}, {args.max_new_tokens} new tokens, "
               f"median of {args.rounds} rounds; host share = 1 - in-graph time / loop time")
-        print("| method | batch | ms/step | in-graph ms/step | host ms/step | host share |")
-        print("|---|---|---|---|---|---|")
+        print("| method | batch | ms/step | in-graph ms/step | host ms/step | host share | "
+              "ms/step / the method's first row, per round: median (min-max) |")
+        print("|---|---|---|---|---|---|---|")
     for bs in batches:
         prompts = [ids[:len(ids) - b] for b in range(bs)]  # ragged lengths
         for name, spec in methods.items():
@@ -311,10 +316,11 @@ def main():
                 spec.draft_in_program = False
                 spec.generate(prompts, 16)  # the draft's own tree graph
                 spec.draft_in_program = True
-            for label, (step, graph, share) in measure(variants, timer, prompts,
-                                                       args.max_new_tokens, args.rounds).items():
+            for label, (step, graph, share, ratios) in measure(
+                    variants, timer, prompts, args.max_new_tokens, args.rounds).items():
                 print(f"| {label} | {bs} | {step:.2f} | {graph:.2f} | {step - graph:.2f} | "
-                      f"{100 * share:.1f}% |", flush=True)
+                      f"{100 * share:.1f}% | {statistics.median(ratios):.3f} "
+                      f"({ratios[0]:.3f}-{ratios[-1]:.3f}) |", flush=True)
 
 
 if __name__ == "__main__":

@@ -696,6 +696,63 @@ def test_the_warm_up_compiles_each_graph_once_and_serving_none(tokenizer):
     assert scheduler.lanes[1].stats.verify_steps > 0  # the draft-less lane stepped too
 
 
+def test_a_draft_model_server_compiles_nothing_while_serving(tokenizer, tmp_path):
+    """With a draft model (an EAGLE-3 tree, whose drafted steps draft inside the step
+    program, greedy or sampled: SpeculativeGenerator.draft_in_program), the warm-up compiles
+    every graph serving needs: greedy and sampled requests, alone and together, speculative
+    and not, run under fail_on_recompile and compile nothing, and the speculative lane's
+    drafted steps ran as the programs that draft inside them."""
+    from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
+    torch._dynamo.reset()
+    target = _tiny_llama(len(tokenizer), layers=4)
+    write_random_eagle3_checkpoint(str(tmp_path), target.config, seed=3, layer_ids=[0, 1, 2])
+    head = load_eagle3_head(str(tmp_path), target)
+    draft = Engine(head, max_batch=2 * 3, max_len=160 + 6, compile=True,
+                   compile_backend="eager", prefill_chunk=8, capture_hidden=[-1])
+    proposer = Eagle3Proposer(draft, 6, topk=2, depth=3)
+    engine = Engine(target, max_batch=2, max_len=160, compile=True, compile_backend="eager",
+                    prefill_chunk=32, capture_hidden=proposer.target_hidden_layers)
+    scheduler = Scheduler(engine, proposer, method="eagle3", max_batch=2, max_queue=8,
+                          eos_token_id=None, warmup_prompt=[5, 6, 7, 8] * 3)
+    lane = scheduler.lanes[0]
+    lane.generator.min_accepted = 0.0  # a random head: drafting every step all the same
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    requests = [([3, 4, 5] * 2, SamplingParams(), True), ([7, 8, 9, 10] * 6, sampled, True),
+                ([3, 4] * 20, SamplingParams(), True), ([11, 12, 13] * 4, sampled, True),
+                ([20, 21] * 8, SamplingParams(), False)]
+    results, done = {}, threading.Event()
+
+    def on_delta(i):
+        def deliver(delta):
+            results.setdefault(i, []).append(delta)
+            if delta.finish_reason is not None and len(results) == len(requests) and all(
+                    r[-1].finish_reason is not None for r in results.values()):
+                done.set()
+        return deliver
+
+    scheduler.start()
+    try:
+        assert scheduler.ready.wait(600) and scheduler.failed is None
+        assert scheduler.warmup_graphs["draft model, sampled"] > 0
+        drafted = lane.stats.drafted_in_program
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for i, (prompt, sampling, speculative) in enumerate(requests):
+                scheduler.submit(ServeRequest(prompt, 16 + 4 * i, sampling, on_delta(i),
+                                              speculative=speculative))
+                if i in (1, 3):
+                    time.sleep(0.2)  # the later ones join a running batch
+            assert done.wait(300)
+            scheduler.inspect(scheduler.assert_idle).result(60)
+    finally:
+        scheduler.stop(60)
+    assert scheduler.failed is None and scheduler.serving_graphs == 0
+    for i, deltas in results.items():
+        assert deltas[-1].error is None, deltas[-1].error
+        assert sum(len(d.tokens) for d in deltas) == 16 + 4 * i
+    assert lane.stats.drafted_in_program > drafted
+    assert lane.stats.drafted_in_program == lane.stats.verify_steps - lane.stats.decode_steps
+
+
 def test_a_compile_while_serving_is_counted_and_logged(tokenizer, caplog):
     """A shape the warm-up did not compile (here: a prefill size added after it) compiles in
     the step that meets it, and the scheduler says so: a warning naming the lane and bucket,

@@ -396,8 +396,9 @@ def test_drafting_inside_the_step_program_keeps_trees_and_tokens(method, compile
     verify, acceptance and commit as one program) and by propose before the step program:
     the same tokens, plain greedy's, and the same acceptance at every depth (a draft that
     accepts most drafts, so another tree would show) on a ragged batch that requests join
-    mid-run. Every step but a request's first (whose catch-up covers its prompt) drafts in
-    the program, on a compiled engine as the compiled program; the pools end free."""
+    mid-run. Every step drafts in the program (a joining request's prompt first catches up
+    in the draft's own extend graphs), on a compiled engine as the compiled program, and the
+    draft's own tree graph never runs; the pools end free."""
     engine, spec, draft = _setup(method, tmp_path, compiled=compiled)
     prompts = repetitive_prompts(3, shapes=3)
     solo = [engine.generate([p], 24)[0] for p in prompts]
@@ -411,16 +412,20 @@ def test_drafting_inside_the_step_program_keeps_trees_and_tokens(method, compile
     if method == "standalone-tree":
         assert in_program.mean_accepted_length > 2.0, in_program.summary()
     assert by_propose.drafted_in_program == 0
-    assert in_program.drafted_in_program >= in_program.verify_steps - 3, in_program.summary()
+    assert in_program.drafted_in_program == in_program.verify_steps, in_program.summary()
     (step,) = spec._drafted_steps.values()
     assert step.compiled_runs == (in_program.drafted_in_program if compiled else 0)
+    drafter, calls = spec.proposer._tree, []
+    own_graph = drafter.draft
+    drafter.draft = lambda *a, **k: (calls.append(1), own_graph(*a, **k))[1]
+    assert _ragged_run(spec, prompts, 24)[0] == solo
+    assert not calls  # the draft's own tree graph never ran
     _all_free(engine, draft)
 
 
 def _warm_draft_graphs(spec, prompts, capacity):
     """Compile what a draft-model proposer's steps use in a batch of `capacity`: the draft's
-    graphs per number of requests (a request's first draft catches up by propose), and the
-    step program that drafts inside it."""
+    catch-up graphs per bucket, and the step program that drafts inside it."""
     for k in range(1, capacity + 1):
         with spec.batch(capacity) as batch:
             spec.admit(batch, prompts[:k], 6)

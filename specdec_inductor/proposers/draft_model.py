@@ -218,17 +218,19 @@ class DraftModelProposer(Proposer):
         """This step's tree as TreeDrafter.tree_program and its inputs over the batch's whole
         bucket (seq_lens / roots [bucket]; rows past the requests draft nothing), for the step
         program that drafts, verifies, accepts and commits in one graph (commit.DraftedStep).
-        The request state advances as propose advances it. None for chains, and while a live
-        request has more pending tokens than one catch-up extend takes (its prompt, or the
-        tokens decoded while the acceptance gate rested): propose catches those up first."""
+        As in propose, pending tokens beyond one catch-up extend (a prompt, or the tokens
+        decoded while the acceptance gate rested) are extended first, in the draft Engine's
+        own graphs; the request state advances as propose advances it. None for chains."""
         if self._tree is None:
             return None
         states = [self._requests[r] for r in request_ids]
-        small = self.catch_up_tokens()
-        if any(not st.pending or len(st.pending) > small for st in states if not st.done):
-            return None
+        if any(not st.pending for st in states if not st.done):
+            raise RuntimeError(f"{type(self).__name__}: a live request has nothing committed to "
+                               "extend (commit after every step)")
         bucket = roots.shape[0]
         req_rows = self._rows(states, bucket)
+        small = self.catch_up_tokens()
+        self._catch_up(states, req_rows, small, small)
         take = [0 if st.done else len(st.pending) for st in states]
         extend = self._extend_inputs(states, take, req_rows, small)
         # A request that finished drafts nothing; its tree (and the padding rows') is never

@@ -312,7 +312,9 @@ class Scheduler:
         - one scratch request per prefill size: prefill chunks are one-row steps
           (SpeculativeGenerator._prefill_chunks), one graph per size whatever the bucket;
         - with a draft model (a proposer with an engine of its own, whose graphs take the live
-          count's bucket), a scratch group of every other bucket size through the first lane.
+          count's bucket), a scratch group of every other bucket size through the first lane,
+          and a sampled one of every bucket size: its drafted steps are step programs that
+          draft inside them (SpeculativeGenerator.draft_in_program), greedy or sampled.
         `warmup_graphs` keeps each phase's count."""
         if self._warmup is None:
             return
@@ -327,6 +329,8 @@ class Scheduler:
         if getattr(gen.proposer, "engine", None) is not None:
             self._warm_phase("draft model", f"buckets {sizes[1:]}", lambda: [
                 self._scratch_group(lane, [prompt] * b, tokens) for b in sizes[1:]])
+            self._warm_phase("draft model, sampled", f"buckets {sizes}", lambda: [
+                self._scratch_group(lane, [prompt] * b, tokens, sampled=True) for b in sizes])
         log.info(f"warm-up: {sum(self.warmup_graphs.values())} graphs in "
                  f"{time.perf_counter() - start:.1f} s")
 
@@ -339,11 +343,13 @@ class Scheduler:
                  f"{time.perf_counter() - t0:.1f} s")
 
     def _scratch_group(self, lane: Lane, prompts: List[List[int]], tokens: int,
-                       prefill_chunk: Optional[int] = None) -> None:
-        """Scratch requests admitted together into a batch of the lane, stepped to their end."""
+                       prefill_chunk: Optional[int] = None, sampled: bool = False) -> None:
+        """Scratch requests admitted together into a batch of the lane, stepped to their end
+        (greedy, or sampled at temperature 1)."""
         gen = lane.generator
         with gen.batch(lane.capacity) as batch:
             gen.admit(batch, prompts, tokens + gen.num_draft_tokens,
+                      SamplingParams(1.0, seed=0) if sampled else None,
                       prefill_chunk=prefill_chunk or self.prefill_sizes[-1])
             while batch.live:
                 batch.fit_bucket(self.engine)
