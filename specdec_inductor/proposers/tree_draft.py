@@ -107,7 +107,7 @@ class TreeDrafter:
         self.token_map = None if token_map is None else token_map.to(torch.int64)
         # Row positions past a request's committed prefix that drafting writes.
         self.draft_positions = topk * (depth - 1)
-        self._compiled = None  # tree_program compiled by the draft Engine, made at the first draft
+        self._compiled = None  # tree_program compiled by the draft Engine, at the first draft
         self.compiled_drafts = 0  # draft calls that ran the compiled tree_program
 
     def _children(self, logits: Tensor):

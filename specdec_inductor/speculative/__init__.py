@@ -12,5 +12,5 @@ from specdec_inductor.speculative.tree import (DraftProgram, DraftTree, VerifyIn
                                                root_only_draft, star_tree)
 
 __all__ = ["AcceptanceGate", "ActiveRequest", "AdaptiveVerifySize", "Batch", "DraftPolicy",
-           "DraftProgram", "DraftTree", "Proposer", "SpeculativeGenerator", "SpeculativeStats", "StepCosts",
-           "StepPlan", "VerifyInputs", "root_only_draft", "star_tree", "step_times"]
+           "DraftProgram", "DraftTree", "Proposer", "SpeculativeGenerator", "SpeculativeStats",
+           "StepCosts", "StepPlan", "VerifyInputs", "root_only_draft", "star_tree", "step_times"]

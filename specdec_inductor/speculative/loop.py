@@ -18,9 +18,12 @@ never shapes, and no step recompiles. A step of a greedy batch is one program pe
 tree size) (commit.GreedyStep: the target's decode or verify pass, greedy acceptance and the
 commit -- accepted-path KV compaction, next roots and lengths -- one compiled graph on a
 compiled engine); the host drafts, plans the step's size (policies.py), reads the step's
-accepted tokens once and handles stops. A batch with sampled requests runs the same step with
-tree rejection sampling in place of greedy acceptance (commit.SampledStep, greedy rows as
-one-hot targets), its uniforms drawn on the host from each request's generator and passed in.
+accepted tokens once and handles stops. A draft-model proposer's trees are drafted inside that
+program (commit.DraftedStep: draft, verify, accept, commit as one graph) when the policy plans
+before drafting; the host then only prepares the draft's inputs. A batch with sampled
+requests runs the same step with tree rejection sampling in place of greedy acceptance
+(commit.SampledStep, greedy rows as one-hot targets), its uniforms drawn on the host from each
+request's generator and passed in.
 Requests admitted with a prefill_chunk run one chunk of their prompt per step
 (Engine.prefill_chunk_step, the prefill graph) before that step's decode, and join the
 decoding rows after their last chunk.
@@ -552,8 +555,9 @@ class SpeculativeGenerator:
             if in_program is None:
                 draft = self.proposer.propose(batch.rows, batch.seq_lens[:bs])
                 policy.drafted(self.clock() - t0)
+                # before the cut to the plan's size
                 offered = (draft.num_drafts.tolist() if draft.num_drafts is not None
-                           else [self.num_draft_tokens - 1] * bs)  # before the cut to the plan's size
+                           else [self.num_draft_tokens - 1] * bs)
                 plan = policy.plan(offered, live, [r.policy_state for r in reqs], draft,
                                    batch.bucket)
             else:
