@@ -61,7 +61,14 @@ class SpeculativeStats:
         return (f"{self.new_tokens} tokens, {self.tokens_per_s:.1f} tok/s; {self.verify_steps} steps "
                 f"({self.decode_steps} plain decode; by tree size {sizes}), mean accepted length {self.mean_accepted_length:.2f}; acceptance by position "
                 f"[{accept}]; time: draft {share(self.draft_s):.0f}% verify {share(self.verify_s):.0f}% "
-                f"commit {share(self.commit_s):.0f}%; graphs {self.graphs}, recompiles {self.recompiles}")
+                f"commit {share(self.commit_s):.0f}%{self._in_program()}; graphs {self.graphs}, "
+                f"recompiles {self.recompiles}")
+
+    def _in_program(self) -> str:
+        if not self.drafted_in_program:
+            return ""
+        return (f" (drafted inside the step program in {self.drafted_in_program} steps: their "
+                "draft's model time is under verify)")
 
 
 def dynamo_counts() -> Tuple[int, int]:
