@@ -8,6 +8,7 @@ with OpenAI-style errors naming the parameter, each followed by a request that s
 The text tests run the default SmolLM2 (its chat template and tokenizer matter); the load tests
 run a tiny random Llama over SmolLM2's tokenizer (its answers are gibberish, but exact)."""
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -633,6 +634,42 @@ def test_prompts_prefill_in_the_smallest_chunk_size_that_holds_them(tokenizer):
     assert scheduler.prefill_chunk_for(90) == 32  # three chunks
 
 
+@contextlib.contextmanager
+def _serve_compiling_nothing(scheduler, requests, tokens):
+    """Start `scheduler` and wait for its warm-up; after the `with` body (which checks the
+    warm-up), serve `requests` ((prompt, sampling, speculative); request i for tokens + 4 * i
+    tokens, the later ones joining a running batch) under fail_on_recompile, stop, and check
+    that every answer came whole, no step failed and nothing compiled while serving."""
+    results, done = {}, threading.Event()
+
+    def on_delta(i):
+        def deliver(delta):
+            results.setdefault(i, []).append(delta)
+            if delta.finish_reason is not None and len(results) == len(requests) and all(
+                    r[-1].finish_reason is not None for r in results.values()):
+                done.set()
+        return deliver
+
+    scheduler.start()
+    try:
+        assert scheduler.ready.wait(600) and scheduler.failed is None
+        yield scheduler
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for i, (prompt, sampling, speculative) in enumerate(requests):
+                scheduler.submit(ServeRequest(prompt, tokens + 4 * i, sampling, on_delta(i),
+                                              speculative=speculative))
+                if i in (1, 3):
+                    time.sleep(0.2)  # the later ones join a running batch
+            assert done.wait(300)
+            scheduler.inspect(scheduler.assert_idle).result(60)
+    finally:
+        scheduler.stop(60)
+    assert scheduler.failed is None and scheduler.serving_graphs == 0
+    for i, deltas in results.items():
+        assert deltas[-1].error is None, deltas[-1].error
+        assert sum(len(d.tokens) for d in deltas) == tokens + 4 * i
+
+
 def test_the_warm_up_compiles_each_graph_once_and_serving_none(tokenizer):
     """A compiled engine (dynamo with the eager backend: the same graphs and guards, without
     Inductor's compile time). The warm-up compiles, counted: per bucket the greedy and the
@@ -650,25 +687,13 @@ def test_the_warm_up_compiles_each_graph_once_and_serving_none(tokenizer):
                           eos_token_id=None, warmup_prompt=[5, 6, 7, 8] * 3)
     lane = scheduler.lanes[0]
     assert lane.batch is None and lane.generator.cost_aware
-    results, done = {}, threading.Event()
     sampled = SamplingParams(temperature=0.8, seed=3)
     # (prompt, sampling, speculative): 6, 24, 60 (two chunks of 32), 12, 16 and 33 tokens
     requests = [([3, 4, 5] * 2, SamplingParams(), True),
                 ([7, 8, 9, 10] * 6, SamplingParams(), True),
                 ([3, 4] * 30, SamplingParams(), True), ([11, 12, 13] * 4, sampled, True),
                 ([20, 21] * 8, SamplingParams(), False), ([22, 23, 24] * 11, sampled, False)]
-
-    def on_delta(i):
-        def deliver(delta):
-            results.setdefault(i, []).append(delta)
-            if delta.finish_reason is not None and len(results) == len(requests) and all(
-                    r[-1].finish_reason is not None for r in results.values()):
-                done.set()
-        return deliver
-
-    scheduler.start()
-    try:
-        assert scheduler.ready.wait(600) and scheduler.failed is None
+    with _serve_compiling_nothing(scheduler, requests, 24):
         sizes = lane.generator.tree_sizes
         assert sizes == [1, 2, 4] and scheduler.prefill_sizes == [16, 32]
         assert scheduler.warmup_graphs == {"step programs": 2 * len(engine.buckets) * len(sizes),
@@ -676,20 +701,6 @@ def test_the_warm_up_compiles_each_graph_once_and_serving_none(tokenizer):
         # The cost-aware policy has each bucket's measured step costs to weigh.
         assert {(b, z) for b in engine.buckets for z in sizes} <= set(
             lane.generator.costs.step_s)
-        with torch.compiler.set_stance("fail_on_recompile"):
-            for i, (prompt, sampling, speculative) in enumerate(requests):
-                scheduler.submit(ServeRequest(prompt, 24 + 4 * i, sampling, on_delta(i),
-                                              speculative=speculative))
-                if i in (1, 3):
-                    time.sleep(0.2)  # the later ones join a running batch
-            assert done.wait(300)
-            scheduler.inspect(scheduler.assert_idle).result(60)
-    finally:
-        scheduler.stop(60)
-    assert scheduler.failed is None and scheduler.serving_graphs == 0
-    for i, deltas in results.items():
-        assert deltas[-1].error is None, deltas[-1].error
-        assert sum(len(d.tokens) for d in deltas) == 24 + 4 * i
     # The batch verified drafts at some step (repeating prompts) and decoded at others.
     steps = lane.stats.steps_by_size
     assert sum(n for z, n in steps.items() if z > 1) > 0 and steps.get(1, 0) > 0, steps
@@ -720,36 +731,10 @@ def test_a_draft_model_server_compiles_nothing_while_serving(tokenizer, tmp_path
     requests = [([3, 4, 5] * 2, SamplingParams(), True), ([7, 8, 9, 10] * 6, sampled, True),
                 ([3, 4] * 20, SamplingParams(), True), ([11, 12, 13] * 4, sampled, True),
                 ([20, 21] * 8, SamplingParams(), False)]
-    results, done = {}, threading.Event()
-
-    def on_delta(i):
-        def deliver(delta):
-            results.setdefault(i, []).append(delta)
-            if delta.finish_reason is not None and len(results) == len(requests) and all(
-                    r[-1].finish_reason is not None for r in results.values()):
-                done.set()
-        return deliver
-
-    scheduler.start()
-    try:
-        assert scheduler.ready.wait(600) and scheduler.failed is None
+    with _serve_compiling_nothing(scheduler, requests, 16):
         assert scheduler.warmup_graphs["draft model, sampled"] > 0
-        drafted = lane.stats.drafted_in_program
-        with torch.compiler.set_stance("fail_on_recompile"):
-            for i, (prompt, sampling, speculative) in enumerate(requests):
-                scheduler.submit(ServeRequest(prompt, 16 + 4 * i, sampling, on_delta(i),
-                                              speculative=speculative))
-                if i in (1, 3):
-                    time.sleep(0.2)  # the later ones join a running batch
-            assert done.wait(300)
-            scheduler.inspect(scheduler.assert_idle).result(60)
-    finally:
-        scheduler.stop(60)
-    assert scheduler.failed is None and scheduler.serving_graphs == 0
-    for i, deltas in results.items():
-        assert deltas[-1].error is None, deltas[-1].error
-        assert sum(len(d.tokens) for d in deltas) == 16 + 4 * i
-    assert lane.stats.drafted_in_program > drafted
+        assert lane.stats.drafted_in_program == 0
+    assert lane.stats.drafted_in_program > 0
     assert lane.stats.drafted_in_program == lane.stats.verify_steps - lane.stats.decode_steps
 
 

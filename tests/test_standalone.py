@@ -135,8 +135,13 @@ def with_vocab(model, ids):
     return draft
 
 
-def _recorded(proposer):
-    """Every draft token the proposer offers (its propose wrapped), as a list it fills."""
+def _recorded(spec):
+    """Every draft token the generator's proposer offers (its propose wrapped; trees are
+    drafted by propose, not inside the step program, which drafts the same trees:
+    test_step_api's test_drafting_inside_the_step_program_keeps_trees_and_tokens), as a list
+    it fills."""
+    spec.draft_in_program = False
+    proposer = spec.proposer
     seen, propose = [], proposer.propose
 
     def recording(request_ids, seq_lens):
@@ -158,7 +163,7 @@ def test_draft_vocabulary_keeps_greedy_exact_and_drafts_only_its_ids(topk):
     # vocabulary has it, so drafts are accepted and rejected
     plain, got, stats, spec = _run(target, draft, 3, 30, 5, topk=topk, min_accepted=None)
     assert got == plain
-    seen = _recorded(spec.proposer)
+    seen = _recorded(spec)
     ps = prompts(3, seed=8)
     assert spec.generate(ps, 24, stats=(stats := SpeculativeStats())) == engine.generate(ps, 24)
     assert seen and set(seen) <= set(EVERY_OTHER.tolist())
