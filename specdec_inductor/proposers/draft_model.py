@@ -192,53 +192,50 @@ class DraftModelProposer(Proposer):
 
     def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
         states = [self._requests[r] for r in request_ids]
-        req_rows = self._rows(states)
-        small = self.catch_up_tokens()
-        # A tree leaves each request's last `small` pending tokens to TreeDrafter, which
-        # extends them in the tree's own graph.
-        keep = small if self._tree is not None else 0
-        last_logits, last_hidden = self._catch_up(states, req_rows, small, keep)
         roots = torch.tensor([st.root for st in states])  # [bs]
-        if self._tree is None:
-            chain, offered = self._chain(states, req_rows, last_logits, last_hidden)
-            return chain_tree(roots, chain, seq_lens, offered)
-        take = [0 if st.done else len(st.pending) for st in states]
-        if any(t == 0 for t, st in zip(take, states) if not st.done):
-            raise RuntimeError(f"{type(self).__name__}: a live request has nothing committed to "
-                               "extend (commit after every step)")
-        extend = self._extend_inputs(states, take, req_rows, small)
-        # beams at depth 1 take the root's g, deeper ones their parent's
-        return self._tree.draft(roots, seq_lens, None,
-                                [None if st.done else st.request.row for st in states],
-                                [st.cached for st in states],
-                                [st.virtual_rows for st in states], None, extend=extend)
+        if self._tree is not None:
+            # beams at depth 1 take the root's g, deeper ones their parent's
+            rows, bases, virtual, extend = self._tree_arguments(states, len(states))
+            return self._tree.draft(roots, seq_lens, None, rows, bases, virtual, None,
+                                    extend=extend)
+        req_rows = self._rows(states)
+        last_logits, last_hidden = self._catch_up(states, req_rows, self.catch_up_tokens(), 0)
+        chain, offered = self._chain(states, req_rows, last_logits, last_hidden)
+        return chain_tree(roots, chain, seq_lens, offered)
 
     def draft_program(self, request_ids: List[int], seq_lens: Tensor,
                       roots: Tensor) -> Optional[DraftProgram]:
         """This step's tree as TreeDrafter.tree_program and its inputs over the batch's whole
         bucket (seq_lens / roots [bucket]; rows past the requests draft nothing), for the step
         program that drafts, verifies, accepts and commits in one graph (commit.DraftedStep).
-        As in propose, pending tokens beyond one catch-up extend (a prompt, or the tokens
-        decoded while the acceptance gate rested) are extended first, in the draft Engine's
-        own graphs; the request state advances as propose advances it. None for chains."""
+        The request state advances as propose advances it. None for chains."""
         if self._tree is None:
             return None
         states = [self._requests[r] for r in request_ids]
+        # A request that finished drafts nothing; its tree (and the padding rows') is never
+        # accepted from: the target verifies it on its padding row.
+        rows, bases, virtual, extend = self._tree_arguments(states, roots.shape[0])
+        inputs = self._tree.program_inputs(roots, seq_lens, None, rows, bases, virtual, None,
+                                           extend)
+        return DraftProgram(self._tree, inputs[2:])  # the program passes roots and seq_lens
+
+    def _tree_arguments(self, states, rows: int):
+        """TreeDrafter's per-request arguments once every live request is caught up on its
+        pending tokens (a prompt, or the tokens decoded while the acceptance gate rested) in
+        the draft Engine's extend graphs but for the last catch_up_tokens(), which the tree's
+        own extend takes (its inputs padded to the draft Engine's bucket of `rows` rows):
+        (draft-pool rows, None for a finished request; cached lengths; virtual rows; the
+        extend's inputs)."""
         if any(not st.pending for st in states if not st.done):
             raise RuntimeError(f"{type(self).__name__}: a live request has nothing committed to "
                                "extend (commit after every step)")
-        bucket = roots.shape[0]
-        req_rows = self._rows(states, bucket)
+        req_rows = self._rows(states, rows)
         small = self.catch_up_tokens()
         self._catch_up(states, req_rows, small, small)
         take = [0 if st.done else len(st.pending) for st in states]
         extend = self._extend_inputs(states, take, req_rows, small)
-        # A request that finished drafts nothing; its tree (and the padding rows') is never
-        # accepted from: the target verifies it on its padding row.
-        inputs = self._tree.program_inputs(
-            roots, seq_lens, None, [None if st.done else st.request.row for st in states],
-            [st.cached for st in states], [st.virtual_rows for st in states], None, extend)
-        return DraftProgram(self._tree, inputs[2:])  # the program passes roots and seq_lens
+        return ([None if st.done else st.request.row for st in states],
+                [st.cached for st in states], [st.virtual_rows for st in states], extend)
 
     def commit(self, request_ids: List[int], emitted: List[List[int]],
                hidden: Optional[List[Tensor]] = None) -> None:
