@@ -11,6 +11,7 @@ public API, so the same script measures an older checkout (PYTHONPATH=that check
     python benchmarks/bench_step.py --program-ab --batches 8   # in-graph cost of the program
     python benchmarks/bench_step.py --ar-ab     # Engine.generate against its former own loop
     python benchmarks/bench_step.py --methods eagle3 --drafted-ab   # the draft in the program
+    python benchmarks/bench_step.py --methods standalone --drafted-ab   # a chain in the program
 
 --profile counts, per step of one generate run (deterministic, so comparable across checkouts on
 a loaded machine where times are not): eager aten ops called from the host outside the compiled
@@ -212,12 +213,14 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--methods", default="ngram,ar",
-                        help="comma list of ngram, ar, eagle3 (the shipped head, N = 8, its "
-                             "default tree, drafting every step)")
+                        help="comma list of ngram, ar, and the draft-model methods eagle3, "
+                             "eagle (the shipped heads, their default trees) and standalone (the "
+                             "target's first layers, a chain), N = 8, drafting every step")
     parser.add_argument("--drafted-ab", action="store_true",
-                        help="also time eagle3 with its draft tree in its own graph before the "
-                             "step program (draft_in_program = False), in turns with the step "
-                             "program that drafts inside it")
+                        help="also time each draft-model method drafting before the step program "
+                             "(draft_in_program = False: a tree in its own graph, a chain by its "
+                             "host loop of draft decodes), in turns with the step program that "
+                             "drafts inside it")
     parser.add_argument("--pieces", action="store_true",
                         help="also time each method with one_program = False (the engine's step "
                              "graph, then acceptance and commit in eager), in turns with it")
@@ -247,8 +250,8 @@ def main():
             methods[name] = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=8))
         elif name == "ar":
             methods[name] = SpeculativeGenerator(engine, AutoregressiveProposer())
-        elif name == "eagle3":
-            config = ProposerConfig(method="eagle3", num_draft_tokens=8)
+        elif name in ("eagle3", "eagle", "standalone"):
+            config = ProposerConfig(method=name, num_draft_tokens=8)
             target = make_target_engine(config, model, max_batch=engine.max_batch, max_len=512,
                                         compile=True, prefill_chunk=64)
             proposer = make_proposer(config, target)
@@ -299,7 +302,7 @@ def main():
                     spec.generate(prompts, 16)  # what this variant compiles
                     steps, ops, calls, reads, names = profile_counts(spec, prompts,
                                                                      args.max_new_tokens)
-                    label = name if in_program else f"{name} draft graph"
+                    label = name if in_program else f"{name} propose first"
                     print(f"| {label} | {bs} | {steps} | {ops:.1f} | {calls:.0f} | {reads:.1f} |",
                           flush=True)
                     print(f"#   most called per step: {names}", flush=True)
@@ -312,9 +315,9 @@ def main():
                 spec.generate(prompts, 16)  # the engine's own decode graph
                 spec.one_program = True
             if args.drafted_ab and spec.proposer is not None and spec.proposer.engine:
-                variants[f"{name} draft graph"] = (spec, True, False)
+                variants[f"{name} propose first"] = (spec, True, False)
                 spec.draft_in_program = False
-                spec.generate(prompts, 16)  # the draft's own tree graph
+                spec.generate(prompts, 16)  # the draft's own graphs
                 spec.draft_in_program = True
             for label, (step, graph, share, ratios) in measure(
                     variants, timer, prompts, args.max_new_tokens, args.rounds).items():

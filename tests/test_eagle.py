@@ -96,6 +96,7 @@ def test_drafts_equal_a_from_scratch_recomputation(tmp_path, fmt, bias):
 
     proposer.propose = recording
     spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
+    spec.draft_in_program = False  # record by propose (the step program drafts the same chains)
     p = prompts(1)[0]
     out = spec.generate([p], 20)[0]
     assert out == engine.generate([p], 20)[0]

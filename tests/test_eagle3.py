@@ -382,6 +382,7 @@ def test_greedy_speculative_equals_plain_greedy(tmp_path, family, layers, layer_
     seen = []
     _recording(proposer, seen)
     spec = SpeculativeGenerator(engine, proposer, min_accepted=0.0)
+    spec.draft_in_program = False  # record by propose (the step program drafts the same chains)
     ps = prompts(batch)
     stats = SpeculativeStats()
     assert spec.generate(ps, 20, stats=stats) == engine.generate(ps, 20)

@@ -2,6 +2,7 @@
 it between steps. Every method's greedy tokens for a request that joins mid-run equal its solo
 greedy tokens (Engine.generate), the pools end consistent and fully free (also after errors),
 and on a compiled engine a long run that admits and retires requests compiles nothing new."""
+import contextlib
 import random
 
 import pytest
@@ -56,6 +57,10 @@ def _setup(method, tmp_path, capacity=3, compiled=False):
         draft = Engine(tiny_model(seed=5), max_batch=capacity, max_len=128, compile=compiled,
                        prefill_chunk=16)
         proposer = StandaloneProposer(draft, 4)
+    elif method == "standalone-chain":  # the target's own weights: most drafts accepted
+        draft = Engine(tiny_model(), max_batch=capacity, max_len=128, compile=compiled,
+                       prefill_chunk=16)
+        proposer = StandaloneProposer(draft, 6)
     elif method == "standalone-tree":  # the target's own weights: most drafts accepted
         draft = Engine(tiny_model(), max_batch=capacity * 3, max_len=128 + 6, compile=compiled,
                        prefill_chunk=16)
@@ -389,35 +394,59 @@ def _ragged_run(spec, prompts, budget):
     return [r.tokens for r in requests], stats
 
 
+@contextlib.contextmanager
+def _recorded_draft_kv(proposer):
+    """Records (cached, pending) of every draft request after each commit of `proposer`."""
+    seen, commit = [], proposer.commit
+
+    def recording(request_ids, emitted, *hidden):
+        commit(request_ids, emitted, *hidden)
+        seen.append([(proposer._requests[r].cached, len(proposer._requests[r].pending))
+                     for r in request_ids])
+    proposer.commit = recording
+    try:
+        yield seen
+    finally:
+        del proposer.commit
+
+
 @pytest.mark.parametrize("method,compiled", [("standalone-tree", False), ("eagle-tree", False),
-                                             ("eagle-tree", True)])
+                                             ("eagle-tree", True), ("standalone-chain", False),
+                                             ("standalone-chain", True), ("eagle", False)])
 def test_drafting_inside_the_step_program_keeps_trees_and_tokens(method, compiled, tmp_path):
-    """Draft trees made inside the step program (DraftedStep: the draft's catch-up and tree,
-    verify, acceptance and commit as one program) and by propose before the step program:
-    the same tokens, plain greedy's, and the same acceptance at every depth (a draft that
-    accepts most drafts, so another tree would show) on a ragged batch that requests join
-    mid-run. Every step drafts in the program (a joining request's prompt first catches up
-    in the draft's own extend graphs), on a compiled engine as the compiled program, and the
-    draft's own tree graph never runs; the pools end free."""
+    """Draft trees and chains made inside the step program (DraftedStep: the draft's catch-up
+    and tree or chain, verify, acceptance and commit as one program) and by propose before
+    the step program: the same tokens, plain greedy's, and the same acceptance at every depth
+    (a draft that accepts most drafts, so another tree would show; a chain of a draft without
+    hidden states keeps its accepted drafts' KV either way, so a wrong kept count would show
+    too) on a ragged batch that requests join mid-run. Every step drafts in the program (a
+    joining request's prompt first catches up in the draft's own extend graphs), on a
+    compiled engine as the compiled program, and the draft's own tree graph or chain loop
+    never runs; the pools end free."""
     engine, spec, draft = _setup(method, tmp_path, compiled=compiled)
     prompts = repetitive_prompts(3, shapes=3)
     solo = [engine.generate([p], 24)[0] for p in prompts]
     spec.draft_in_program = False
-    want, by_propose = _ragged_run(spec, prompts, 24)
+    with _recorded_draft_kv(spec.proposer) as kv_by_propose:
+        want, by_propose = _ragged_run(spec, prompts, 24)
     spec.draft_in_program = True
-    got, in_program = _ragged_run(spec, prompts, 24)
+    with _recorded_draft_kv(spec.proposer) as kv_in_program:
+        got, in_program = _ragged_run(spec, prompts, 24)
     assert got == want == solo
+    # The draft's cached length and pending tokens after every commit: kept drafts counted alike.
+    assert kv_in_program == kv_by_propose
     assert in_program.accepted_at_depth == by_propose.accepted_at_depth
     assert in_program.verify_steps == by_propose.verify_steps
-    if method == "standalone-tree":
+    if method.startswith("standalone"):
         assert in_program.mean_accepted_length > 2.0, in_program.summary()
     assert by_propose.drafted_in_program == 0
     assert in_program.drafted_in_program == in_program.verify_steps, in_program.summary()
     (step,) = spec._drafted_steps.values()
     assert step.compiled_runs == (in_program.drafted_in_program if compiled else 0)
-    drafter, calls = spec.proposer._tree, []
-    own_graph = drafter.draft
-    drafter.draft = lambda *a, **k: (calls.append(1), own_graph(*a, **k))[1]
+    calls, proposer = [], spec.proposer
+    drafter, name = (proposer._tree, "draft") if proposer._tree else (proposer, "_chain")
+    own_graph = getattr(drafter, name)
+    setattr(drafter, name, lambda *a, **k: (calls.append(1), own_graph(*a, **k))[1])
     assert _ragged_run(spec, prompts, 24)[0] == solo
     assert not calls  # the draft's own tree graph never ran
     _all_free(engine, draft)

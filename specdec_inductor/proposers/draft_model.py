@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from specdec_inductor import ops
-from specdec_inductor.proposers.tree_draft import TreeDrafter, check_tree_shape
+from specdec_inductor.proposers.tree_draft import TreeDrafter, as_inference, check_tree_shape
 from specdec_inductor.speculative import DraftProgram, DraftTree, Proposer
 
 # Tokens a KV-reusing chain leaves to catch up after a step: the bonus, plus the last draft
@@ -63,17 +63,67 @@ def finish_draft_requests(states: dict, request_ids: Sequence[int], pool, tree) 
         raise first
 
 
-def chain_tree(roots: Tensor, chain: Tensor, seq_lens: Tensor,
-               num_drafts: Optional[Tensor] = None) -> DraftTree:
-    """roots [B] and drafts chain [B, K] as a DraftTree of N = K + 1 nodes per request, of which
-    each request offers its first num_drafts [B] drafts (default all K)."""
+def chain_tree_tensors(roots: Tensor, chain: Tensor, seq_lens: Tensor):
+    """roots [B] and drafts chain [B, K] as the trees of N = K + 1 nodes a step verifies:
+    (tokens [B, N], tree_mask [B*N*N], positions [B*N], retrieve_index, retrieve_next_token,
+    retrieve_next_sibling [B, N])."""
     bs, k = chain.shape
     n = k + 1
     tokens = torch.cat([roots.view(bs, 1), chain], dim=1)  # [B, N]
     mask = torch.ones(n, n, dtype=torch.bool).tril().flatten().repeat(bs)  # [B*N*N]
     positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
+    return tokens, mask, positions, ridx, nxt, sib
+
+
+def chain_tree(roots: Tensor, chain: Tensor, seq_lens: Tensor,
+               num_drafts: Optional[Tensor] = None) -> DraftTree:
+    """roots [B] and drafts chain [B, K] as a DraftTree of N = K + 1 nodes per request, of which
+    each request offers its first num_drafts [B] drafts (default all K)."""
+    bs, k = chain.shape
     offered = torch.full((bs,), k, dtype=torch.int64) if num_drafts is None else num_drafts
-    return DraftTree(tokens, mask, positions, ridx, nxt, sib, offered)
+    return DraftTree(*chain_tree_tensors(roots, chain, seq_lens), offered)
+
+
+class ChainDrafter:
+    """Greedy chains of K = N - 1 drafts from `engine` (the draft Engine) as tensors only, for
+    the step program that drafts, verifies, accepts and commits in one graph
+    (commit.DraftedStep; the DraftProgram protocol's tree_program). The same chain as
+    DraftModelProposer's host loop without stop_below: the first draft from the catch-up
+    extend's last row, K - 1 decodes on the request's own draft row (fed back the draft's
+    hidden output when it reads hidden states), so the drafts' KV lands where the host loop
+    writes it and a model without hidden states keeps the accepted drafts' KV."""
+
+    def __init__(self, engine, num_draft_tokens: int, token_map: Optional[Tensor] = None):
+        self.engine, self.num_draft_tokens = engine, num_draft_tokens
+        self.token_map = token_map
+
+    def tree_program(self, roots, seq_lens, ext_ids, ext_positions, ext_rows, ext_prefix,
+                     ext_lens, ext_aux=None):
+        """The chain trees of the bucket (roots / seq_lens [B]) after the catch-up extend
+        (Engine.extend's inputs over the draft Engine's bucket Bb >= B; a row extending nothing
+        drafts nothing: it decodes at position 1 of its row, the padding row's sink), as
+        chain_tree_tensors."""
+        eng, bs = self.engine, roots.shape[0]
+        _, ext_logits, g = eng.extend_step(ext_ids, ext_positions, ext_rows, ext_prefix,
+                                           ext_lens, None, ext_aux, last_only=True)
+        at = torch.arange(ext_rows.shape[0])
+        last = (ext_lens - 1).clamp(min=0)  # [Bb]; a row with nothing: row 0
+        logits = ext_logits[:, 0] if ext_logits.shape[1] == 1 else ext_logits[at, last]
+        aux = None if g is None else g[at, last]  # [Bb, A]
+        live = ext_lens > 0  # [Bb]
+        position = torch.where(live, ext_prefix + ext_lens, 1)  # [Bb] the next draft's
+        tok = self._target_ids(logits.argmax(-1))  # [Bb] d1
+        drafts = [tok]
+        for _ in range(self.num_draft_tokens - 2):
+            out = eng.decode_step(tok, ext_rows, position, aux)
+            tok = self._target_ids(out.argmax)
+            aux = None if aux is None else out.hidden
+            position = torch.where(live, position + 1, 1)
+            drafts.append(tok)
+        return chain_tree_tensors(roots, torch.stack(drafts, dim=1)[:bs], seq_lens)
+
+    def _target_ids(self, columns: Tensor) -> Tensor:
+        return columns if self.token_map is None else self.token_map[columns]
 
 
 def logits_and_hidden(out) -> Tuple[Tensor, Optional[Tensor]]:
@@ -90,6 +140,9 @@ class _DraftRequest:
     root: int  # the last committed token: the next tree's root
     done: bool = False  # emitted nothing at the last commit: drafts nothing more
     proposed: List[int] = field(default_factory=list)  # the last chain, when its KV is kept
+    # The last chain was drafted inside the step program: every emitted token but the last is
+    # one of its accepted drafts (their KV kept as `proposed`'s).
+    chain_in_program: bool = False
     virtual_rows: List[int] = field(default_factory=list)  # trees: one draft-pool row per beam
 
 
@@ -142,6 +195,8 @@ class DraftModelProposer(Proposer):
         self._token_map = self.draft_token_map()
         self._tree = (TreeDrafter(draft_engine, num_draft_tokens, topk, depth, self._token_map)
                       if topk > 1 else None)
+        self._chain_drafter = (ChainDrafter(draft_engine, num_draft_tokens, self._token_map)
+                               if topk == 1 else None)
         self._requests: Dict[int, _DraftRequest] = {}
 
     # -- what subclasses supply ----------------------------------------------------------------
@@ -205,16 +260,21 @@ class DraftModelProposer(Proposer):
 
     def draft_program(self, request_ids: List[int], seq_lens: Tensor,
                       roots: Tensor) -> Optional[DraftProgram]:
-        """This step's tree as TreeDrafter.tree_program and its inputs over the batch's whole
-        bucket (seq_lens / roots [bucket]; rows past the requests draft nothing), for the step
-        program that drafts, verifies, accepts and commits in one graph (commit.DraftedStep).
-        The request state advances as propose advances it. None for chains."""
-        if self._tree is None:
+        """This step's trees (TreeDrafter.tree_program) or chains (ChainDrafter.tree_program)
+        and their inputs over the batch's whole bucket (seq_lens / roots [bucket]; rows past
+        the requests draft nothing), for the step program that drafts, verifies, accepts and
+        commits in one graph (commit.DraftedStep). The request state advances as propose
+        advances it. None for chains that may end early (stop_below): their drafts vary."""
+        if self.variable_drafts:
             return None
         states = [self._requests[r] for r in request_ids]
         # A request that finished drafts nothing; its tree (and the padding rows') is never
         # accepted from: the target verifies it on its padding row.
         rows, bases, virtual, extend = self._tree_arguments(states, roots.shape[0])
+        if self._tree is None:
+            for st in states:
+                st.chain_in_program = self.keeps_chain_kv and not st.done
+            return DraftProgram(self._chain_drafter, [as_inference(t) for t in extend])
         inputs = self._tree.program_inputs(roots, seq_lens, None, rows, bases, virtual, None,
                                            extend)
         return DraftProgram(self._tree, inputs[2:])  # the program passes roots and seq_lens
@@ -242,7 +302,7 @@ class DraftModelProposer(Proposer):
         for i, (rid, toks) in enumerate(zip(request_ids, emitted)):
             st = self._requests[rid]
             kept = self._kept_drafts(st, toks)
-            st.proposed = []
+            st.proposed, st.chain_in_program = [], False
             if not toks:
                 st.done = True
                 continue
@@ -369,7 +429,10 @@ class DraftModelProposer(Proposer):
     def _kept_drafts(self, st: _DraftRequest, toks: List[int]) -> int:
         """How many of the committed tokens `toks` already have their draft KV: the leading
         ones equal to the last chain's drafts d1..d(K-1), whose KV the chain wrote at exactly
-        these positions (only a chain that keeps its KV records a proposal)."""
+        these positions (only a chain that keeps its KV records a proposal). A chain of the
+        step program is not read back: the tokens before the bonus are its accepted drafts."""
+        if st.chain_in_program:
+            return max(0, min(len(toks) - 1, self.k - 1))
         kept = 0
         while (kept < min(len(toks), len(st.proposed), self.k - 1)
                and toks[kept] == st.proposed[kept]):

@@ -75,7 +75,7 @@ def best_first(scores: Tensor, count: int) -> Tensor:
     return torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :count]
 
 
-def _as_inference(t: Optional[Tensor]) -> Optional[Tensor]:
+def as_inference(t: Optional[Tensor]) -> Optional[Tensor]:
     """t as an inference tensor (a copy made in draft's inference mode when it is not one):
     the tree program's inputs must be, as every Engine step's (Engine.compile_program)."""
     return t if t is None or t.is_inference() else t.clone()
@@ -221,7 +221,7 @@ class TreeDrafter:
             raise ValueError(f"argument 'extend' must hold Engine.extend's 6 inputs (input_ids, "
                              f"positions, req_rows, prefix_lens, extend_lens, aux), got "
                              f"{len(extend)}")
-        return [_as_inference(t) for t in (roots.long(), seq_lens.long(), logits, live_t, req,
+        return [as_inference(t) for t in (roots.long(), seq_lens.long(), logits, live_t, req,
                                            base, vrows, own, aux,
                                            *(extend if extend is not None else [None] * 6))]
 
