@@ -69,24 +69,57 @@ class InGraphTimer:
         return call
 
 
-def measure(variants, timer, prompts, new_tokens, rounds):
-    """{label: median over rounds of (ms per step, in-graph ms per step, host share)};
-    variants: {label: (generator, one_program, draft_in_program)}, taking turns within every
-    round so that a drift of the machine's speed hits them alike."""
+class ProposerHostTimer:
+    """Host seconds of a proposer's calls outside the engines' step calls (a call's time less
+    what `timer` counted inside it): `prepare` (draft_program, propose: the draft's inputs,
+    or the whole host side of a host-drafted step) and `commit` (the state update after a
+    step)."""
+
+    def __init__(self, timer: InGraphTimer):
+        self.timer, self.seconds, self.installed = timer, {"prepare": 0.0, "commit": 0.0}, set()
+
+    def install(self, proposer):
+        if proposer is None or id(proposer) in self.installed:
+            return
+        self.installed.add(id(proposer))
+        for name, part in (("draft_program", "prepare"), ("propose", "prepare"),
+                           ("commit", "commit")):
+            setattr(proposer, name, self._timed(getattr(proposer, name), part))
+
+    def _timed(self, fn, part):
+        def call(*args, **kwargs):
+            t0, graph0 = time.perf_counter(), self.timer.seconds
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += (time.perf_counter() - t0) - (self.timer.seconds - graph0)
+        return call
+
+
+def measure(variants, timer, prompts, new_tokens, rounds, parts=None):
+    """{label: median over rounds of (ms per step, in-graph ms per step, host share, the
+    proposer's host ms per step preparing drafts, committing)} and the per-round ratios of ms
+    per step to the first variant's; variants: {label: (generator, one_program,
+    draft_in_program)}, taking turns within every round so that a drift of the machine's
+    speed hits them alike; parts: a ProposerHostTimer installed over their proposers."""
     rows = {label: [] for label in variants}
     for _ in range(rounds):
         for label, (spec, one_program, in_program) in variants.items():
             spec.one_program, spec.draft_in_program = one_program, in_program
             stats = SpeculativeStats()
             timer.seconds = 0.0
+            if parts is not None:
+                parts.seconds = dict.fromkeys(parts.seconds, 0.0)
             spec.generate(prompts, new_tokens, stats=stats)
             steps = stats.verify_steps
+            split = parts.seconds if parts is not None else {"prepare": 0.0, "commit": 0.0}
             rows[label].append((1e3 * stats.decode_s / steps, 1e3 * timer.seconds / steps,
-                                1.0 - timer.seconds / stats.decode_s))
+                                1.0 - timer.seconds / stats.decode_s,
+                                1e3 * split["prepare"] / steps, 1e3 * split["commit"] / steps))
     first = next(iter(rows.values()))
     # ms/step against the first variant's in the same round: the machine's drift between
     # rounds cancels out
-    return {label: [statistics.median(r[i] for r in rs) for i in range(3)] +
+    return {label: [statistics.median(r[i] for r in rs) for i in range(5)] +
             [sorted(r[0] / f[0] for r, f in zip(rs, first))]
             for label, rs in rows.items()}
 
@@ -243,6 +276,7 @@ def main():
     engine = Engine(model, max_batch=max(args.max_batch, *batches), max_len=512, compile=True,
                     prefill_chunk=64)
     timer = InGraphTimer(engine)
+    parts = ProposerHostTimer(timer)
     ids = tokenizer(PROMPT)["input_ids"]
     methods = {}
     for name in args.methods.split(","):
@@ -288,8 +322,9 @@ def main():
         print(f"# {os.cpu_count()} CPUs, torch {torch.__version__}, {args.max_new_tokens} new tokens, "
               f"median of {args.rounds} rounds; host share = 1 - in-graph time / loop time")
         print("| method | batch | ms/step | in-graph ms/step | host ms/step | host share | "
+              "of which the proposer's: prepare / commit ms/step | "
               "ms/step / the method's first row, per round: median (min-max) |")
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
     for bs in batches:
         prompts = [ids[:len(ids) - b] for b in range(bs)]  # ragged lengths
         for name, spec in methods.items():
@@ -319,11 +354,13 @@ def main():
                 spec.draft_in_program = False
                 spec.generate(prompts, 16)  # the draft's own graphs
                 spec.draft_in_program = True
-            for label, (step, graph, share, ratios) in measure(
-                    variants, timer, prompts, args.max_new_tokens, args.rounds).items():
+            parts.install(spec.proposer)
+            for label, (step, graph, share, prepare, commit, ratios) in measure(
+                    variants, timer, prompts, args.max_new_tokens, args.rounds, parts).items():
                 print(f"| {label} | {bs} | {step:.2f} | {graph:.2f} | {step - graph:.2f} | "
-                      f"{100 * share:.1f}% | {statistics.median(ratios):.3f} "
-                      f"({ratios[0]:.3f}-{ratios[-1]:.3f}) |", flush=True)
+                      f"{100 * share:.1f}% | {prepare:.2f} / {commit:.2f} | "
+                      f"{statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f}) |",
+                      flush=True)
 
 
 if __name__ == "__main__":

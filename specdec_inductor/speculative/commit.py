@@ -226,7 +226,8 @@ class SampledStep(GreedyStep):
 class DraftedStep:
     """The whole speculative step of a batch bucket as one program: the proposer's draft trees
     (a DraftProgram's tree_program: the draft's catch-up extend over what the last step
-    committed, every draft decode, the top-k work and build_tree), then `step`'s verify
+    committed, every draft decode, the top-k work and build_tree; or a chain's decodes), then
+    `step`'s verify
     program (the target's verify(N) pass, greedy acceptance or tree rejection sampling, the
     commit). One compiled graph per bucket on a compiled target Engine (compile_program; the
     draft Engine's steps trace into it with the target's backend options, which may only

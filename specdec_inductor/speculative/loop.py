@@ -218,9 +218,10 @@ class SpeculativeGenerator:
     # engine's public steps sees every verify).
     one_program = True
     # Draft inside the step program where the proposer can (Proposer.draft_program: the draft
-    # trees of draft-model proposers) and the policy plans before drafting: draft, verify,
-    # accept and commit as one program (DraftedStep). False: the proposer's own draft graph,
-    # then the step program (benchmarks A/B the two).
+    # trees and fixed-length chains of draft-model proposers) and the policy plans before
+    # drafting: draft, verify, accept and commit as one program (DraftedStep). False: the
+    # proposer's own drafting (a tree's graph, a chain's host loop), then the step program
+    # (benchmarks A/B the two).
     draft_in_program = True
 
     def __init__(self, engine, proposer: Optional[Proposer],

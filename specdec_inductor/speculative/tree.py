@@ -28,8 +28,8 @@ class DraftProgram(NamedTuple):
     batch's roots and seq_lens [bucket] (the program's own inputs, which its commit then
     advances in place), returns the draft trees of the batch's whole bucket as (tokens
     [B, N], tree_mask [B*N*N], positions [B*N], retrieve_index, retrieve_next_token,
-    retrieve_next_sibling [B, N]), rows past the batch's requests drafting nothing. The
-    drafter keys the compiled program."""
+    retrieve_next_sibling [B, N]), rows past the batch's requests drafting nothing (a chain
+    is the tree of a path). The drafter keys the compiled program."""
     drafter: object
     inputs: List[Optional[Tensor]]
 
