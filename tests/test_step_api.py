@@ -381,14 +381,16 @@ def test_one_program_and_pieces_emit_the_same_tokens(method, tmp_path):
     _all_free(engine, draft)
 
 
-def _ragged_run(spec, prompts, budget):
-    """Tokens and stats of a batch of 3 that one request starts and two join after 3 steps."""
+def _ragged_run(spec, prompts, budget, sampling=None):
+    """Tokens and stats of a batch of 3 that one request starts and two join after 3 steps
+    (sampling: one SamplingParams per prompt, or None: greedy)."""
     stats = SpeculativeStats()
+    sampling = sampling or [None] * 3
     with spec.batch(3, stats) as batch:
-        requests = spec.admit(batch, prompts[:1], budget)
+        requests = spec.admit(batch, prompts[:1], budget, sampling[:1])
         for _ in range(3):
             spec.step(batch)
-        requests += spec.admit(batch, prompts[1:3], budget)
+        requests += spec.admit(batch, prompts[1:3], budget, sampling[1:3])
         while batch.live:
             spec.step(batch)
     return [r.tokens for r in requests], stats
@@ -449,6 +451,27 @@ def test_drafting_inside_the_step_program_keeps_trees_and_tokens(method, compile
     setattr(drafter, name, lambda *a, **k: (calls.append(1), own_graph(*a, **k))[1])
     assert _ragged_run(spec, prompts, 24)[0] == solo
     assert not calls  # the draft's own tree graph never ran
+    _all_free(engine, draft)
+
+
+@pytest.mark.parametrize("method", ["standalone-chain", "eagle-tree"])
+def test_sampled_drafting_inside_the_step_program_repeats_the_propose_path(method, tmp_path):
+    """Sampled requests (a greedy one among them) drafted inside the step program (the sampled
+    step program's tree rejection sampling) and by propose: the same seeds draw the same
+    uniforms over the same drafts, so the tokens are the same, and every step of the
+    in-program run drafts there; the pools end free."""
+    engine, spec, draft = _setup(method, tmp_path)
+    prompts = repetitive_prompts(3, shapes=3)
+    sampling = [SamplingParams(temperature=0.8, top_p=0.9, seed=5), SamplingParams(),
+                SamplingParams(temperature=1.2, top_k=20, seed=6)]
+    spec.draft_in_program = False
+    want, by_propose = _ragged_run(spec, prompts, 24, sampling)
+    spec.draft_in_program = True
+    got, in_program = _ragged_run(spec, prompts, 24, sampling)
+    assert got == want
+    assert got[1] == engine.generate([prompts[1]], 24)[0]  # the greedy request
+    assert by_propose.drafted_in_program == 0
+    assert in_program.drafted_in_program == in_program.verify_steps, in_program.summary()
     _all_free(engine, draft)
 
 
