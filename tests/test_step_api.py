@@ -385,12 +385,11 @@ def _ragged_run(spec, prompts, budget, sampling=None):
     """Tokens and stats of a batch of 3 that one request starts and two join after 3 steps
     (sampling: one SamplingParams per prompt, or None: greedy)."""
     stats = SpeculativeStats()
-    sampling = sampling or [None] * 3
     with spec.batch(3, stats) as batch:
-        requests = spec.admit(batch, prompts[:1], budget, sampling[:1])
+        requests = spec.admit(batch, prompts[:1], budget, sampling and sampling[:1])
         for _ in range(3):
             spec.step(batch)
-        requests += spec.admit(batch, prompts[1:3], budget, sampling[1:3])
+        requests += spec.admit(batch, prompts[1:3], budget, sampling and sampling[1:3])
         while batch.live:
             spec.step(batch)
     return [r.tokens for r in requests], stats
