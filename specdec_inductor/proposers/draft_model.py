@@ -299,7 +299,6 @@ class DraftModelProposer(Proposer):
 
     def commit(self, request_ids: List[int], emitted: List[List[int]],
                hidden: Optional[List[Tensor]] = None) -> None:
-        features = self._committed_features(emitted, hidden)
         for i, (rid, toks) in enumerate(zip(request_ids, emitted)):
             st = self._requests[rid]
             kept = self._kept_drafts(st, toks)
@@ -310,19 +309,10 @@ class DraftModelProposer(Proposer):
             st.cached += kept
             st.pending = st.pending + list(toks[kept:])
             if st.hidden is not None:
-                st.hidden = torch.cat([st.hidden, features[i]])
+                # emitted[j] = x_{p+1} for the path position p whose target hidden is hidden[j]
+                rows = self.target_features(hidden[i][:len(toks)])
+                st.hidden = torch.cat([st.hidden, rows])
             st.root = toks[-1]
-
-    def _committed_features(self, emitted: List[List[int]],
-                            hidden: Optional[List[Tensor]]) -> Optional[List[Tensor]]:
-        """target_features of each request's committed rows: emitted[j] = x_{p+1} for the path
-        position p whose target hidden is hidden[i][j]. One call over the whole batch's rows:
-        a projection (EAGLE-3's fc) then reads its weights once a step, not once a request."""
-        if hidden is None:
-            return None
-        counts = [len(toks) for toks in emitted]
-        rows = torch.cat([h[:n] for h, n in zip(hidden, counts)])
-        return list(self.target_features(rows).split(counts))
 
     def finish(self, request_ids: List[int]) -> None:
         finish_draft_requests(self._requests, request_ids, self.engine.pool, self._tree)
