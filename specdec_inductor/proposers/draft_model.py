@@ -140,9 +140,9 @@ class _DraftRequest:
     root: int  # the last committed token: the next tree's root
     done: bool = False  # emitted nothing at the last commit: drafts nothing more
     proposed: List[int] = field(default_factory=list)  # the last chain, when its KV is kept
-    # The last chain was drafted inside the step program: every emitted token but the last is
-    # one of its accepted drafts (their KV kept as `proposed`'s).
-    chain_in_program: bool = False
+    # The last chain was drafted as a program (ChainDrafter) and not read back: every emitted
+    # token but the last is one of its accepted drafts (their KV kept as `proposed`'s).
+    chain_unread: bool = False
     virtual_rows: List[int] = field(default_factory=list)  # trees: one draft-pool row per beam
 
 
@@ -197,6 +197,8 @@ class DraftModelProposer(Proposer):
                       if topk > 1 else None)
         self._chain_drafter = (ChainDrafter(draft_engine, num_draft_tokens, self._token_map)
                                if topk == 1 else None)
+        self._chain_graph = None  # ChainDrafter.tree_program compiled by the draft Engine
+        self.compiled_chains = 0  # propose calls that ran it (tests assert the path)
         self._requests: Dict[int, _DraftRequest] = {}
 
     # -- what subclasses supply ----------------------------------------------------------------
@@ -253,10 +255,34 @@ class DraftModelProposer(Proposer):
             rows, bases, virtual, extend = self._tree_arguments(states, len(states))
             return self._tree.draft(roots, seq_lens, None, rows, bases, virtual, None,
                                     extend=extend)
+        if not self.variable_drafts and getattr(self.engine, "compiled", False):
+            return self._chain_graph_draft(states, roots, seq_lens)
         req_rows = self._rows(states)
         last_logits, last_hidden = self._catch_up(states, req_rows, self.catch_up_tokens(), 0)
         chain, offered = self._chain(states, req_rows, last_logits, last_hidden)
         return chain_tree(roots, chain, seq_lens, offered)
+
+    def _chain_graph_draft(self, states, roots: Tensor, seq_lens: Tensor) -> DraftTree:
+        """A fixed-length chain on a compiled draft Engine: ChainDrafter.tree_program as one
+        graph of the draft Engine (the catch-up extend and every draft decode), where the host
+        loop (_chain) calls the extend and K - 1 decode graphs one by one. Its inputs span the
+        draft Engine's bucket, so a graph serves every live count of the bucket."""
+        bs = len(states)
+        _, _, _, extend = self._tree_arguments(states, bs)
+        bucket = extend[2].shape[0]
+        pad = bucket - bs
+        roots_b = torch.cat([roots.long(), roots.new_zeros(pad, dtype=torch.int64)])
+        lens_b = torch.cat([seq_lens.long(), seq_lens.new_ones(pad, dtype=torch.int64)])
+        for st in states:
+            st.chain_unread = self.keeps_chain_kv and not st.done
+        if self._chain_graph is None:
+            self._chain_graph = self.engine.compile_program(self._chain_drafter.tree_program)
+        self.compiled_chains += 1
+        n = self.num_draft_tokens
+        tokens, mask, positions, ridx, nxt, sib = self.engine.run_program(
+            self._chain_graph, *[as_inference(t) for t in (roots_b, lens_b, *extend)])
+        return DraftTree(tokens[:bs], mask[:bs * n * n], positions[:bs * n], ridx[:bs],
+                         nxt[:bs], sib[:bs], torch.full((bs,), self.k, dtype=torch.int64))
 
     def draft_program(self, request_ids: List[int], seq_lens: Tensor,
                       roots: Tensor) -> Optional[DraftProgram]:
@@ -273,7 +299,7 @@ class DraftModelProposer(Proposer):
         rows, bases, virtual, extend = self._tree_arguments(states, roots.shape[0])
         if self._tree is None:
             for st in states:
-                st.chain_in_program = self.keeps_chain_kv and not st.done
+                st.chain_unread = self.keeps_chain_kv and not st.done
             return DraftProgram(self._chain_drafter, [as_inference(t) for t in extend])
         inputs = self._tree.program_inputs(roots, seq_lens, None, rows, bases, virtual, None,
                                            extend)
@@ -302,7 +328,7 @@ class DraftModelProposer(Proposer):
         for i, (rid, toks) in enumerate(zip(request_ids, emitted)):
             st = self._requests[rid]
             kept = self._kept_drafts(st, toks)
-            st.proposed, st.chain_in_program = [], False
+            st.proposed, st.chain_unread = [], False
             if not toks:
                 st.done = True
                 continue
@@ -430,8 +456,9 @@ class DraftModelProposer(Proposer):
         """How many of the committed tokens `toks` already have their draft KV: the leading
         ones equal to the last chain's drafts d1..d(K-1), whose KV the chain wrote at exactly
         these positions (only a chain that keeps its KV records a proposal). A chain of the
-        step program is not read back: the tokens before the bonus are its accepted drafts."""
-        if st.chain_in_program:
+        program (ChainDrafter) is not read back: the tokens before the bonus are its accepted
+        drafts."""
+        if st.chain_unread:
             return max(0, min(len(toks) - 1, self.k - 1))
         kept = 0
         while (kept < min(len(toks), len(st.proposed), self.k - 1)
