@@ -102,6 +102,7 @@ def test_drafts_equal_a_from_scratch_recomputation(tmp_path, fmt, bias):
     assert out == engine.generate([p], 20)[0]
     committed = list(p) + [out[0]]
     emitted = iter(out[1:])
+    assert len(seen) >= 3  # the chains were recorded (drafted by propose)
     for tokens in seen:  # each step's root is the last committed token
         assert tokens[0] == committed[-1]
         assert tokens[1:] == reference_chain(target, head, committed, 4), len(committed)

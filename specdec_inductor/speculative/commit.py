@@ -227,11 +227,11 @@ class DraftedStep:
     """The whole speculative step of a batch bucket as one program: the proposer's draft trees
     (a DraftProgram's tree_program: the draft's catch-up extend over what the last step
     committed, every draft decode, the top-k work and build_tree; or a chain's decodes), then
-    `step`'s verify
-    program (the target's verify(N) pass, greedy acceptance or tree rejection sampling, the
-    commit). One compiled graph per bucket on a compiled target Engine (compile_program; the
-    draft Engine's steps trace into it with the target's backend options, which may only
-    change the draft's last bits, never a verified token); op by op in eager. The host prepares
+    `step`'s verify program (the target's verify(N) pass, greedy acceptance or tree rejection
+    sampling, the commit). One compiled graph per bucket on a compiled target Engine
+    (compile_program; the draft Engine's steps trace into it with the target's backend
+    options, which may only change the draft's last bits, never a verified token); op by op
+    in eager. The host prepares
     the draft's inputs and reads the step's one result, as for the other programs."""
 
     def __init__(self, step: GreedyStep, drafter):

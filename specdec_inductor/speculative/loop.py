@@ -18,9 +18,9 @@ never shapes, and no step recompiles. A step of a greedy batch is one program pe
 tree size) (commit.GreedyStep: the target's decode or verify pass, greedy acceptance and the
 commit -- accepted-path KV compaction, next roots and lengths -- one compiled graph on a
 compiled engine); the host drafts, plans the step's size (policies.py), reads the step's
-accepted tokens once and handles stops. A draft-model proposer's trees are drafted inside that
-program (commit.DraftedStep: draft, verify, accept, commit as one graph) when the policy plans
-before drafting; the host then only prepares the draft's inputs. A batch with sampled
+accepted tokens once and handles stops. A draft-model proposer's trees and fixed-length chains
+are drafted inside that program (commit.DraftedStep: draft, verify, accept, commit as one
+graph) when the policy plans before drafting; the host then only prepares the draft's inputs. A batch with sampled
 requests runs the same step with tree rejection sampling in place of greedy acceptance
 (commit.SampledStep, greedy rows as one-hot targets), its uniforms drawn on the host from each
 request's generator and passed in.
