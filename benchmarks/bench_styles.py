@@ -1,7 +1,8 @@
 """Speculative decoding vs our own compiled autoregressive decoding, per prompt style, on the
 style-held-out evaluation set (specdec_inductor/train/styles.py: code, structured output,
 rewriting, short factual answers, multi-turn chat, math word problems; no template, topic or
-code task of the training corpus). SmolLM2-135M fp32, batch 1, greedy, stop at eos, compiled.
+code task of the training corpus). SmolLM2-135M fp32 (or its GGUF blocks kept quantized:
+--quantized), batch 1, greedy, stop at eos, compiled.
 
 Per prompt and method: speedup over our AR (medians of --repeats runs, AR and every method
 taking turns within each repeat), mean accepted length and whether the tokens equal AR's; then
@@ -12,6 +13,8 @@ medians per style and overall, and each method's worst prompt.
     python benchmarks/bench_styles.py --eagle3-heads A,B --per-style 3 --old-heldout 4
     python benchmarks/bench_styles.py --start-policy none,0,4      # StartPolicy, 0 / 4 plain steps
     python benchmarks/bench_styles.py --admission-costs            # what admitting a request costs
+    python benchmarks/bench_styles.py --quantized int8             # the Q4_1 file, INT8 activations
+    python benchmarks/bench_styles.py --acceptance --eagle3-heads A,B   # accepted length only
 """
 import argparse
 import statistics
@@ -23,6 +26,7 @@ import torch
 import specdec_inductor
 from specdec_inductor.engine.engine import Engine, GenerationStats
 from specdec_inductor.loading import load_model
+from specdec_inductor.ops.quant import QuantActivation
 from specdec_inductor.proposers.registry import (ProposerConfig, make_proposer,
                                                  make_target_engine)
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
@@ -142,6 +146,53 @@ def _time_admission(spec, ids, parts):
         parts[k].append(v)
 
 
+@torch.inference_mode()
+def acceptance(args, model, tokenizer, prompts):
+    """Mean accepted length per prompt, style and head with every step drafting (no acceptance
+    gate, min_accepted 0), eager: what the head drafts, whatever a step costs. Tokens are
+    checked against plain greedy decoding on every prompt."""
+    heads = args.eagle3_heads.split(",") if args.eagle3_heads else [None]
+    eos = tokenizer.eos_token_id
+    engine, plain = None, {}
+    per = {}  # (style, head index) -> [request steps, accepted drafts]
+    print("| style | prompt | head | mean accepted length | acceptance by position "
+          "| tokens == AR |")
+    print("|---|---|---|---|---|---|")
+    for i, head in enumerate(heads):
+        config = ProposerConfig(method="eagle3", num_draft_tokens=args.num_draft_tokens,
+                                draft_model=head)
+        if engine is None:
+            engine = make_target_engine(config, model, max_batch=1, max_len=args.max_len,
+                                        prefill_chunk=64, compile=False)
+        spec = SpeculativeGenerator(engine, make_proposer(config, engine), min_accepted=0.0)
+        for p in prompts:
+            ids = encode_prompt(tokenizer, p)
+            if p.name not in plain:
+                plain[p.name] = engine.generate([ids], args.max_new_tokens, eos)
+            stats = SpeculativeStats()
+            out = spec.generate([ids], args.max_new_tokens, eos, stats)
+            total = per.setdefault((p.style, i), [0, 0])
+            total[0] += stats.request_steps
+            total[1] += stats.accepted_drafts
+            acc = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
+            print(f"| {p.style} | {p.name} | {i} | {stats.mean_accepted_length:.2f} | {acc} | "
+                  f"{'yes' if out == plain[p.name] else 'NO'} |", flush=True)
+    print("\n| style | " + " | ".join(f"head {i} ({h or 'shipped'})" for i, h in enumerate(heads))
+          + " |")
+    print("|---|" + "---|" * len(heads))
+    styles = list(dict.fromkeys(p.style for p in prompts))
+    def mean_accepted(steps, accepted):
+        return 1.0 + accepted / steps if steps else float("nan")
+
+    for style in styles:
+        print(f"| {style} | " + " | ".join(f"{mean_accepted(*per[(style, i)]):.2f}"
+                                            for i in range(len(heads))) + " |")
+    held = [s for s in styles if s in STYLES]  # the style-held-out set, without corpus-heldout
+    print("| all styles | " + " | ".join(
+        f"{mean_accepted(*[sum(per[(s, i)][k] for s in held) for k in (0, 1)]):.2f}"
+        for i in range(len(heads))) + " |")
+
+
 def run_prompt(args, engine, methods, tokenizer, prompt: StylePrompt):
     """{label: (speedup, mean accepted length, tokens == AR, new tokens)} of one prompt."""
     ids = encode_prompt(tokenizer, prompt)
@@ -204,6 +255,12 @@ def main():
     parser.add_argument("--floor", action="store_true",
                         help="also time the loop without drafts: plain decoding through it and "
                              "EAGLE-3 that never drafts (what a policy cannot save)")
+    parser.add_argument("--quantized", choices=["float", "int8"], default=None,
+                        help="the target as its GGUF file's quantized blocks, with float or "
+                             "INT8 activations (default: dequantized to fp32)")
+    parser.add_argument("--acceptance", action="store_true",
+                        help="only the mean accepted length of each --eagle3-heads head per "
+                             "prompt and style, every step drafting (no gate), eager")
     parser.add_argument("--admission-costs", action="store_true",
                         help="only time what admitting a request to EAGLE-3 costs, per prompt")
     args = parser.parse_args()
@@ -215,12 +272,23 @@ def main():
                    if [q.name for q in prompts if q.style == p.style].index(p.name) < args.per_style]
     prompts += [StylePrompt("corpus-heldout", f"heldout-{i}", t)
                 for i, t in enumerate(heldout_prompts()[:args.old_heldout])]
-    model, tokenizer = load_model(None, torch.float32)
-    print(f"# SmolLM2-135M fp32, batch 1, greedy, <= {args.max_new_tokens} new tokens stopping "
-          f"at eos, compiled; {torch.get_num_threads()} threads, ISA "
-          f"{specdec_inductor.active_isa()}, torch {torch.__version__}; medians of {args.repeats}")
+    if args.quantized is None:
+        model, tokenizer = load_model(None, torch.float32, dequantize=True)
+        weights = "fp32"
+    else:
+        act = QuantActivation[args.quantized.upper()]
+        model, tokenizer = load_model(None, torch.float32, dequantize=False, quant_activation=act)
+        weights = f"GGUF blocks kept quantized, {args.quantized} activations"
+    how = ("eager, every step drafting" if args.acceptance
+           else f"compiled; medians of {args.repeats}")
+    print(f"# SmolLM2-135M {weights}, batch 1, greedy, <= {args.max_new_tokens} new tokens "
+          f"stopping at eos, {how}; {torch.get_num_threads()} threads, ISA "
+          f"{specdec_inductor.active_isa()}, torch {torch.__version__}")
     if args.admission_costs:
         admission_costs(args, model, tokenizer, prompts)
+        return
+    if args.acceptance:
+        acceptance(args, model, tokenizer, prompts)
         return
     engine = Engine(model, max_batch=1, max_len=args.max_len, prefill_chunk=64)
     methods = make_methods(args, model)

@@ -444,7 +444,7 @@ def test_drafting_inside_the_step_program_keeps_trees_and_tokens(method, compile
     assert in_program.drafted_in_program == in_program.verify_steps, in_program.summary()
     if compiled and method == "standalone-chain":  # propose's chains: the draft's own graph
         drafted = by_propose.verify_steps - by_propose.decode_steps
-        assert drafted > 0 and spec.proposer.compiled_chains == drafted
+        assert drafted > 0 and spec.proposer._chain_drafter.compiled_drafts == drafted
     (step,) = spec._drafted_steps.values()
     assert step.compiled_runs == (in_program.drafted_in_program if compiled else 0)
     calls, proposer = [], spec.proposer

@@ -96,6 +96,26 @@ class ChainDrafter:
     def __init__(self, engine, num_draft_tokens: int, token_map: Optional[Tensor] = None):
         self.engine, self.num_draft_tokens = engine, num_draft_tokens
         self.token_map = token_map
+        self._compiled = None  # tree_program compiled by the draft Engine, at the first draft
+        self.compiled_drafts = 0  # draft calls that ran it (tests assert the path)
+
+    def draft(self, roots: Tensor, seq_lens: Tensor, extend: Sequence[Tensor]) -> DraftTree:
+        """The chains of B requests (roots / seq_lens [B]) on a compiled draft Engine:
+        tree_program as one graph of the draft Engine (the catch-up extend and every draft
+        decode), where the host loop (DraftModelProposer._chain) calls the extend and K - 1
+        decode graphs one by one. `extend` (Engine.extend's inputs) spans the draft Engine's
+        bucket Bb >= B and the roots are padded to it, so one graph serves every live count
+        of the bucket."""
+        bs, bucket, n = roots.shape[0], extend[2].shape[0], self.num_draft_tokens
+        roots_b = torch.cat([roots.long(), roots.new_zeros(bucket - bs, dtype=torch.int64)])
+        lens_b = torch.cat([seq_lens.long(), seq_lens.new_ones(bucket - bs, dtype=torch.int64)])
+        if self._compiled is None:
+            self._compiled = self.engine.compile_program(self.tree_program)
+        self.compiled_drafts += 1
+        tokens, mask, positions, ridx, nxt, sib = self.engine.run_program(
+            self._compiled, *[as_inference(t) for t in (roots_b, lens_b, *extend)])
+        return DraftTree(tokens[:bs], mask[:bs * n * n], positions[:bs * n], ridx[:bs],
+                         nxt[:bs], sib[:bs], torch.full((bs,), n - 1, dtype=torch.int64))
 
     def tree_program(self, roots, seq_lens, ext_ids, ext_positions, ext_rows, ext_prefix,
                      ext_lens, ext_aux=None):
@@ -197,8 +217,6 @@ class DraftModelProposer(Proposer):
                       if topk > 1 else None)
         self._chain_drafter = (ChainDrafter(draft_engine, num_draft_tokens, self._token_map)
                                if topk == 1 else None)
-        self._chain_graph = None  # ChainDrafter.tree_program compiled by the draft Engine
-        self.compiled_chains = 0  # propose calls that ran it (tests assert the path)
         self._requests: Dict[int, _DraftRequest] = {}
 
     # -- what subclasses supply ----------------------------------------------------------------
@@ -252,37 +270,17 @@ class DraftModelProposer(Proposer):
         roots = torch.tensor([st.root for st in states])  # [bs]
         if self._tree is not None:
             # beams at depth 1 take the root's g, deeper ones their parent's
-            rows, bases, virtual, extend = self._tree_arguments(states, len(states))
+            rows, bases, virtual, extend = self._draft_arguments(states, len(states))
             return self._tree.draft(roots, seq_lens, None, rows, bases, virtual, None,
                                     extend=extend)
         if not self.variable_drafts and getattr(self.engine, "compiled", False):
-            return self._chain_graph_draft(states, roots, seq_lens)
+            _, _, _, extend = self._draft_arguments(states, len(states))
+            self._chains_unread(states)
+            return self._chain_drafter.draft(roots, seq_lens, extend)
         req_rows = self._rows(states)
         last_logits, last_hidden = self._catch_up(states, req_rows, self.catch_up_tokens(), 0)
         chain, offered = self._chain(states, req_rows, last_logits, last_hidden)
         return chain_tree(roots, chain, seq_lens, offered)
-
-    def _chain_graph_draft(self, states, roots: Tensor, seq_lens: Tensor) -> DraftTree:
-        """A fixed-length chain on a compiled draft Engine: ChainDrafter.tree_program as one
-        graph of the draft Engine (the catch-up extend and every draft decode), where the host
-        loop (_chain) calls the extend and K - 1 decode graphs one by one. Its inputs span the
-        draft Engine's bucket, so a graph serves every live count of the bucket."""
-        bs = len(states)
-        _, _, _, extend = self._tree_arguments(states, bs)
-        bucket = extend[2].shape[0]
-        pad = bucket - bs
-        roots_b = torch.cat([roots.long(), roots.new_zeros(pad, dtype=torch.int64)])
-        lens_b = torch.cat([seq_lens.long(), seq_lens.new_ones(pad, dtype=torch.int64)])
-        for st in states:
-            st.chain_unread = self.keeps_chain_kv and not st.done
-        if self._chain_graph is None:
-            self._chain_graph = self.engine.compile_program(self._chain_drafter.tree_program)
-        self.compiled_chains += 1
-        n = self.num_draft_tokens
-        tokens, mask, positions, ridx, nxt, sib = self.engine.run_program(
-            self._chain_graph, *[as_inference(t) for t in (roots_b, lens_b, *extend)])
-        return DraftTree(tokens[:bs], mask[:bs * n * n], positions[:bs * n], ridx[:bs],
-                         nxt[:bs], sib[:bs], torch.full((bs,), self.k, dtype=torch.int64))
 
     def draft_program(self, request_ids: List[int], seq_lens: Tensor,
                       roots: Tensor) -> Optional[DraftProgram]:
@@ -296,20 +294,25 @@ class DraftModelProposer(Proposer):
         states = [self._requests[r] for r in request_ids]
         # A request that finished drafts nothing; its tree (and the padding rows') is never
         # accepted from: the target verifies it on its padding row.
-        rows, bases, virtual, extend = self._tree_arguments(states, roots.shape[0])
+        rows, bases, virtual, extend = self._draft_arguments(states, roots.shape[0])
         if self._tree is None:
-            for st in states:
-                st.chain_unread = self.keeps_chain_kv and not st.done
+            self._chains_unread(states)
             return DraftProgram(self._chain_drafter, [as_inference(t) for t in extend])
         inputs = self._tree.program_inputs(roots, seq_lens, None, rows, bases, virtual, None,
                                            extend)
         return DraftProgram(self._tree, inputs[2:])  # the program passes roots and seq_lens
 
-    def _tree_arguments(self, states, rows: int):
-        """TreeDrafter's per-request arguments once every live request is caught up on its
+    def _chains_unread(self, states) -> None:
+        """The live requests' chains are drafted by ChainDrafter and not read back: commit
+        counts their kept drafts from the emitted tokens."""
+        for st in states:
+            st.chain_unread = self.keeps_chain_kv and not st.done
+
+    def _draft_arguments(self, states, rows: int):
+        """The drafters' per-request arguments once every live request is caught up on its
         pending tokens (a prompt, or the tokens decoded while the acceptance gate rested) in
         the draft Engine's extend graphs but for the last catch_up_tokens(), which the tree's
-        own extend takes (its inputs padded to the draft Engine's bucket of `rows` rows):
+        or chain's own extend takes (its inputs padded to the draft Engine's bucket of `rows` rows):
         (draft-pool rows, None for a finished request; cached lengths; virtual rows; the
         extend's inputs)."""
         if any(not st.pending for st in states if not st.done):
