@@ -66,8 +66,11 @@ def make_methods(args, model):
         for start in starts:
             for label, cfg in variants:
                 proposer = make_proposer(cfg, engine)
-                if cfg.lookup:
-                    proposer.min_match = int(label.rsplit(" ", 1)[1])
+                if cfg.lookup:  # "M[/G]": min_match M, the model's per-request gate G
+                    match, _, gate = label.rsplit(" ", 1)[1].partition("/")
+                    proposer.min_match = int(match)
+                    if gate:
+                        proposer.model_min_accepted = float(gate)
                 if start == "none":
                     methods[label] = SpeculativeGenerator(engine, proposer)
                     continue
@@ -250,8 +253,10 @@ def main():
     parser.add_argument("--prompts", default=None, help="comma list of prompt names only")
     parser.add_argument("--no-ngram", action="store_true")
     parser.add_argument("--lookup", default=None,
-                        help="comma list of minimum match lengths: also EAGLE-3 with prompt "
-                             "lookup first (ProposerConfig.lookup) at each")
+                        help="comma list of M[/G]: also EAGLE-3 with prompt lookup first "
+                             "(ProposerConfig.lookup) at minimum match length M (and G: the "
+                             "accepted drafts a step below which a request's model drafts "
+                             "rest, default lookup_first.MODEL_MIN_ACCEPTED)")
     parser.add_argument("--floor", action="store_true",
                         help="also time the loop without drafts: plain decoding through it and "
                              "EAGLE-3 that never drafts (what a policy cannot save)")

@@ -415,7 +415,8 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--lookup", action="store_true",
                        help="standalone/eagle/eagle3/mtp: prompt lookup first: a request whose "
                             "context ends in a repeat of earlier context drafts what followed "
-                            "it (as ngram) that step, else the draft model drafts")
+                            "it (as ngram) that step while such drafts are accepted at least as "
+                            "well as the model's, else the draft model drafts")
 
     g = sub.add_parser("generate", help="stream text for one prompt")
     common(g)

@@ -189,6 +189,50 @@ def test_model_drafts_rest_per_request_while_they_miss_and_probe_again():
     p.finish([0, 1])
 
 
+def test_a_request_drafts_with_the_source_accepted_more_scoring_undrafted_matches():
+    n = 4
+    model = _Fixed(n)  # drafts 51 52 53, which the steps below never accept
+    p = LookupFirstProposer(model, NgramProposer(n, min_window=1, max_window=4, breadth=(1,)),
+                            min_match=2, min_drafts=2)
+    p.start([0], [[3, 5, 6, 7, 1, 2, 3, 4, 5, 1, 2, 3]])
+    tree = p.propose([0], torch.tensor([11]))  # "1 2 3" repeats: the lookup drafts 4 5 1
+    assert model.calls == [] and tree.tokens[0].tolist() == [3, 4, 5, 1]
+    p.commit([0], [[5]])  # the lookup missed: its mean 0.5 falls below the model's 1.0
+    tree = p.propose([0], torch.tensor([12]))  # "3 5" repeats (6 7 1), but the model drafts
+    assert model.calls == [[0]] and tree.tokens[0].tolist() == [50, 51, 52, 53]
+    # The model missed too; the lookup's undrafted 6 7 1 predicted the emitted 6: scored 1.
+    p.commit([0], [[6]])
+    tree = p.propose([0], torch.tensor([13]))  # lookup 0.75 >= model 0.5: "5 6" repeats
+    assert model.calls == [[0]] and tree.tokens[0].tolist() == [6, 7, 1, 2]
+    assert p.drafts == {"lookup": 2, "model": 1}
+    p.commit([0], [[7, 1, 2, 9]])
+    assert p.accepted == {"lookup": 3, "model": 0}
+    p.finish([0])
+
+
+def test_an_undrafted_match_scores_the_emitted_tokens_it_predicts_along_its_tree():
+    from specdec_inductor import ops
+    from specdec_inductor.proposers.lookup_first import _matched, _path_table
+    n = 5  # root 0; 1 and 3 children of the root; 2 child of 1; 4 child of 3
+    parents = [-1, 0, 1, 0, 3]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for t in range(n):
+        node = t
+        while node >= 0:
+            mask[t, node] = True
+            node = parents[node]
+    tokens = torch.tensor([[0, 10, 11, 20, 21]])
+    pos, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask.flatten(), torch.tensor([5]), n)
+    tree = DraftTree(tokens, mask.flatten(), pos, ridx, nxt, sib, torch.tensor([4]))
+    table = _path_table(tree, 0)
+    assert table == ([0, 10, 11, 20, 21], parents)
+    assert _matched(*table, [20, 21, 7]) == 2  # the second branch, then no child
+    assert _matched(*table, [10, 11]) == 2  # the whole emitted list (capped by it)
+    assert _matched(*table, [11]) == 0  # 11 is no child of the root
+    tree.num_drafts = torch.tensor([2])  # only nodes 1 and 2 offered
+    assert _matched(*_path_table(tree, 0), [20, 21]) == 0
+
+
 def test_bad_arguments_are_refused_naming_them(eagle3_head):
     with pytest.raises(ValueError, match="argument 'lookup'.*N=5.*N=4"):
         LookupFirstProposer(_Fixed(4), NgramProposer(5))

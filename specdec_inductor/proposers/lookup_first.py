@@ -8,6 +8,13 @@ states it. On structured output (a JSON or YAML that restates the prompt's field
 rewrite, code edited in place) NGRAM accepts 4-6 tokens a step where a head trained on other
 prompts accepts 0-2, and on free text the head wins: the choice is per request and per step.
 
+Which source drafts follows what each has been accepted lately, per request: a request's
+lookup drafts while their running mean of accepted drafts is at least the model's. The
+lookup's drafts cost nothing to make, so on a step the model drafts, the lookup's match (when it
+had one) is scored against the tokens the step emitted, as if it had been verified: a lookup
+that keeps guessing a chat answer wrong hands the request to the model, and one whose repeats
+start to hold (a code block restated) takes it back.
+
 The model's drafts are gated per request, not per batch: a request whose model drafts keep
 missing (a running mean below MODEL_MIN_ACCEPTED accepted drafts a step) offers no model draft
 for PROBE_EVERY steps, then probes again, while its lookup drafts still run every step. (The
@@ -46,7 +53,11 @@ LOOKUP, MODEL, NONE = "lookup", "model", "none"  # who drafted a request's last 
 class _Source:
     last: str = NONE
     model_mean: float = 1.0  # running mean of the model drafts it accepted (optimistic start)
+    # Running mean of the lookup drafts it accepted, or would have: a match not drafted is
+    # scored against the emitted tokens. Starts level with the model's: the first match drafts.
+    lookup_mean: float = 1.0
     rest: int = 0  # steps left without model drafts
+    shadow: Optional[tuple] = None  # (tokens, parents) of this step's lookup match not drafted
 
 
 class LookupFirstProposer(Proposer):
@@ -103,10 +114,13 @@ class LookupFirstProposer(Proposer):
         use_lookup = ((match_len >= self.min_match)
                       & (found.num_drafts >= self.min_drafts)).tolist()  # [B]
         sources = [self._sources[r] for r in request_ids]
-        for s, looked in zip(sources, use_lookup):
-            s.last = LOOKUP if looked else self._model_turn(s)
+        for b, (s, match) in enumerate(zip(sources, use_lookup)):
+            better = match and (s.lookup_mean >= s.model_mean or s.rest > 0)
+            s.last = LOOKUP if better else self._model_turn(s)
             if s.last != NONE:
                 self.drafts[s.last] += 1
+            if match and s.last == MODEL:
+                s.shadow = _path_table(found, b)
         num_drafts = found.num_drafts.clone()
         resting = [b for b, s in enumerate(sources) if s.last == NONE]
         num_drafts[resting] = 0  # a decode step for them, unless others verify drafts
@@ -127,11 +141,15 @@ class LookupFirstProposer(Proposer):
             s = self._sources[rid]
             if toks and s.last != NONE:
                 self.accepted[s.last] += len(toks) - 1
+            if toks and s.last == LOOKUP:
+                s.lookup_mean = 0.5 * (s.lookup_mean + len(toks) - 1)
             if toks and s.last == MODEL:
                 s.model_mean = 0.5 * (s.model_mean + len(toks) - 1)
                 if s.model_mean < self.model_min_accepted:
                     s.rest = self.probe_every
-            s.last = NONE
+                if s.shadow is not None:
+                    s.lookup_mean = 0.5 * (s.lookup_mean + _matched(*s.shadow, toks))
+            s.last, s.shadow = NONE, None
 
     def finish(self, request_ids: List[int]) -> None:
         for rid in request_ids:
@@ -164,3 +182,28 @@ class LookupFirstProposer(Proposer):
                              if drafted.num_drafts is not None else n - 1)
         positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
         return DraftTree(tokens, mask, positions, ridx, nxt, sib, num_drafts)
+
+
+def _path_table(tree: DraftTree, b: int) -> tuple:
+    """(tokens, parents) of request b's offered draft nodes: node i's token and its parent's
+    index (the last ancestor in the QLEN_ONLY mask), nodes past its num_drafts left out."""
+    n = tree.tokens.shape[1]
+    offered = n - 1 if tree.num_drafts is None else int(tree.num_drafts[b])
+    mask = tree.tree_mask.view(-1, n, n)[b, :offered + 1, :offered + 1].tolist()
+    parents = [-1] + [max((j for j in range(t) if mask[t][j]), default=-1)
+                      for t in range(1, offered + 1)]
+    return tree.tokens[b, :offered + 1].tolist(), parents
+
+
+def _matched(tokens: List[int], parents: List[int], emitted: List[int]) -> int:
+    """How many of the emitted tokens the draft tree (tokens, parents) predicts in a row from
+    its root: the drafts a verify of that tree would have accepted, counting the bonus token
+    when the tree went on past the accepted ones (at most len(emitted))."""
+    node, count = 0, 0
+    for tok in emitted:
+        child = next((c for c in range(1, len(tokens))
+                      if parents[c] == node and tokens[c] == tok), None)
+        if child is None:
+            break
+        node, count = child, count + 1
+    return count
