@@ -149,6 +149,11 @@ def _time_admission(spec, ids, parts):
         parts[k].append(v)
 
 
+def _mean_accepted(steps: int, accepted: int) -> float:
+    """SpeculativeStats.mean_accepted_length of summed request steps and accepted drafts."""
+    return 1.0 + accepted / steps if steps else float("nan")
+
+
 @torch.inference_mode()
 def acceptance(args, model, tokenizer, prompts):
     """Mean accepted length per prompt, style and head with every step drafting (no acceptance
@@ -184,15 +189,12 @@ def acceptance(args, model, tokenizer, prompts):
           + " |")
     print("|---|" + "---|" * len(heads))
     styles = list(dict.fromkeys(p.style for p in prompts))
-    def mean_accepted(steps, accepted):
-        return 1.0 + accepted / steps if steps else float("nan")
-
     for style in styles:
-        print(f"| {style} | " + " | ".join(f"{mean_accepted(*per[(style, i)]):.2f}"
+        print(f"| {style} | " + " | ".join(f"{_mean_accepted(*per[(style, i)]):.2f}"
                                             for i in range(len(heads))) + " |")
     held = [s for s in styles if s in STYLES]  # the style-held-out set, without corpus-heldout
     print("| all styles | " + " | ".join(
-        f"{mean_accepted(*[sum(per[(s, i)][k] for s in held) for k in (0, 1)]):.2f}"
+        f"{_mean_accepted(*[sum(per[(s, i)][k] for s in held) for k in (0, 1)]):.2f}"
         for i in range(len(heads))) + " |")
 
 
