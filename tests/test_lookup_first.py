@@ -225,7 +225,7 @@ def test_an_undrafted_match_scores_the_emitted_tokens_it_predicts_along_its_tree
     pos, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask.flatten(), torch.tensor([5]), n)
     tree = DraftTree(tokens, mask.flatten(), pos, ridx, nxt, sib, torch.tensor([4]))
     table = _path_table(tree, 0)
-    assert table == ([0, 10, 11, 20, 21], parents)
+    assert table == ([0, 10, 11, 20, 21], [1, 2, -1, 4, -1], [-1, 3, -1, -1, -1], 4)
     assert _matched(*table, [20, 21, 7]) == 2  # the second branch, then no child
     assert _matched(*table, [10, 11]) == 2  # the whole emitted list (capped by it)
     assert _matched(*table, [11]) == 0  # 11 is no child of the root

@@ -57,7 +57,7 @@ class _Source:
     # scored against the emitted tokens. Starts level with the model's: the first match drafts.
     lookup_mean: float = 1.0
     rest: int = 0  # steps left without model drafts
-    shadow: Optional[tuple] = None  # (tokens, parents) of this step's lookup match not drafted
+    shadow: Optional[tuple] = None  # _path_table of this step's lookup match not drafted
 
 
 class LookupFirstProposer(Proposer):
@@ -185,25 +185,24 @@ class LookupFirstProposer(Proposer):
 
 
 def _path_table(tree: DraftTree, b: int) -> tuple:
-    """(tokens, parents) of request b's offered draft nodes: node i's token and its parent's
-    index (the last ancestor in the QLEN_ONLY mask), nodes past its num_drafts left out."""
-    n = tree.tokens.shape[1]
-    offered = n - 1 if tree.num_drafts is None else int(tree.num_drafts[b])
-    mask = tree.tree_mask.view(-1, n, n)[b, :offered + 1, :offered + 1].tolist()
-    parents = [-1] + [max((j for j in range(t) if mask[t][j]), default=-1)
-                      for t in range(1, offered + 1)]
-    return tree.tokens[b, :offered + 1].tolist(), parents
+    """(tokens, first child, next sibling) of request b's draft tree, from its linkage
+    (retrieve_next_token / retrieve_next_sibling, -1: none), and how many drafts it offers."""
+    offered = tree.tokens.shape[1] - 1 if tree.num_drafts is None else int(tree.num_drafts[b])
+    return (tree.tokens[b].tolist(), tree.retrieve_next_token[b].tolist(),
+            tree.retrieve_next_sibling[b].tolist(), offered)
 
 
-def _matched(tokens: List[int], parents: List[int], emitted: List[int]) -> int:
-    """How many of the emitted tokens the draft tree (tokens, parents) predicts in a row from
-    its root: the drafts a verify of that tree would have accepted, counting the bonus token
-    when the tree went on past the accepted ones (at most len(emitted))."""
+def _matched(tokens: List[int], first: List[int], sibling: List[int], offered: int,
+             emitted: List[int]) -> int:
+    """How many of the emitted tokens the draft tree predicts in a row from its root (nodes
+    past `offered` left out): the drafts a verify of that tree would have accepted, counting
+    the bonus token when the tree went on past the accepted ones (at most len(emitted))."""
     node, count = 0, 0
     for tok in emitted:
-        child = next((c for c in range(1, len(tokens))
-                      if parents[c] == node and tokens[c] == tok), None)
-        if child is None:
+        child = first[node]
+        while child != -1 and (child > offered or tokens[child] != tok):
+            child = sibling[child]
+        if child == -1:
             break
         node, count = child, count + 1
     return count
