@@ -15,6 +15,7 @@ medians per style and overall, and each method's worst prompt.
     python benchmarks/bench_styles.py --admission-costs            # what admitting a request costs
     python benchmarks/bench_styles.py --quantized int8             # the Q4_1 file, INT8 activations
     python benchmarks/bench_styles.py --acceptance --eagle3-heads A,B   # accepted length only
+    python benchmarks/bench_styles.py --acceptance --eagle-heads shipped,C  # EAGLE heads too
 """
 import argparse
 import statistics
@@ -41,21 +42,43 @@ def start_rule(spec: str) -> dict:
     return dict(zip(names, (int(x) for x in spec.split("/"))))
 
 
+def head_list(args) -> list:
+    """[(method, head directory or None for the shipped head)]: --eagle3-heads, then
+    --eagle-heads; the shipped EAGLE-3 head when neither is given."""
+    heads = []
+    for method, names in (("eagle3", args.eagle3_heads), ("eagle", args.eagle_heads)):
+        heads += [(method, None if h == "shipped" else h) for h in (names or "").split(",") if h]
+    return heads or [("eagle3", None)]
+
+
+def head_config(args, method: str, head) -> ProposerConfig:
+    return ProposerConfig(method=method, num_draft_tokens=args.num_draft_tokens, draft_model=head)
+
+
+METHOD_NAMES = {"eagle3": "EAGLE-3", "eagle": "EAGLE"}
+
+
+def head_label(method: str, head, i: int) -> str:
+    return METHOD_NAMES[method] + ("" if head is None else f" head {i} ({head})")
+
+
+def target_engine(engines: dict, config: ProposerConfig, model, **kwargs) -> Engine:
+    """The target Engine capturing what config's head reads: one per distinct capture, shared
+    by the heads that read the same layers."""
+    engine = make_target_engine(config, model, max_batch=1, **kwargs)
+    key = tuple(engine.capture_hidden or ())
+    return engines.setdefault(key, engine)
+
+
 def make_methods(args, model):
-    """label -> SpeculativeGenerator. EAGLE-3 targets capture the head's layers (one Engine
-    per distinct capture, shared by the heads that read the same layers)."""
+    """label -> SpeculativeGenerator."""
     methods, engines = {}, {}
-    heads = args.eagle3_heads.split(",") if args.eagle3_heads else [None]
     first_config = None
-    for i, head in enumerate(heads):
-        config = ProposerConfig(method="eagle3", num_draft_tokens=args.num_draft_tokens,
-                                draft_model=head)
+    for i, (method, head) in enumerate(head_list(args)):
+        config = head_config(args, method, head)
         first_config = first_config or config
-        engine = make_target_engine(config, model, max_batch=1, max_len=args.max_len,
-                                    prefill_chunk=64)
-        key = tuple(engine.capture_hidden)
-        engine = engines.setdefault(key, engine)
-        name = "EAGLE-3" + ("" if head is None else f" head {i} ({head})")
+        engine = target_engine(engines, config, model, max_len=args.max_len, prefill_chunk=64)
+        name = head_label(method, head, i)
         starts = args.start_policy.split(",")
         if i > 0 and len(starts) > 1:  # later heads: against the first head's policies only
             starts = [x for x in starts if x != "none"]
@@ -83,7 +106,7 @@ def make_methods(args, model):
                                             prefill_chunk=64)
         methods["loop, no proposer"] = SpeculativeGenerator(plain, None)
         first = next(s for s in methods.values() if s.proposer is not None)
-        methods["EAGLE-3 never drafting"] = SpeculativeGenerator(
+        methods[f"{METHOD_NAMES[first_config.method]} never drafting"] = SpeculativeGenerator(
             first.engine, make_proposer(first_config, first.engine),
             start_policy=dict(plain_steps=10 ** 9))
     if not args.no_ngram:
@@ -159,19 +182,17 @@ def acceptance(args, model, tokenizer, prompts):
     """Mean accepted length per prompt, style and head with every step drafting (no acceptance
     gate, min_accepted 0), eager: what the head drafts, whatever a step costs. Tokens are
     checked against plain greedy decoding on every prompt."""
-    heads = args.eagle3_heads.split(",") if args.eagle3_heads else [None]
+    heads = head_list(args)
     eos = tokenizer.eos_token_id
-    engine, plain = None, {}
+    engines, plain = {}, {}
     per = {}  # (style, head index) -> [request steps, accepted drafts]
     print("| style | prompt | head | mean accepted length | acceptance by position "
           "| tokens == AR |")
     print("|---|---|---|---|---|---|")
-    for i, head in enumerate(heads):
-        config = ProposerConfig(method="eagle3", num_draft_tokens=args.num_draft_tokens,
-                                draft_model=head)
-        if engine is None:
-            engine = make_target_engine(config, model, max_batch=1, max_len=args.max_len,
-                                        prefill_chunk=64, compile=False)
+    for i, (method, head) in enumerate(heads):
+        config = head_config(args, method, head)
+        engine = target_engine(engines, config, model, max_len=args.max_len, prefill_chunk=64,
+                               compile=False)
         spec = SpeculativeGenerator(engine, make_proposer(config, engine), min_accepted=0.0)
         for p in prompts:
             ids = encode_prompt(tokenizer, p)
@@ -185,7 +206,7 @@ def acceptance(args, model, tokenizer, prompts):
             acc = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
             print(f"| {p.style} | {p.name} | {i} | {stats.mean_accepted_length:.2f} | {acc} | "
                   f"{'yes' if out == plain[p.name] else 'NO'} |", flush=True)
-    print("\n| style | " + " | ".join(f"head {i} ({h or 'shipped'})" for i, h in enumerate(heads))
+    print("\n| style | " + " | ".join(head_label(m, h, i) for i, (m, h) in enumerate(heads))
           + " |")
     print("|---|" + "---|" * len(heads))
     styles = list(dict.fromkeys(p.style for p in prompts))
@@ -245,8 +266,12 @@ def main():
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eagle3-heads", default=None,
-                        help="comma list of EAGLE-3 head directories (default: the shipped head); "
+                        help="comma list of EAGLE-3 head directories ('shipped': the shipped "
+                             "head; default: the shipped head unless --eagle-heads is given); "
                              "heads after the first run only --start-policy's numbers")
+    parser.add_argument("--eagle-heads", default=None,
+                        help="comma list of EAGLE head directories ('shipped': the shipped "
+                             "head), after the --eagle3-heads")
     parser.add_argument("--start-policy", default="none,0",
                         help="comma list of none (the loop's own policy) or K[/M/B]: the "
                              "loop's policy behind a StartPolicy with K plain steps, probes of "
@@ -266,8 +291,9 @@ def main():
                         help="the target as its GGUF file's quantized blocks, with float or "
                              "INT8 activations (default: dequantized to fp32)")
     parser.add_argument("--acceptance", action="store_true",
-                        help="only the mean accepted length of each --eagle3-heads head per "
-                             "prompt and style, every step drafting (no gate), eager")
+                        help="only the mean accepted length of each head (--eagle3-heads, "
+                             "--eagle-heads) per prompt and style, every step drafting (no gate), "
+                             "eager")
     parser.add_argument("--admission-costs", action="store_true",
                         help="only time what admitting a request to EAGLE-3 costs, per prompt")
     args = parser.parse_args()

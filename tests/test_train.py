@@ -128,6 +128,40 @@ def test_eagle_training_lowers_the_loss_and_the_head_drafts_exactly(data_and_tar
     assert trained > baseline + 0.1, (trained, baseline)
 
 
+def test_eagle_loss_scores_the_draft_vocabulary_the_proposer_drafts_from(data_and_target):
+    """A narrowed EAGLE head's logits are the target LM head's rows for its draft vocabulary,
+    and its cross-entropy is the soft labels' inside that vocabulary, renormalized, over the
+    rows whose target top-1 is in it (a row-by-row reference)."""
+    from specdec_inductor.train.trainer import draft_vocabulary
+    data, target, _ = data_and_target
+    vocab = draft_vocabulary(target, data, 48)
+    torch.manual_seed(0)
+    full = EagleHead(target)
+    narrow = EagleHead(target, vocab)
+    narrow.load_state_dict(full.state_dict())
+    idx = list(range(8))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        _, stats = eagle_loss(narrow, data, idx, 0.0, gen)
+        ces, reached = [], 0
+        for i in idx:
+            nxt, feats = data.tokens[i][1:], data.final[i][:-1].float()
+            g = full(nxt[None], feats[None])[0]  # [T, H]
+            assert torch.equal(narrow.logits(g), target.lm_head(g)[:, vocab])
+            logp = torch.log_softmax(target.lm_head(g)[:, vocab].float(), -1)
+            for row, (ids, probs) in enumerate(zip(data.label_ids[i][1:].tolist(),
+                                                   data.label_probs[i][1:].tolist())):
+                if ids[0] not in vocab.tolist():
+                    continue
+                reached += 1
+                kept = [(vocab.tolist().index(t), p) for t, p in zip(ids, probs)
+                        if t in vocab.tolist()]
+                mass = sum(p for _, p in kept)
+                ces.append(-sum(p / mass * float(logp[row, d]) for d, p in kept))
+    assert 0 < reached < sum(len(data.tokens[i]) - 1 for i in idx)  # some rows fall outside
+    assert stats["ce"] == pytest.approx(sum(ces) / len(ces), rel=1e-4)
+
+
 def test_resume_continues_to_the_same_head(data_and_target, tmp_path):
     data, target, _ = data_and_target
     cfg = TrainConfig(epochs=2, batch_size=8, lr=3e-3, save_every=1)

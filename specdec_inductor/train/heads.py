@@ -4,7 +4,8 @@ proposers/eagle3.py):
 
 - EagleHead (EAGLE-1/2, SafeAILab/EAGLE cnets.py): fc over cat(embed(x_{p+1}), h_p) ([H, 2H]),
   one Llama decoder layer `layers.0` without an input norm; the target's embedding and LM head
-  (frozen, not saved). Trained with teacher forcing.
+  (frozen, not saved). Trained with teacher forcing, its loss scored over the rows of the LM
+  head for the draft vocabulary the proposer drafts from (draft_vocab.safetensors).
 - Eagle3Head (EAGLE-3): fc over the three captured target layers ([H, 3H]), `midlayer` whose
   attention reads cat(input_layernorm(embed), hidden_norm(hidden)) (2H) with the hidden as the
   residual, its own final `norm` and an `lm_head` over a draft vocabulary (`d2t`, `t2d`).
@@ -19,6 +20,7 @@ import os
 from typing import Dict, List, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -63,8 +65,19 @@ class _Frozen:
         self.lm_head = target.get_output_embeddings()
 
 
+def _target_to_draft(draft_vocab: Tensor, vocab: int) -> Tensor:
+    """[vocab] int64: each target id's index in draft_vocab [Vd], -1 for ids outside it."""
+    index = torch.full((vocab,), -1, dtype=torch.int64)
+    index[draft_vocab] = torch.arange(draft_vocab.numel())
+    return index
+
+
 class EagleHead(nn.Module):
-    def __init__(self, target, intermediate_size: Optional[int] = None, fc_bias: bool = True):
+    def __init__(self, target, draft_vocab: Optional[Tensor] = None,
+                 intermediate_size: Optional[int] = None, fc_bias: bool = True):
+        """draft_vocab: the target ids [Vd] (sorted ascending) whose rows of the target's LM head
+        the loss scores, as the proposer's narrowed LM head drafts them (proposers/eagle.py);
+        None: the full LM head."""
         super().__init__()
         from transformers.models.llama.modeling_llama import (LlamaDecoderLayer,
                                                               LlamaRotaryEmbedding)
@@ -75,6 +88,21 @@ class EagleHead(nn.Module):
         self.layers[0].input_layernorm = nn.Identity()
         self.rotary = LlamaRotaryEmbedding(self.cfg)
         self.frozen = _Frozen(target)
+        self.draft_vocab = None if draft_vocab is None else draft_vocab.long().clone()
+        if self.draft_vocab is not None:
+            self.register_buffer("target_to_draft",
+                                 _target_to_draft(self.draft_vocab, self.cfg.vocab_size),
+                                 persistent=False)
+            # The LM head rows the draft model keeps: frozen, and not part of the checkpoint.
+            lm = self.frozen.lm_head
+            self.frozen.draft_weight = lm.weight.detach()[self.draft_vocab]
+            self.frozen.draft_bias = None if lm.bias is None else lm.bias.detach()[self.draft_vocab]
+
+    def logits(self, g: Tensor) -> Tensor:
+        """g [..., H] -> [..., Vd] over the draft vocabulary (or [..., V] without one)."""
+        if self.draft_vocab is None:
+            return self.frozen.lm_head(g)
+        return F.linear(g, self.frozen.draft_weight, self.frozen.draft_bias)
 
     def forward(self, next_tokens: Tensor, feats: Tensor) -> Tensor:
         """next_tokens [B, T] (x_{p+1}), feats [B, T, H] (h_p) -> g [B, T, H] (~ h_{p+1})."""
@@ -136,9 +164,8 @@ class Eagle3Head(nn.Module):
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[draft_vocab] = True
         self.register_buffer("t2d", t2d)
-        index = torch.full((vocab,), -1, dtype=torch.int64)
-        index[draft_vocab] = torch.arange(draft_vocab.numel())
-        self.register_buffer("target_to_draft", index, persistent=False)
+        self.register_buffer("target_to_draft", _target_to_draft(draft_vocab, vocab),
+                             persistent=False)
         self.rotary = LlamaRotaryEmbedding(self.cfg)
         self.frozen = _Frozen(target)
         # Start from the target's own final norm and LM-head rows for the draft vocabulary.

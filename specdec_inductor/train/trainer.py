@@ -141,19 +141,36 @@ def eagle_loss(head: EagleHead, data: DraftData, idx: List[int], noise: float,
     ids = _pad([data.label_ids[i][1:] for i in idx], t)  # [B, T, K]
     probs = _pad([data.label_probs[i][1:] for i in idx], t)  # [B, T, K]
     valid = torch.arange(t).view(1, t) < torch.tensor(lens).view(-1, 1)  # [B, T]
+    scored = valid  # rows whose cross-entropy counts
+    if head.draft_vocab is not None:
+        ids, probs, label_ok = _draft_labels(head.target_to_draft, ids, probs)
+        scored = valid & label_ok
     if noise:
         feats = feats + (torch.rand(feats.shape, generator=gen) - 0.5) * noise
     g = head(nxt, feats)  # [B, T, H]
     reg = F.smooth_l1_loss(g, want, reduction="none").mean(-1)  # [B, T]
-    logits = head.frozen.lm_head(g)  # [B, T, V]
+    logits = head.logits(g)  # [B, T, Vd]
     ce = soft_ce(logits, ids, probs)  # [B, T]
     n = valid.sum()
-    loss = (reg[valid].sum() + 0.1 * ce[valid].sum()) / n
-    stats = {"reg": float(reg[valid].mean().detach()), "ce": float(ce[valid].mean().detach()),
+    loss = (reg[valid].sum() + 0.1 * ce[scored].sum()) / n
+    stats = {"reg": float(reg[valid].mean().detach()), "ce": float(ce[scored].mean().detach()),
              "tokens": int(n)}
     if with_acc:
-        stats["acc"] = _top1_accuracy(logits, ids[..., 0], valid)
+        stats["acc"] = _top1_accuracy(logits, ids[..., 0], scored)
     return loss, stats
+
+
+def _draft_labels(target_to_draft: Tensor, ids: Tensor, probs: Tensor
+                  ) -> Tuple[Tensor, Tensor, Tensor]:
+    """Soft labels over target ids (ids / probs [..., K]) as labels over a draft vocabulary:
+    draft ids (0 where outside it), probs renormalized over the ids inside it, and whether the
+    target's top-1 is inside it [...] (the rows a head restricted to the vocabulary can get
+    right)."""
+    ids_d = target_to_draft[ids]  # -1 outside the draft vocab
+    inside = ids_d >= 0
+    probs = probs * inside
+    probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
+    return ids_d.clamp(min=0), probs, inside[..., 0]
 
 
 def eagle3_loss(head: Eagle3Head, data: DraftData, idx: List[int], steps: int,
@@ -164,13 +181,7 @@ def eagle3_loss(head: Eagle3Head, data: DraftData, idx: List[int], steps: int,
     feats = _pad([data.feats[i] for i in idx], t).float()  # [B, T, 3H] (bf16 data: fp32 here)
     ids_t = _pad([data.label_ids[i] for i in idx], t)  # [B, T, K] target ids
     probs = _pad([data.label_probs[i] for i in idx], t)  # [B, T, K]
-    ids_d = head.target_to_draft[ids_t]  # [B, T, K] draft ids, -1 outside the draft vocab
-    inside = ids_d >= 0
-    probs = probs * inside
-    mass = probs.sum(-1, keepdim=True)
-    probs = probs / mass.clamp(min=1e-9)
-    label_ok = inside[..., 0]  # [B, T] target top-1 is a draft token
-    ids_d = ids_d.clamp(min=0)
+    ids_d, probs, label_ok = _draft_labels(head.target_to_draft, ids_t, probs)  # [B, T, K] / [B, T]
     lens_t = torch.tensor(lens).view(-1, 1)
     logits = head(tokens, feats, steps)
     loss, total_w, stats = 0.0, 0.0, {}
@@ -205,9 +216,10 @@ def make_head(target, data: DraftData, cfg: TrainConfig, draft_vocab_size: int):
     torch.manual_seed(cfg.seed)
     if cfg.init is not None:
         return warm_start_head(target, data, cfg)
+    vocab = draft_vocabulary(target, data, draft_vocab_size)
     if cfg.method == "eagle":
-        return EagleHead(target)
-    return Eagle3Head(target, draft_vocabulary(target, data, draft_vocab_size), data.layers)
+        return EagleHead(target, vocab)
+    return Eagle3Head(target, vocab, data.layers)
 
 
 def warm_start_head(target, data: DraftData, cfg: TrainConfig) -> Eagle3Head:
@@ -332,5 +344,5 @@ def train_head(target, data: DraftData, out_dir: str, cfg: TrainConfig, *,
         # The head's draft vocabulary (proposers/eagle.py): the data's most frequent ids, as an
         # EAGLE-3 head's; the published layout itself stays the full-vocabulary one.
         from specdec_inductor.proposers.eagle import write_draft_vocab
-        write_draft_vocab(out_dir, draft_vocabulary(target, data, draft_vocab_size))
+        write_draft_vocab(out_dir, head.draft_vocab)
     return head
