@@ -43,23 +43,29 @@ def start_rule(spec: str) -> dict:
 
 
 def head_list(args) -> list:
-    """[(method, head directory or None for the shipped head)]: --eagle3-heads, then
-    --eagle-heads; the shipped EAGLE-3 head when neither is given."""
+    """[(method, head directory or None for the shipped head, its draft_dtype)]: --eagle3-heads,
+    then --eagle-heads ("HEAD@fp32": that head's weights in fp32); the shipped EAGLE-3 head when
+    neither is given."""
     heads = []
     for method, names in (("eagle3", args.eagle3_heads), ("eagle", args.eagle_heads)):
-        heads += [(method, None if h == "shipped" else h) for h in (names or "").split(",") if h]
-    return heads or [("eagle3", None)]
+        for spec in (names or "").split(","):
+            if spec:
+                head, _, dtype = spec.partition("@")
+                heads.append((method, None if head == "shipped" else head, dtype or "auto"))
+    return heads or [("eagle3", None, "auto")]
 
 
-def head_config(args, method: str, head) -> ProposerConfig:
-    return ProposerConfig(method=method, num_draft_tokens=args.num_draft_tokens, draft_model=head)
+def head_config(args, method: str, head, dtype: str) -> ProposerConfig:
+    return ProposerConfig(method=method, num_draft_tokens=args.num_draft_tokens, draft_model=head,
+                          draft_dtype=dtype)
 
 
 METHOD_NAMES = {"eagle3": "EAGLE-3", "eagle": "EAGLE"}
 
 
-def head_label(method: str, head, i: int) -> str:
-    return METHOD_NAMES[method] + ("" if head is None else f" head {i} ({head})")
+def head_label(method: str, head, dtype: str, i: int) -> str:
+    return (METHOD_NAMES[method] + ("" if head is None else f" head {i} ({head})")
+            + ("" if dtype == "auto" else f" {dtype}"))
 
 
 def target_engine(engines: dict, config: ProposerConfig, model, **kwargs) -> Engine:
@@ -74,11 +80,11 @@ def make_methods(args, model):
     """label -> SpeculativeGenerator."""
     methods, engines = {}, {}
     first_config = None
-    for i, (method, head) in enumerate(head_list(args)):
-        config = head_config(args, method, head)
+    for i, (method, head, dtype) in enumerate(head_list(args)):
+        config = head_config(args, method, head, dtype)
         first_config = first_config or config
         engine = target_engine(engines, config, model, max_len=args.max_len, prefill_chunk=64)
-        name = head_label(method, head, i)
+        name = head_label(method, head, dtype, i)
         starts = args.start_policy.split(",")
         if i > 0 and len(starts) > 1:  # later heads: against the first head's policies only
             starts = [x for x in starts if x != "none"]
@@ -189,8 +195,8 @@ def acceptance(args, model, tokenizer, prompts):
     print("| style | prompt | head | mean accepted length | acceptance by position "
           "| tokens == AR |")
     print("|---|---|---|---|---|---|")
-    for i, (method, head) in enumerate(heads):
-        config = head_config(args, method, head)
+    for i, (method, head, dtype) in enumerate(heads):
+        config = head_config(args, method, head, dtype)
         engine = target_engine(engines, config, model, max_len=args.max_len, prefill_chunk=64,
                                compile=False)
         spec = SpeculativeGenerator(engine, make_proposer(config, engine), min_accepted=0.0)
@@ -206,7 +212,7 @@ def acceptance(args, model, tokenizer, prompts):
             acc = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
             print(f"| {p.style} | {p.name} | {i} | {stats.mean_accepted_length:.2f} | {acc} | "
                   f"{'yes' if out == plain[p.name] else 'NO'} |", flush=True)
-    print("\n| style | " + " | ".join(head_label(m, h, i) for i, (m, h) in enumerate(heads))
+    print("\n| style | " + " | ".join(head_label(m, h, d, i) for i, (m, h, d) in enumerate(heads))
           + " |")
     print("|---|" + "---|" * len(heads))
     styles = list(dict.fromkeys(p.style for p in prompts))
@@ -271,7 +277,8 @@ def main():
                              "heads after the first run only --start-policy's numbers")
     parser.add_argument("--eagle-heads", default=None,
                         help="comma list of EAGLE head directories ('shipped': the shipped "
-                             "head), after the --eagle3-heads")
+                             "head; HEAD@fp32: its weights in fp32, not the default auto), after "
+                             "the --eagle3-heads")
     parser.add_argument("--start-policy", default="none,0",
                         help="comma list of none (the loop's own policy) or K[/M/B]: the "
                              "loop's policy behind a StartPolicy with K plain steps, probes of "

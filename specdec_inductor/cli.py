@@ -396,7 +396,7 @@ def make_parser() -> argparse.ArgumentParser:
                             "under the draft is below P, and is verified at its own size "
                             "(default 0: chains of N-1 drafts)")
         p.add_argument("--draft-dtype", choices=["auto"] + sorted(DTYPES), default="auto",
-                       help="eagle3: the head's weights (auto: bf16 where the CPU has bf16 "
+                       help="eagle, eagle3: the head's own weights (auto: bf16 where the CPU has bf16 "
                             "kernels, else the target's dtype); drafts only propose, so output "
                             "tokens do not depend on it")
         p.add_argument("--mtp-layer", type=int, default=0,

@@ -258,6 +258,47 @@ def test_draft_vocabulary_narrows_the_lm_head_and_stays_exact(tmp_path, topk, de
         assert bool(torch.isin(a[:, 1:], vocab).all())  # drafts are target ids of the vocabulary
 
 
+@pytest.mark.parametrize("narrow", [True, False])
+def test_bf16_head_keeps_the_target_in_fp32_drafts_close_and_stays_exact(tmp_path, narrow):
+    """load_eagle_head(dtype=bf16): the head's own weights (fc, its layer, a narrowed LM head)
+    in bf16 and first among its parameters (the Engine takes its dtype from there), the shared
+    target embedding and full LM head left in fp32; its logits are the fp32 head's within bf16
+    error; drafting with it keeps greedy output exact (eager and compiled) and the pools free."""
+    from specdec_inductor.proposers.eagle import write_draft_vocab
+    target = tiny_target(1)
+    write_eagle_checkpoint(tmp_path, seed=4)
+    vocab = torch.tensor([i for i in range(VOCAB) if i % 3 != 1])
+    if narrow:
+        write_draft_vocab(str(tmp_path), vocab)
+    head = load_eagle_head(str(tmp_path), target, dtype=torch.bfloat16)
+    ref = load_eagle_head(str(tmp_path), target)
+    assert next(head.parameters()).dtype == torch.bfloat16
+    assert head.fc.weight.dtype == head.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert target.model.embed_tokens.weight.dtype == target.lm_head.weight.dtype == torch.float32
+    assert head.lm_head.weight.dtype == (torch.bfloat16 if narrow else torch.float32)
+    assert (head.lm_head is target.lm_head) == (not narrow)
+    x, pos, aux = torch.tensor([prompts(1)[0][1:4]]), torch.arange(3).view(1, -1), torch.randn(1, 3, HIDDEN)
+    with torch.no_grad():
+        low = head(input_ids=x, position_ids=pos, aux_hidden=aux).logits
+        high = ref(input_ids=x, position_ids=pos, aux_hidden=aux).logits
+    torch.testing.assert_close(low.float(), high, atol=5e-2, rtol=5e-2)
+    for compiled in (False, True):
+        engine = Engine(target, max_batch=2, max_len=128, compile=compiled, prefill_chunk=16,
+                        capture_hidden=[-1])
+        draft = Engine(head, max_batch=2 * 3, max_len=128 + 2 * 3, compile=compiled,
+                       prefill_chunk=8, capture_hidden=[-1])
+        assert draft.dtype == torch.bfloat16
+        spec = SpeculativeGenerator(engine, EagleProposer(draft, 6, topk=2, depth=3),
+                                    min_accepted=0.0)
+        stats = SpeculativeStats()
+        ps = prompts(2)
+        assert spec.generate(ps, 20, None, stats) == engine.generate(ps, 20)
+        assert stats.accepted_drafts > 0
+        _free(engine, draft)
+    with pytest.raises(ValueError, match="'dtype'"):
+        load_eagle_head(str(tmp_path), target, dtype=torch.float16)
+
+
 def test_bad_draft_vocabularies_are_refused(tmp_path):
     from safetensors.torch import save_file
     from specdec_inductor.proposers.eagle import DRAFT_VOCAB_FILE

@@ -56,6 +56,9 @@ class EagleDraftModel(nn.Module):
         from transformers import LlamaModel
         hidden = config.hidden_size
         vocab = config.vocab_size
+        # Registered first: the Engine takes the head's dtype from its first parameter, which
+        # must be the head's own, not the shared target embedding's (load_eagle_head's dtype).
+        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
         config.vocab_size = 1  # the head shares the target's embedding: allocate none
         self.model = LlamaModel(config)
         config.vocab_size = vocab
@@ -63,7 +66,6 @@ class EagleDraftModel(nn.Module):
         self.model.embed_tokens = target.get_input_embeddings()
         self.model.layers[0].input_layernorm = nn.Identity()
         self.model.norm = nn.Identity()
-        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
         self.lm_head = target.get_output_embeddings()
         if draft_vocab is not None:
             full = self.lm_head
@@ -75,18 +77,21 @@ class EagleDraftModel(nn.Module):
                     self.lm_head.weight.copy_(full.weight[draft_vocab])
                     if full.bias is not None:
                         self.lm_head.bias.copy_(full.bias[draft_vocab])
+        self.lm_input_dtype: Optional[torch.dtype] = None  # what lm_head reads; None: g's
         self.register_buffer("draft_to_target", None if draft_vocab is None
                              else draft_vocab.to(torch.int64).clone())
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, aux_hidden: Tensor,
                 specdec_batch=None, use_cache: bool = False, output_hidden_states: bool = False):
-        emb = self.model.embed_tokens(input_ids)  # [B, T, H]
-        x = self.fc(torch.cat([emb, aux_hidden.to(emb.dtype)], dim=-1))  # [B, T, H]
+        dtype = self.fc.weight.dtype  # the head's (the shared embedding may differ)
+        emb = self.model.embed_tokens(input_ids).to(dtype)  # [B, T, H]
+        x = self.fc(torch.cat([emb, aux_hidden.to(dtype)], dim=-1))  # [B, T, H]
         kwargs = {} if specdec_batch is None else {"specdec_batch": specdec_batch}
         g = self.model(inputs_embeds=x, position_ids=position_ids, use_cache=False,
                        **kwargs).last_hidden_state  # [B, T, H]
         from transformers.modeling_outputs import CausalLMOutputWithPast
-        return CausalLMOutputWithPast(logits=self.lm_head(g), hidden_states=(g,))
+        return CausalLMOutputWithPast(logits=self.lm_head(g.to(self.lm_input_dtype or g.dtype)),
+                                      hidden_states=(g,))
 
 
 def check_finite(sd: Dict[str, Tensor], where: str, error=ValueError) -> Dict[str, Tensor]:
@@ -146,10 +151,15 @@ def write_draft_vocab(path: str, draft_to_target: Tensor) -> None:
               os.path.join(path, DRAFT_VOCAB_FILE))
 
 
-def load_eagle_head(path: str, target, full_vocab: bool = False) -> EagleDraftModel:
+def load_eagle_head(path: str, target, full_vocab: bool = False,
+                    dtype: Optional[torch.dtype] = None) -> EagleDraftModel:
     """An EAGLE head from a checkpoint directory (config.json + one state dict) for `target`
     (a HF causal LM, whose embedding and LM head the head shares). A draft vocabulary beside
-    the checkpoint (DRAFT_VOCAB_FILE) narrows its LM head to those rows unless full_vocab."""
+    the checkpoint (DRAFT_VOCAB_FILE) narrows its LM head to those rows unless full_vocab.
+    dtype: the head's own weights (fc, the layer, a narrowed dense LM head; default the
+    target's); the shared embedding and LM head, and a quantized one's rows, keep theirs."""
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"argument 'dtype' must be torch.float32 or torch.bfloat16, got {dtype}")
     from transformers import LlamaConfig
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
@@ -198,8 +208,18 @@ def load_eagle_head(path: str, target, full_vocab: bool = False) -> EagleDraftMo
            and "rotary" not in k and k != "draft_to_target"]
     if bad:
         raise EagleCheckpointError(f"{path!r}: weights not loaded: {bad}")
-    dtype = next(target.parameters()).dtype
-    return head.to(dtype).eval()
+    dtype = dtype or next(target.parameters()).dtype
+    # The target's own modules (its embedding; its LM head, or a quantized one's rows) are left
+    # out of the cast and put back afterwards.
+    shared = {"embed_tokens": head.model._modules.pop("embed_tokens")}
+    own_lm = isinstance(head.lm_head, nn.Linear) and draft_vocab is not None
+    lm = None if own_lm else head._modules.pop("lm_head")
+    head.to(dtype)
+    head.model.embed_tokens = shared["embed_tokens"]
+    if lm is not None:
+        head.lm_head = lm
+    head.lm_input_dtype = dtype if own_lm else next(target.parameters()).dtype
+    return head.eval()
 
 
 class EagleProposer(DraftModelProposer):

@@ -62,8 +62,8 @@ class ProposerConfig:
     draft_stop_below: standalone chains: a chain ends at a draft whose probability under the
         draft is below this (DraftModelProposer stop_below; 0: never), and the generator then
         verifies at every size 1..N (Proposer.variable_drafts).
-    draft_dtype: eagle3: the head's weights, "auto" (bf16 where our bf16 kernels run, else
-        the target's dtype) or a loading.DTYPES name.
+    draft_dtype: eagle, eagle3: the head's own weights, "auto" (bf16 where our bf16 kernels
+        run, else the target's dtype) or a loading.DTYPES name.
     mtp_layer: mtp: which of the model's NextN layers drafts.
     ngram_window / ngram_breadth: ngram: (MIN, MAX) suffix lengths; children per level.
     lookup: draft-model methods: a request whose context suffix repeats earlier context
@@ -247,8 +247,8 @@ def draft_engine_size(config: ProposerConfig, target_engine) -> Tuple[int, int]:
 
 
 def head_dtype(config: ProposerConfig, target_model) -> torch.dtype:
-    """The EAGLE-3 head's weights: draft_dtype, or for "auto" bf16 where our bf16 kernels run,
-    else the target's dtype (eagle3.default_head_dtype)."""
+    """An EAGLE or EAGLE-3 head's own weights: draft_dtype, or for "auto" bf16 where our bf16
+    kernels run, else the target's dtype (eagle3.default_head_dtype)."""
     if config.draft_dtype != "auto":
         return loading.DTYPES[config.draft_dtype]
     from specdec_inductor.proposers.eagle3 import default_head_dtype
@@ -368,10 +368,12 @@ def _standalone(config, target_engine, draft, log):
 
 def _eagle(config, target_engine, draft, log):
     from specdec_inductor.proposers.eagle import EagleProposer, load_eagle_head
-    head = load_eagle_head(config.head_dir(), target_engine.model)
+    head = load_eagle_head(config.head_dir(), target_engine.model,
+                           dtype=head_dtype(config, target_engine.model))
     vocab = head.draft_to_target
-    log(f"EAGLE head: {config.head_dir()}"
-        f"{'' if vocab is None else f' (draft vocabulary {vocab.numel()})'}")
+    log(f"EAGLE head: {config.head_dir()} ("
+        f"{'' if vocab is None else f'draft vocabulary {vocab.numel()}, '}"
+        f"{str(head.fc.weight.dtype)[6:]})")
     return _head_proposer(EagleProposer, config, target_engine, head)
 
 
