@@ -263,7 +263,8 @@ def test_bf16_head_keeps_the_target_in_fp32_drafts_close_and_stays_exact(tmp_pat
     """load_eagle_head(dtype=bf16): the head's own weights (fc, its layer, a narrowed LM head)
     in bf16 and first among its parameters (the Engine takes its dtype from there), the shared
     target embedding and full LM head left in fp32; its logits are the fp32 head's within bf16
-    error; drafting with it keeps greedy output exact (eager and compiled) and the pools free."""
+    error; drafting with it keeps greedy output exact (eager; compiled with the narrowed head)
+    and the pools free."""
     from specdec_inductor.proposers.eagle import write_draft_vocab
     target = tiny_target(1)
     write_eagle_checkpoint(tmp_path, seed=4)
@@ -282,7 +283,7 @@ def test_bf16_head_keeps_the_target_in_fp32_drafts_close_and_stays_exact(tmp_pat
         low = head(input_ids=x, position_ids=pos, aux_hidden=aux).logits
         high = ref(input_ids=x, position_ids=pos, aux_hidden=aux).logits
     torch.testing.assert_close(low.float(), high, atol=5e-2, rtol=5e-2)
-    for compiled in (False, True):
+    for compiled in (False, True) if narrow else (False,):  # one compile keeps CI short
         engine = Engine(target, max_batch=2, max_len=128, compile=compiled, prefill_chunk=16,
                         capture_hidden=[-1])
         draft = Engine(head, max_batch=2 * 3, max_len=128 + 2 * 3, compile=compiled,
