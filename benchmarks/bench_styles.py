@@ -29,7 +29,7 @@ from specdec_inductor.engine.engine import Engine, GenerationStats
 from specdec_inductor.loading import load_model
 from specdec_inductor.ops.quant import QuantActivation
 from specdec_inductor.proposers.registry import (ProposerConfig, make_proposer,
-                                                 make_target_engine)
+                                                 make_target_engine, target_capture)
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
 from specdec_inductor.train.corpus import heldout_prompts
 from specdec_inductor.train.styles import STYLES, StylePrompt, encode_prompt, eval_prompts
@@ -70,10 +70,11 @@ def head_label(method: str, head, dtype: str, i: int) -> str:
 
 def target_engine(engines: dict, config: ProposerConfig, model, **kwargs) -> Engine:
     """The target Engine capturing what config's head reads: one per distinct capture, shared
-    by the heads that read the same layers."""
-    engine = make_target_engine(config, model, max_batch=1, **kwargs)
-    key = tuple(engine.capture_hidden or ())
-    return engines.setdefault(key, engine)
+    by the heads that read the same layers (made only for a capture not seen yet)."""
+    key = tuple(target_capture(config, model) or ())
+    if key not in engines:
+        engines[key] = make_target_engine(config, model, max_batch=1, **kwargs)
+    return engines[key]
 
 
 def make_methods(args, model):

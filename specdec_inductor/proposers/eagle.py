@@ -211,11 +211,11 @@ def load_eagle_head(path: str, target, full_vocab: bool = False,
     dtype = dtype or next(target.parameters()).dtype
     # The target's own modules (its embedding; its LM head, or a quantized one's rows) are left
     # out of the cast and put back afterwards.
-    shared = {"embed_tokens": head.model._modules.pop("embed_tokens")}
+    embed = head.model._modules.pop("embed_tokens")
     own_lm = isinstance(head.lm_head, nn.Linear) and draft_vocab is not None
     lm = None if own_lm else head._modules.pop("lm_head")
     head.to(dtype)
-    head.model.embed_tokens = shared["embed_tokens"]
+    head.model.embed_tokens = embed
     if lm is not None:
         head.lm_head = lm
     head.lm_input_dtype = dtype if own_lm else next(target.parameters()).dtype
