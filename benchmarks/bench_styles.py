@@ -96,8 +96,11 @@ def make_methods(args, model):
         for start in starts:
             for label, cfg in variants:
                 proposer = make_proposer(cfg, engine)
-                if cfg.lookup:  # "M[/G]": min_match M, the model's per-request gate G
-                    match, _, gate = label.rsplit(" ", 1)[1].partition("/")
+                if cfg.lookup:  # "M[/G][+gate]": min_match M, the model's per-request gate
+                    # G, the loop's batch acceptance gate on top
+                    spec, plus, _ = label.rsplit(" ", 1)[1].partition("+gate")
+                    proposer.gates_own_drafts = not plus
+                    match, _, gate = spec.partition("/")
                     proposer.min_match = int(match)
                     if gate:
                         proposer.model_min_accepted = float(gate)
@@ -288,10 +291,11 @@ def main():
     parser.add_argument("--prompts", default=None, help="comma list of prompt names only")
     parser.add_argument("--no-ngram", action="store_true")
     parser.add_argument("--lookup", default=None,
-                        help="comma list of M[/G]: also EAGLE-3 with prompt lookup first "
-                             "(ProposerConfig.lookup) at minimum match length M (and G: the "
-                             "accepted drafts a step below which a request's model drafts "
-                             "rest, default lookup_first.MODEL_MIN_ACCEPTED)")
+                        help="comma list of M[/G][+gate]: also EAGLE-3 with prompt lookup "
+                             "first (ProposerConfig.lookup) at minimum match length M (and G: "
+                             "the accepted drafts a step below which a request's model drafts "
+                             "rest, default lookup_first.MODEL_MIN_ACCEPTED; +gate: the loop's "
+                             "batch acceptance gate on top of the per-request one)")
     parser.add_argument("--floor", action="store_true",
                         help="also time the loop without drafts: plain decoding through it and "
                              "EAGLE-3 that never drafts (what a policy cannot save)")

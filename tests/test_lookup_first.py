@@ -99,6 +99,30 @@ def test_lookup_first_over_a_standalone_draft_vocabulary_is_exact_greedy():
     _free(engine, proposer.engine)
 
 
+def test_the_loops_batch_gate_leaves_lookup_first_to_its_own_per_request_gate():
+    """The loop's acceptance gate switches drafting off for the whole batch; lookup-first gates
+    per request (gates_own_drafts), so the loop verifies whatever it offers: with a threshold
+    no step can reach, the gate would silence the lookup's repeats too, and without it they
+    keep drafting."""
+    from specdec_inductor.speculative.policies import AcceptanceGate, DraftPolicy
+    spec, proposer, engine = _generators("standalone", None, 2)
+    spec.min_accepted = 100.0  # no step reaches it: the gate, where it runs, cools down
+    ps = repetitive_prompts(2)
+    want = engine.generate(ps, 28)
+    assert type(spec.new_policy()) is DraftPolicy
+    stats = SpeculativeStats()
+    assert spec.generate(ps, 28, stats=stats) == want
+    own = dict(proposer.drafts)
+    proposer.gates_own_drafts = False  # the loop's batch gate on top
+    assert type(spec.new_policy()) is AcceptanceGate
+    proposer.drafts = {k: 0 for k in own}
+    gated = SpeculativeStats()
+    assert spec.generate(ps, 28, stats=gated) == want
+    assert own["lookup"] > proposer.drafts["lookup"] > 0, (own, proposer.drafts)
+    assert gated.decode_steps > stats.decode_steps
+    _free(engine, proposer.engine)
+
+
 def test_compiled_lookup_first_equals_eager_without_recompiles(eagle3_head):
     spec, proposer, engine = _generators("eagle3", eagle3_head, 2, compile=True)
     ps = repetitive_prompts(2)
@@ -164,9 +188,13 @@ def test_merge_takes_each_row_from_its_source():
 
 
 def test_model_drafts_rest_per_request_while_they_miss_and_probe_again():
+    """From min_steps model drafts on, a request whose model drafts accept a mean below the
+    threshold over all of them rests its model for probe_every steps, twice as long after each
+    probe that leaves the mean below; a probe that brings it back resets the rest."""
     n = 4
     model = _Fixed(n)
-    p = LookupFirstProposer(model, NgramProposer(n), model_min_accepted=0.5, probe_every=3)
+    p = LookupFirstProposer(model, NgramProposer(n), model_min_accepted=0.5, min_steps=2,
+                            probe_every=3)
     p.start([0, 1], [[9, 8, 7], [6, 5, 4]])
     seq_lens = torch.tensor([3, 3])
     fresh = iter(range(10, 1000))  # tokens never repeated: lookup never matches
@@ -176,16 +204,23 @@ def test_model_drafts_rest_per_request_while_they_miss_and_probe_again():
         p.commit([0, 1], [[next(fresh) for _ in range(a + 1)] for a in accepted_by_request])
         return tree
 
-    step([0, 2])  # means 0.5 and 1.5: both keep drafting
-    step([0, 2])  # request 0: 0.25 < 0.5, rests 3 steps
+    def resting(steps, accepted=2):
+        for _ in range(steps):
+            tree = step([0, accepted])
+            assert tree.num_drafts.tolist() == [0, n - 1]  # request 0 offers nothing (a decode)
+
+    step([0, 2])  # one model draft each: too few to judge
+    step([0, 2])  # request 0: a mean of 0 over 2 < 0.5, rests 3 steps
     assert model.calls == [[0, 1], [0, 1]]
-    for _ in range(3):
-        tree = step([0, 2])
-        assert tree.num_drafts.tolist() == [0, n - 1]  # request 0 offers nothing (a decode)
+    resting(3)
     assert model.calls[2:] == [[1]] * 3
-    step([3, 2])  # the probe: request 0 drafts again and is accepted (mean 1.6)
-    step([0, 2])
-    assert model.calls[5:] == [[0, 1], [0, 1]]
+    step([0, 2])  # the probe misses (0 over 3): twice as long
+    resting(6)
+    step([4, 2])  # the probe is accepted (a mean of 4 over 4): back to drafting
+    step([0, 2])  # 4 over 5 still pays
+    assert model.calls[5:] == [[0, 1]] + [[1]] * 6 + [[0, 1], [0, 1]]
+    step([0, 0])  # 4 over 6 pays for request 0; request 1 keeps drafting at 10 over 6
+    assert model.calls[-1] == [0, 1]
     p.finish([0, 1])
 
 
@@ -242,6 +277,8 @@ def test_bad_arguments_are_refused_naming_them(eagle3_head):
         LookupFirstProposer(_Fixed(4), NgramProposer(4), min_drafts=True)
     with pytest.raises(ValueError, match="argument 'probe_every'"):
         LookupFirstProposer(_Fixed(4), NgramProposer(4), probe_every=0)
+    with pytest.raises(ValueError, match="'min_steps'"):
+        LookupFirstProposer(_Fixed(4), NgramProposer(4), min_steps=0)
     with pytest.raises(ValueError, match="argument 'model_min_accepted'"):
         LookupFirstProposer(_Fixed(4), NgramProposer(4), model_min_accepted=-1.0)
     for kwargs in ({"method": "ngram", "lookup": True}, {"method": "none", "lookup": True},

@@ -15,11 +15,16 @@ had one) is scored against the tokens the step emitted, as if it had been verifi
 that keeps guessing a chat answer wrong hands the request to the model, and one whose repeats
 start to hold (a code block restated) takes it back.
 
-The model's drafts are gated per request, not per batch: a request whose model drafts keep
-missing (a running mean below MODEL_MIN_ACCEPTED accepted drafts a step) offers no model draft
-for PROBE_EVERY steps, then probes again, while its lookup drafts still run every step. (The
-loop's acceptance gate switches drafting off for the whole batch, lookup included, so on its
-own it would throw away the repeats of a request whose head drafts miss.)
+The model's drafts are gated per request, not per batch: a request whose model drafts do not
+pay (from its MIN_STEPS-th model draft on, a mean below MODEL_MIN_ACCEPTED accepted drafts a
+step over all its model drafts) offers no model draft for PROBE_EVERY steps, then probes again,
+twice as many steps after each further probe that leaves the mean below (at most MAX_REST),
+while its lookup drafts still run every step. The mean is over every model draft, not a recent
+few: acceptance comes in bursts (a chat answer's set phrases, then free text), and a gate on the
+last two steps rested heads that paid overall. The
+loop's acceptance gate, which switches drafting off for the whole batch, lookup included, is
+off for this proposer (`gates_own_drafts`): it would throw away the repeats of a request whose
+head drafts miss, and every other request's drafts with them.
 
 Both proposers see every request's start, commits and finish, so either can draft any step: the
 draft model catches up over the tokens committed while it did not draft (its catch-up extend, as
@@ -44,7 +49,9 @@ MIN_DRAFTS = 2
 # of N rows plus the drafting cost about 1.3-1.5 decode steps on the 2-core machines: half a
 # token a step does not pay for it) and are probed again after PROBE_EVERY steps.
 MODEL_MIN_ACCEPTED = 0.5
+MIN_STEPS = 4
 PROBE_EVERY = 8
+MAX_REST = 64
 
 LOOKUP, MODEL, NONE = "lookup", "model", "none"  # who drafted a request's last step
 
@@ -53,6 +60,9 @@ LOOKUP, MODEL, NONE = "lookup", "model", "none"  # who drafted a request's last 
 class _Source:
     last: str = NONE
     model_mean: float = 1.0  # running mean of the model drafts it accepted (optimistic start)
+    model_steps: int = 0  # its model drafts and their accepted drafts (the gate's mean)
+    model_accepted: int = 0
+    failures: int = 0  # probes in a row that left the gate's mean below its threshold
     # Running mean of the lookup drafts it accepted, or would have: a match not drafted is
     # scored against the emitted tokens. Starts level with the model's: the first match drafts.
     lookup_mean: float = 1.0
@@ -68,19 +78,22 @@ class LookupFirstProposer(Proposer):
         lookup: an NgramProposer with the same N.
         min_match / min_drafts: a request's lookup draft is used when its match length and its
             number of drafts reach these.
-        model_min_accepted / probe_every: the per-request gate of the model's drafts.
+        model_min_accepted / min_steps / probe_every: the per-request gate of the model's
+            drafts (its threshold, the model drafts before it judges, its first rest).
     """
 
-    cheap_drafts = False  # the draft model's steps cost: the acceptance gate decides
+    # Per request: the model's drafts rest while they miss, the lookup's run whenever they
+    # match; the loop's batch gate would silence both for every request.
+    gates_own_drafts = True
 
     def __init__(self, model: Proposer, lookup: NgramProposer, min_match: int = MIN_MATCH,
                  min_drafts: int = MIN_DRAFTS, model_min_accepted: float = MODEL_MIN_ACCEPTED,
-                 probe_every: int = PROBE_EVERY):
+                 min_steps: int = MIN_STEPS, probe_every: int = PROBE_EVERY):
         if lookup.num_draft_tokens != model.num_draft_tokens:
             raise ValueError(f"argument 'lookup' drafts N={lookup.num_draft_tokens} nodes, the "
                              f"model N={model.num_draft_tokens}: verify needs one tree size")
         for name, value in (("min_match", min_match), ("min_drafts", min_drafts),
-                            ("probe_every", probe_every)):
+                            ("min_steps", min_steps), ("probe_every", probe_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"argument '{name}' must be an int >= 1, got {value!r}")
         if not 0.0 <= model_min_accepted < model.num_draft_tokens:
@@ -89,6 +102,7 @@ class LookupFirstProposer(Proposer):
         self.model, self.lookup = model, lookup
         self.min_match, self.min_drafts = min_match, min_drafts
         self.model_min_accepted, self.probe_every = model_min_accepted, probe_every
+        self.min_steps = min_steps
         self.num_draft_tokens = model.num_draft_tokens
         self.num_spec_steps = max(model.num_spec_steps, lookup.num_spec_steps)
         self.needs_target_hidden = model.needs_target_hidden
@@ -145,8 +159,7 @@ class LookupFirstProposer(Proposer):
                 s.lookup_mean = 0.5 * (s.lookup_mean + len(toks) - 1)
             if toks and s.last == MODEL:
                 s.model_mean = 0.5 * (s.model_mean + len(toks) - 1)
-                if s.model_mean < self.model_min_accepted:
-                    s.rest = self.probe_every
+                self._gate(s, len(toks) - 1)
                 if s.shadow is not None:
                     s.lookup_mean = 0.5 * (s.lookup_mean + _matched(*s.shadow, toks))
             s.last, s.shadow = NONE, None
@@ -158,6 +171,17 @@ class LookupFirstProposer(Proposer):
             self.model.finish(request_ids)
         finally:
             self.lookup.finish(request_ids)
+
+    def _gate(self, s: _Source, accepted: int) -> None:
+        """Count a model draft's accepted drafts; rest the model while its mean does not pay."""
+        s.model_steps += 1
+        s.model_accepted += accepted
+        if (s.model_steps >= self.min_steps
+                and s.model_accepted < self.model_min_accepted * s.model_steps):
+            s.rest = min(MAX_REST, self.probe_every << s.failures)
+            s.failures += 1
+        else:
+            s.failures = 0
 
     def _model_turn(self, s: _Source) -> str:
         """MODEL while the request's model drafts pay or a probe is due, else NONE."""

@@ -201,7 +201,8 @@ class SpeculativeGenerator:
     Draft budgets (policies.py): the adaptive verify size (adaptive; default for proposers with
     `cheap_drafts`) with grow_at and probe_cost, else the acceptance gate with min_accepted
     (None: verify_cost_per_node * (N - 1), raised to the measured costs' break-even point once
-    compile_verify measured them), backoff_steps and gate_min_steps. start_policy: keyword
+    compile_verify measured them), backoff_steps and gate_min_steps; a proposer that
+    `gates_own_drafts` has every draft it offers verified, without the gate. start_policy: keyword
     arguments of a StartPolicy put in front of that policy (when a request starts paying for
     full drafts: probes of verify size 2 first; None: no start rule); it adds size 2 to the
     default tree_sizes. cost_aware: with the adaptive size, each step's size by expected
@@ -311,6 +312,8 @@ class SpeculativeGenerator:
                                          VerifySizePlanner(self.tree_sizes, self.costs.step_s))
         elif self.adaptive:
             policy = AdaptiveVerifySize(self.tree_sizes, self.costs, self.grow_at)
+        elif self.proposer.gates_own_drafts:
+            policy = DraftPolicy(self.tree_sizes)
         else:
             policy = AcceptanceGate(self.tree_sizes, self.costs, self._min_accepted,
                                     self._gate_from_costs, self.backoff_steps,

@@ -25,6 +25,12 @@ class Proposer:
     # is verified at its own size rather than padded to N.
     variable_drafts: bool = False
 
+    # The proposer decides per request and per step whether the request drafts at all (one that
+    # offers no drafts decodes plainly in a verify step's batch): the loop then verifies every
+    # draft offered instead of switching drafting off for the whole batch (AcceptanceGate),
+    # which would also silence the requests whose drafts pay.
+    gates_own_drafts: bool = False
+
     # Drafts made from the target's hidden states (EAGLE-style): the loop then passes, as a
     # third argument, start(..., hidden) with each prompt's captured target hidden [P, k*H],
     # and commit(..., hidden) with the hidden rows of each request's accepted path (root
