@@ -21,10 +21,10 @@ step over all its model drafts) offers no model draft for PROBE_EVERY steps, the
 twice as many steps after each further probe that leaves the mean below (at most MAX_REST),
 while its lookup drafts still run every step. The mean is over every model draft, not a recent
 few: acceptance comes in bursts (a chat answer's set phrases, then free text), and a gate on the
-last two steps rested heads that paid overall. The
-loop's acceptance gate, which switches drafting off for the whole batch, lookup included, is
-off for this proposer (`gates_own_drafts`): it would throw away the repeats of a request whose
-head drafts miss, and every other request's drafts with them.
+last two steps rested heads that paid overall. The loop's acceptance gate, which switches
+drafting off for the whole batch, lookup included, is off for this proposer
+(`gates_own_drafts`): it would throw away the repeats of a request whose head drafts miss, and
+every other request's drafts with them.
 
 Both proposers see every request's start, commits and finish, so either can draft any step: the
 draft model catches up over the tokens committed while it did not draft (its catch-up extend, as
@@ -45,9 +45,11 @@ from specdec_inductor.speculative import DraftTree, Proposer
 # to beat the head.
 MIN_MATCH = 3
 MIN_DRAFTS = 2
-# A request's model drafts stop below this running mean of accepted drafts per step (a verify
-# of N rows plus the drafting cost about 1.3-1.5 decode steps on the 2-core machines: half a
-# token a step does not pay for it) and are probed again after PROBE_EVERY steps.
+# A request's model drafts stop below this mean of accepted drafts per step over all of them
+# (a verify of N rows plus the drafting cost about 1.3-1.5 decode steps on the 2-core machines:
+# half a token a step does not pay for it), judged from its MIN_STEPS-th model draft (one
+# step's count is mostly noise), and are probed again after PROBE_EVERY steps, twice as many
+# after each further miss, at most MAX_REST.
 MODEL_MIN_ACCEPTED = 0.5
 MIN_STEPS = 4
 PROBE_EVERY = 8
