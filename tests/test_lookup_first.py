@@ -277,7 +277,7 @@ def test_bad_arguments_are_refused_naming_them(eagle3_head):
         LookupFirstProposer(_Fixed(4), NgramProposer(4), min_drafts=True)
     with pytest.raises(ValueError, match="argument 'probe_every'"):
         LookupFirstProposer(_Fixed(4), NgramProposer(4), probe_every=0)
-    with pytest.raises(ValueError, match="'min_steps'"):
+    with pytest.raises(ValueError, match="argument 'min_steps'"):
         LookupFirstProposer(_Fixed(4), NgramProposer(4), min_steps=0)
     with pytest.raises(ValueError, match="argument 'model_min_accepted'"):
         LookupFirstProposer(_Fixed(4), NgramProposer(4), model_min_accepted=-1.0)
