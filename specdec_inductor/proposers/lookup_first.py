@@ -18,10 +18,11 @@ start to hold (a code block restated) takes it back.
 The model's drafts are gated per request, not per batch: a request whose model drafts do not
 pay (from its MIN_STEPS-th model draft on, a mean below MODEL_MIN_ACCEPTED accepted drafts a
 step over all its model drafts) offers no model draft for PROBE_EVERY steps, then probes again,
-twice as many steps after each further probe that leaves the mean below (at most MAX_REST),
-while its lookup drafts still run every step. The mean is over every model draft, not a recent
-few: acceptance comes in bursts (a chat answer's set phrases, then free text), and a gate on the
-last two steps rested heads that paid overall. The loop's acceptance gate, which switches
+twice as many steps after each further probe that leaves the mean below (at most 64): the
+AcceptanceGate's rule (speculative/policies.py) per request, while its lookup drafts still run
+every step. The mean is over every model draft, not a recent few: acceptance comes in bursts
+(a chat answer's set phrases, then free text), and a gate on the last two steps rested heads
+that paid overall. The loop's acceptance gate, which switches
 drafting off for the whole batch, lookup included, is off for this proposer
 (`gates_own_drafts`): it would throw away the repeats of a request whose head drafts miss, and
 every other request's drafts with them.
@@ -39,6 +40,7 @@ from torch import Tensor
 from specdec_inductor import ops
 from specdec_inductor.proposers.ngram import NgramProposer
 from specdec_inductor.speculative import DraftTree, Proposer
+from specdec_inductor.speculative.policies import fails_to_pay, rest_after
 
 # A lookup drafts when the context suffix it continues is at least this long and it offers at
 # least this many drafts; shorter matches (a repeated newline or keyword) continue too seldom
@@ -49,11 +51,10 @@ MIN_DRAFTS = 2
 # (a verify of N rows plus the drafting cost about 1.3-1.5 decode steps on the 2-core machines:
 # half a token a step does not pay for it), judged from its MIN_STEPS-th model draft (one
 # step's count is mostly noise), and are probed again after PROBE_EVERY steps, twice as many
-# after each further miss, at most MAX_REST.
+# after each further miss, at most 64 (policies.MAX_REST).
 MODEL_MIN_ACCEPTED = 0.5
 MIN_STEPS = 4
 PROBE_EVERY = 8
-MAX_REST = 64
 
 LOOKUP, MODEL, NONE = "lookup", "model", "none"  # who drafted a request's last step
 
@@ -178,9 +179,9 @@ class LookupFirstProposer(Proposer):
         """Count a model draft's accepted drafts; rest the model while its mean does not pay."""
         s.model_steps += 1
         s.model_accepted += accepted
-        if (s.model_steps >= self.min_steps
-                and s.model_accepted < self.model_min_accepted * s.model_steps):
-            s.rest = min(MAX_REST, self.probe_every << s.failures)
+        if fails_to_pay(s.model_accepted, s.model_steps, self.min_steps,
+                        self.model_min_accepted):
+            s.rest = rest_after(self.probe_every, s.failures)
             s.failures += 1
         else:
             s.failures = 0

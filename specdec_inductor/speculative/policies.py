@@ -16,7 +16,7 @@ request (`new_request`). Neither policy changes which tokens come out, only the 
   the mean of accepted drafts over the batch's draft steps (judged from the min_steps-th on:
   one step's count is mostly noise) falls below threshold(), the next steps are plain decodes
   without drafting, backoff_steps at first and twice as many after each further failed probe
-  (at most 64); a probe that brings the mean back up resets the backoff. The threshold is
+  (at most MAX_REST); a probe that brings the mean back up resets the backoff. The threshold is
   min_accepted, raised (from_costs) to the break-even point of the measured costs,
   verify_cost + draft / decode - 1 accepted drafts per step. Drafts are priced per step: the
   first draft, and the first after a cooldown or a join, catch up on tokens the draft model
@@ -43,7 +43,7 @@ request (`new_request`). Neither policy changes which tokens come out, only the 
   than a decode step, and a short answer ends before the acceptance gate (min_steps full
   drafts) can judge it. When every probing request has missed probe_misses first drafts in a
   row, the next backoff_steps steps are plain decodes (twice as many after each further such
-  round, at most 64). Probe steps are not shown to the inner policy, whose rules judge full
+  round, at most MAX_REST). Probe steps are not shown to the inner policy, whose rules judge full
   drafts.
 """
 from dataclasses import dataclass, field
@@ -52,6 +52,21 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from specdec_inductor.speculative.tree import DraftTree
+
+
+MAX_REST = 64  # the longest rest from drafting after failed probes, in steps
+
+
+def fails_to_pay(accepted_sum: float, steps: int, min_steps: int, threshold: float) -> bool:
+    """Whether drafts judged so far do not pay: from the min_steps-th draft step on (one step's
+    count is mostly noise), a mean of accepted drafts per step below threshold."""
+    return steps >= min_steps and accepted_sum / steps < threshold
+
+
+def rest_after(first_rest: int, failures: int) -> int:
+    """Steps without drafting after the (failures + 1)-th failed probe in a row: first_rest,
+    twice as many after each further one, at most MAX_REST."""
+    return min(MAX_REST, first_rest << failures)
 
 
 @dataclass
@@ -171,9 +186,8 @@ class AcceptanceGate(DraftPolicy):
         live_accepted = torch.tensor([a for a, x in zip(accepted, live) if x], dtype=torch.float32)
         self.accepted_sum += float(live_accepted.mean())
         self.draft_steps += 1
-        mean = self.accepted_sum / self.draft_steps
-        if self.draft_steps >= self.min_steps and mean < self.threshold():
-            self.cooldown = min(64, self.backoff_steps << self.failures)
+        if fails_to_pay(self.accepted_sum, self.draft_steps, self.min_steps, self.threshold()):
+            self.cooldown = rest_after(self.backoff_steps, self.failures)
             self.failures += 1
         else:
             self.failures = 0
@@ -469,7 +483,7 @@ class StartPolicy(DraftPolicy):
             if len(still) == sum(live) and all(s.misses >= self.probe_misses for s in still):
                 # Every live request probes and missed probe_misses first drafts in a row:
                 # plain steps before the next probe, twice as many after each further round.
-                self.cooldown = min(64, self.backoff_steps << self.failures)
+                self.cooldown = rest_after(self.backoff_steps, self.failures)
                 self.failures += 1
                 for s in probed:
                     s.misses = 0
