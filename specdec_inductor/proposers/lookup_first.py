@@ -43,9 +43,10 @@ from specdec_inductor.speculative import DraftTree, Proposer
 from specdec_inductor.speculative.policies import fails_to_pay, rest_after
 
 # A lookup drafts when the context suffix it continues is at least this long and it offers at
-# least this many drafts; shorter matches (a repeated newline or keyword) continue too seldom
-# to beat the head.
-MIN_MATCH = 3
+# least this many drafts. One-token matches (a repeated newline or keyword) continue too seldom;
+# two-token ones pay on rewrites and math, and where they keep missing the request's running
+# means hand it back to the model (benchmarks/bench_styles.py --lookup 1,2,3).
+MIN_MATCH = 2
 MIN_DRAFTS = 2
 # A request's model drafts stop below this mean of accepted drafts per step over all of them
 # (a verify of N rows plus the drafting cost about 1.3-1.5 decode steps on the 2-core machines:
