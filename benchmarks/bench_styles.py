@@ -96,14 +96,16 @@ def make_methods(args, model):
         for start in starts:
             for label, cfg in variants:
                 proposer = make_proposer(cfg, engine)
-                if cfg.lookup:  # "M[/G][+gate]": min_match M, the model's per-request gate
-                    # G, the loop's batch acceptance gate on top
+                if cfg.lookup:  # "M[/G[/P]][+gate]": min_match M, the model's per-request
+                    # gate G and its first rest P, the loop's batch acceptance gate on top
                     spec, plus, _ = label.rsplit(" ", 1)[1].partition("+gate")
                     proposer.gates_own_drafts = not plus
-                    match, _, gate = spec.partition("/")
+                    match, *gate = spec.split("/")
                     proposer.min_match = int(match)
                     if gate:
-                        proposer.model_min_accepted = float(gate)
+                        proposer.model_min_accepted = float(gate[0])
+                    if len(gate) > 1:
+                        proposer.probe_every = int(gate[1])
                 if start == "none":
                     methods[label] = SpeculativeGenerator(engine, proposer)
                     continue
@@ -291,10 +293,11 @@ def main():
     parser.add_argument("--prompts", default=None, help="comma list of prompt names only")
     parser.add_argument("--no-ngram", action="store_true")
     parser.add_argument("--lookup", default=None,
-                        help="comma list of M[/G][+gate]: also EAGLE-3 with prompt lookup "
+                        help="comma list of M[/G[/P]][+gate]: also EAGLE-3 with prompt lookup "
                              "first (ProposerConfig.lookup) at minimum match length M (and G: "
                              "the accepted drafts a step below which a request's model drafts "
-                             "rest, default lookup_first.MODEL_MIN_ACCEPTED; +gate: the loop's "
+                             "rest, default lookup_first.MODEL_MIN_ACCEPTED; P: their first "
+                             "rest in steps, default lookup_first.PROBE_EVERY; +gate: the loop's "
                              "batch acceptance gate on top of the per-request one)")
     parser.add_argument("--floor", action="store_true",
                         help="also time the loop without drafts: plain decoding through it and "

@@ -144,10 +144,13 @@ class _Fixed:
 
     def __init__(self, n):
         self.num_draft_tokens, self.num_spec_steps = n, n
-        self.calls = []
+        self.calls, self.discarded = [], []
 
     def start(self, request_ids, contexts, hidden=None):
         pass
+
+    def discard_drafts(self, request_ids):
+        self.discarded.append(list(request_ids))
 
     def commit(self, request_ids, emitted, hidden=None):
         pass
@@ -173,7 +176,9 @@ def test_merge_takes_each_row_from_its_source():
     p.start([0, 1, 2], [plain, repeat, plain])
     seq_lens = torch.tensor([3, 7, 3])
     tree = p.propose([0, 1, 2], seq_lens)
-    assert model.calls == [[0, 2]]  # request 1 drafted by lookup only
+    # The model drafts the whole batch (its graphs keep the batch's bucket); request 1's row
+    # is lookup's, and the model is told its draft there goes unverified.
+    assert model.calls == [[0, 1, 2]] and model.discarded == [[1]]
     assert tree.tokens[1].tolist() == [3, 4, 5, 1]  # "1 2 3" seen before: 4 5 1 follow
     assert tree.tokens[0].tolist() == tree.tokens[2].tolist() == [50, 51, 52, 53]
     assert p.drafts == {"lookup": 1, "model": 2}
@@ -185,6 +190,31 @@ def test_merge_takes_each_row_from_its_source():
                                                   for s in seq_lens.tolist()]
     p.finish([0, 1, 2])
     assert lookup.num_requests() == 0
+
+
+def test_a_discarded_draft_keeps_none_of_the_emitted_tokens_as_cached():
+    """A draft-model proposer whose chain was not verified (lookup drafted that row instead)
+    must not count emitted tokens equal to its chain as drafts whose KV it already holds: its
+    next catch-up extends them all."""
+    config = ProposerConfig(method="standalone", num_draft_tokens=4)
+    engine = make_target_engine(config, tiny_llama(0), max_batch=1, max_len=64, compile=False,
+                                prefill_chunk=16)
+    results = []
+    for discard in (False, True):
+        model = make_proposer(config, engine, draft=tiny_llama(7, layers=1))
+        model.start([0], [[5, 6, 7, 8]])
+        tree = model.propose([0], torch.tensor([4]))
+        chain = tree.tokens[0, 1:].tolist()
+        st = model._requests[0]
+        cached = st.cached
+        if discard:
+            model.discard_drafts([0])
+        model.commit([0], [chain + [1]])  # every draft "accepted", then a bonus
+        results.append((st.cached - cached, len(st.pending)))
+        model.finish([0])
+    # Not discarded: the KV the chain wrote (its drafts but the last) kept, the rest pending.
+    assert results[0] == (2, 2)
+    assert results[1] == (0, 4)  # discarded: every emitted token pending
 
 
 def test_model_drafts_rest_per_request_while_they_miss_and_probe_again():
@@ -209,18 +239,21 @@ def test_model_drafts_rest_per_request_while_they_miss_and_probe_again():
             tree = step([0, accepted])
             assert tree.num_drafts.tolist() == [0, n - 1]  # request 0 offers nothing (a decode)
 
+    # The model drafts the whole batch whenever it drafts (lookup_first.propose); a resting
+    # request's row offers nothing and its model draft is discarded.
     step([0, 2])  # one model draft each: too few to judge
     step([0, 2])  # request 0: a mean of 0 over 2 < 0.5, rests 3 steps
-    assert model.calls == [[0, 1], [0, 1]]
+    assert model.discarded == []
     resting(3)
-    assert model.calls[2:] == [[1]] * 3
+    assert model.discarded == [[0]] * 3
     step([0, 2])  # the probe misses (0 over 3): twice as long
+    assert model.discarded == [[0]] * 3
     resting(6)
     step([4, 2])  # the probe is accepted (a mean of 4 over 4): back to drafting
     step([0, 2])  # 4 over 5 still pays
-    assert model.calls[5:] == [[0, 1]] + [[1]] * 6 + [[0, 1], [0, 1]]
+    assert model.discarded == [[0]] * 9
     step([0, 0])  # 4 over 6 pays for request 0; request 1 keeps drafting at 10 over 6
-    assert model.calls[-1] == [0, 1]
+    assert model.discarded == [[0]] * 9 and len(model.calls) == 15
     p.finish([0, 1])
 
 

@@ -326,6 +326,11 @@ class DraftModelProposer(Proposer):
         return ([None if st.done else st.request.row for st in states],
                 [st.cached for st in states], [st.virtual_rows for st in states], extend)
 
+    def discard_drafts(self, request_ids: List[int]) -> None:
+        for rid in request_ids:  # their next catch-up extends every emitted token
+            st = self._requests[rid]
+            st.proposed, st.chain_unread = [], False
+
     def commit(self, request_ids: List[int], emitted: List[List[int]],
                hidden: Optional[List[Tensor]] = None) -> None:
         for i, (rid, toks) in enumerate(zip(request_ids, emitted)):

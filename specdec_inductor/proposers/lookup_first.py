@@ -48,14 +48,17 @@ from specdec_inductor.speculative.policies import fails_to_pay, rest_after
 # means hand it back to the model (benchmarks/bench_styles.py --lookup 1,2,3).
 MIN_MATCH = 2
 MIN_DRAFTS = 2
-# A request's model drafts stop below this mean of accepted drafts per step over all of them
-# (a verify of N rows plus the drafting cost about 1.3-1.5 decode steps on the 2-core machines:
-# half a token a step does not pay for it), judged from its MIN_STEPS-th model draft (one
-# step's count is mostly noise), and are probed again after PROBE_EVERY steps, twice as many
-# after each further miss, at most 64 (policies.MAX_REST).
-MODEL_MIN_ACCEPTED = 0.5
+# A request's model drafts stop below this mean of accepted drafts per step over all of them,
+# judged from its MIN_STEPS-th model draft (one step's count is mostly noise), and are probed
+# again after PROBE_EVERY steps, twice as many after each further miss, at most 64
+# (policies.MAX_REST). A step that verifies a model draft costs ~1.3-1.5 decode steps on the
+# 2-core machines, yet a threshold at that break-even (0.5) and rests from 8 steps lost short
+# and chat answers: their heads accept in bursts after a slow start, and a rested head missed
+# the bursts. The loop's own gate's values (its cost-based threshold measured ~0.3 here, rests
+# from 4) kept them (benchmarks/bench_styles.py --lookup 2,2/0.5/8).
+MODEL_MIN_ACCEPTED = 0.3
 MIN_STEPS = 4
-PROBE_EVERY = 8
+PROBE_EVERY = 4
 
 LOOKUP, MODEL, NONE = "lookup", "model", "none"  # who drafted a request's last step
 
@@ -146,9 +149,14 @@ class LookupFirstProposer(Proposer):
         model_rows = [b for b, s in enumerate(sources) if s.last == MODEL]
         if not model_rows:
             return found
-        drafted = self.model.propose([request_ids[b] for b in model_rows], seq_lens[model_rows])
+        # The model drafts the whole batch when it drafts for any request: for a subset its
+        # catch-up and draft graphs would run at a smaller bucket, a graph compiled mid-run.
+        # The rows that lookup drafted or that rest keep their own, and the model is told that
+        # its drafts there go unverified.
+        drafted = self.model.propose(request_ids, seq_lens)
         if len(model_rows) == len(request_ids):
             return drafted
+        self.model.discard_drafts([r for r, s in zip(request_ids, sources) if s.last != MODEL])
         return self._merge(found, drafted, model_rows, seq_lens)
 
     def commit(self, request_ids: List[int], emitted: List[List[int]],
@@ -196,17 +204,17 @@ class LookupFirstProposer(Proposer):
 
     def _merge(self, found: DraftTree, drafted: DraftTree, rows: List[int],
                seq_lens: Tensor) -> DraftTree:
-        """`found` with rows `rows` replaced by `drafted`'s rows (in order); positions and
-        linkage rebuilt from the merged ancestor mask."""
+        """`found` with rows `rows` replaced by the same rows of `drafted` (both trees of the
+        whole batch); positions and linkage rebuilt from the merged ancestor mask."""
         bs, n = found.tokens.shape
         index = torch.tensor(rows, dtype=torch.int64)
         tokens = found.tokens.clone()
-        tokens[index] = drafted.tokens
+        tokens[index] = drafted.tokens[index]
         mask = found.tree_mask.view(bs, n * n).clone()
-        mask[index] = drafted.tree_mask.view(len(rows), n * n)
+        mask[index] = drafted.tree_mask.view(bs, n * n)[index]
         mask = mask.flatten()
         num_drafts = found.num_drafts.clone()
-        num_drafts[index] = (drafted.num_drafts.to(num_drafts.dtype)
+        num_drafts[index] = (drafted.num_drafts[index].to(num_drafts.dtype)
                              if drafted.num_drafts is not None else n - 1)
         positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
         return DraftTree(tokens, mask, positions, ridx, nxt, sib, num_drafts)

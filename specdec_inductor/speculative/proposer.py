@@ -59,6 +59,11 @@ class Proposer:
         drafts must be full trees for every request."""
         return None
 
+    def discard_drafts(self, request_ids: List[int]) -> None:
+        """The drafts this step's propose made for these requests will not be verified (a
+        proposer in front of this one drafts them otherwise): their commit must take nothing
+        of the emitted tokens as its own drafts."""
+
     def commit(self, request_ids: List[int], emitted: List[List[int]],
                hidden: Optional[List[Tensor]] = None) -> None:
         """Tokens each request emitted in the last step (accepted drafts + bonus; none for a
