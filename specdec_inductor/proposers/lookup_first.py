@@ -22,10 +22,9 @@ twice as many steps after each further probe that leaves the mean below (at most
 AcceptanceGate's rule (speculative/policies.py) per request, while its lookup drafts still run
 every step. The mean is over every model draft, not a recent few: acceptance comes in bursts
 (a chat answer's set phrases, then free text), and a gate on the last two steps rested heads
-that paid overall. The loop's acceptance gate, which switches
-drafting off for the whole batch, lookup included, is off for this proposer
-(`gates_own_drafts`): it would throw away the repeats of a request whose head drafts miss, and
-every other request's drafts with them.
+that paid overall. The loop's acceptance gate, which switches drafting off for the whole batch,
+lookup included, is off for this proposer (`gates_own_drafts`): it would throw away the repeats
+of a request whose head drafts miss, and every other request's drafts with them.
 
 Both proposers see every request's start, commits and finish, so either can draft any step: the
 draft model catches up over the tokens committed while it did not draft (its catch-up extend, as
@@ -51,11 +50,10 @@ MIN_DRAFTS = 2
 # A request's model drafts stop below this mean of accepted drafts per step over all of them,
 # judged from its MIN_STEPS-th model draft (one step's count is mostly noise), and are probed
 # again after PROBE_EVERY steps, twice as many after each further miss, at most 64
-# (policies.MAX_REST). A step that verifies a model draft costs ~1.3-1.5 decode steps on the
-# 2-core machines, yet a threshold at that break-even (0.5) and rests from 8 steps lost short
-# and chat answers: their heads accept in bursts after a slow start, and a rested head missed
-# the bursts. The loop's own gate's values (its cost-based threshold measured ~0.3 here, rests
-# from 4) kept them (benchmarks/bench_styles.py --lookup 2,2/0.5/8).
+# (policies.MAX_REST). The values follow the loop's own gate (its threshold from measured costs
+# on the dense target, its first rest) rather than the break-even of a whole step: heads on
+# short and chat answers accept in bursts after a slow start, and a stricter gate resting
+# longer missed the bursts (docs/decisions.md; benchmarks/bench_styles.py --lookup 2,2/0.5/8).
 MODEL_MIN_ACCEPTED = 0.3
 MIN_STEPS = 4
 PROBE_EVERY = 4
