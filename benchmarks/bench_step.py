@@ -12,6 +12,7 @@ public API, so the same script measures an older checkout (PYTHONPATH=that check
     python benchmarks/bench_step.py --ar-ab     # Engine.generate against its former own loop
     python benchmarks/bench_step.py --methods eagle3 --drafted-ab   # the draft in the program
     python benchmarks/bench_step.py --methods standalone --drafted-ab   # a chain in the program
+    python benchmarks/bench_step.py --methods ar,eagle3 --quantized int8   # the Q4_1 file, INT8
 
 --profile counts, per step of one generate run (deterministic, so comparable across checkouts on
 a loaded machine where times are not): eager aten ops called from the host outside the compiled
@@ -30,6 +31,7 @@ import torch
 
 from specdec_inductor.engine.engine import Engine
 from specdec_inductor.loading import load_model
+from specdec_inductor.ops.quant import QuantActivation
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
 from specdec_inductor.proposers.ngram import NgramProposer
 from specdec_inductor.proposers.registry import ProposerConfig, make_proposer, make_target_engine
@@ -266,12 +268,19 @@ def main():
                              "and count eager aten ops per decode step of each, instead")
     parser.add_argument("--profile", action="store_true",
                         help="count ops, Python calls and host reads per step instead of timing")
+    parser.add_argument("--quantized", choices=["float", "int8"], default=None,
+                        help="the default model's GGUF blocks kept quantized, with float or INT8 "
+                             "activations (default: load_model's default, dequantized fp32)")
     parser.add_argument("--max-batch", type=int, default=8,
                         help="the engine's max_batch (its KV pool's shape: keep it across runs "
                              "that should share compiled graphs)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model, tokenizer = load_model(args.model)
+    if args.quantized is None:
+        model, tokenizer = load_model(args.model)
+    else:
+        model, tokenizer = load_model(args.model, dequantize=False,
+                                      quant_activation=QuantActivation[args.quantized.upper()])
     batches = [int(b) for b in args.batches.split(",")]
     engine = Engine(model, max_batch=max(args.max_batch, *batches), max_len=512, compile=True,
                     prefill_chunk=64)

@@ -96,18 +96,26 @@ def make_methods(args, model):
         for start in starts:
             for label, cfg in variants:
                 proposer = make_proposer(cfg, engine)
-                if cfg.lookup:  # "M[/G[/P]][+gate]": min_match M, the model's per-request
-                    # gate G and its first rest P, the loop's batch acceptance gate on top
-                    spec, plus, _ = label.rsplit(" ", 1)[1].partition("+gate")
+                fixed = outside = False
+                if cfg.lookup:  # "M[/G[/P]][+gate][-propose]": min_match M, the model's
+                    # per-request gate's least threshold G ("=G": that threshold, not priced
+                    # from costs) and its first rest P, the loop's batch acceptance gate on
+                    # top, the model's drafts never inside the step program
+                    spec, outside, _ = label.rsplit(" ", 1)[1].partition("-propose")
+                    spec, plus, _ = spec.partition("+gate")
                     proposer.gates_own_drafts = not plus
                     match, *gate = spec.split("/")
                     proposer.min_match = int(match)
                     if gate:
-                        proposer.model_min_accepted = float(gate[0])
+                        fixed = gate[0].startswith("=")
+                        proposer.model_min_accepted = float(gate[0].lstrip("="))
                     if len(gate) > 1:
                         proposer.probe_every = int(gate[1])
                 if start == "none":
                     methods[label] = SpeculativeGenerator(engine, proposer)
+                    methods[label].draft_in_program = not outside
+                    if fixed:
+                        proposer.costs = None  # the threshold as given
                     continue
                 methods[f"{label} + start {start}"] = SpeculativeGenerator(
                     engine, proposer, start_policy=start_rule(start))
@@ -255,7 +263,8 @@ def run_prompt(args, engine, methods, tokenizer, prompt: StylePrompt):
             done = spec.proposer.accepted
             print(f"#   {prompt.name} {label}: " + ", ".join(
                 f"{k} drafted {n} request-steps ({done[k] / max(1, n):.2f} accepted each)"
-                for k, n in counts.items()))
+                for k, n in counts.items()) + f"; model gate threshold "
+                f"{spec.proposer.threshold():.2f}")
             for k in counts:
                 counts[k] = done[k] = 0
     ar_s = statistics.median(ar_r)  # the same tokens: time ratios are rate ratios
@@ -295,10 +304,12 @@ def main():
     parser.add_argument("--lookup", default=None,
                         help="comma list of M[/G[/P]][+gate]: also EAGLE-3 with prompt lookup "
                              "first (ProposerConfig.lookup) at minimum match length M (and G: "
-                             "the accepted drafts a step below which a request's model drafts "
-                             "rest, default lookup_first.MODEL_MIN_ACCEPTED; P: their first "
+                             "the least accepted drafts a step below which a request's model "
+                             "drafts rest, default lookup_first.MODEL_MIN_ACCEPTED, raised to "
+                             "the break-even of the measured costs; =G: G alone; P: their first "
                              "rest in steps, default lookup_first.PROBE_EVERY; +gate: the loop's "
-                             "batch acceptance gate on top of the per-request one)")
+                             "batch acceptance gate on top of the per-request one; -propose: the "
+                             "model's drafts never inside the step program)")
     parser.add_argument("--floor", action="store_true",
                         help="also time the loop without drafts: plain decoding through it and "
                              "EAGLE-3 that never drafts (what a policy cannot save)")

@@ -124,10 +124,14 @@ def test_the_loops_batch_gate_leaves_lookup_first_to_its_own_per_request_gate():
 
 
 def test_compiled_lookup_first_equals_eager_without_recompiles(eagle3_head):
+    """Steps where the model drafts every request run its draft inside the step program, as
+    the model alone would; the others draft first (lookup, or both merged)."""
     spec, proposer, engine = _generators("eagle3", eagle3_head, 2, compile=True)
     ps = repetitive_prompts(2)
     want = engine.generate(ps, 16)
-    assert spec.generate(ps, 16) == want
+    first = SpeculativeStats()
+    assert spec.generate(ps, 16, stats=first) == want
+    assert 0 < first.drafted_in_program < first.verify_steps, first
     with torch.compiler.set_stance("fail_on_recompile"):
         ps2 = repetitive_prompts(2, seed=9)
         stats = SpeculativeStats()
@@ -255,6 +259,33 @@ def test_model_drafts_rest_per_request_while_they_miss_and_probe_again():
     step([0, 0])  # 4 over 6 pays for request 0; request 1 keeps drafting at 10 over 6
     assert model.discarded == [[0]] * 9 and len(model.calls) == 15
     p.finish([0, 1])
+
+
+@pytest.mark.parametrize("priced", [False, True])
+def test_the_model_gate_rises_to_the_break_even_of_the_measured_costs(priced):
+    """With the loop's step costs (a verify(N) of 1.5 decode steps) and the model's drafts
+    timed at 0.5 decode steps, a model-drafted step pays from 1.0 accepted drafts on: a mean of
+    0.5 rests the model. Without costs the gate keeps its floor (0.3), where 0.5 pays. The
+    first draft, which also catches the model up over the prompt, is not priced."""
+    from specdec_inductor.speculative.policies import StepCosts
+    n = 4
+    p = LookupFirstProposer(_Fixed(n), NgramProposer(n), min_steps=4)
+    ticks = iter(range(10 ** 6))
+    p.clock = lambda: 0.5 * next(ticks)  # every model draft takes 0.5 s
+    if priced:
+        p.use_step_costs(StepCosts(decode_s=1.0, verify_cost=1.5))
+    p.start([0], [[9, 8, 7]])
+    fresh = iter(range(10, 1000))  # tokens never repeated: lookup never matches
+    assert p.threshold() == pytest.approx(0.3)
+    for step, accepted in enumerate([1, 0, 1, 0]):
+        assert p.propose([0], torch.tensor([3])).num_drafts.tolist() == [n - 1]
+        assert p.draft_s == (None if step == 0 else pytest.approx(0.5))
+        p.commit([0], [[next(fresh) for _ in range(accepted + 1)]])
+    assert p.threshold() == pytest.approx(1.0 if priced else 0.3)
+    # A mean of 0.5 accepted drafts over the 4: below 1.0, above 0.3.
+    want = [0] if priced else [n - 1]
+    assert p.propose([0], torch.tensor([3])).num_drafts.tolist() == want
+    p.finish([0])
 
 
 def test_a_request_drafts_with_the_source_accepted_more_scoring_undrafted_matches():

@@ -16,8 +16,10 @@ that keeps guessing a chat answer wrong hands the request to the model, and one 
 start to hold (a code block restated) takes it back.
 
 The model's drafts are gated per request, not per batch: a request whose model drafts do not
-pay (from its MIN_STEPS-th model draft on, a mean below MODEL_MIN_ACCEPTED accepted drafts a
-step over all its model drafts) offers no model draft for PROBE_EVERY steps, then probes again,
+pay (from its MIN_STEPS-th model draft on, a mean over all its model drafts below the break-even
+of a model-drafted step, policies.break_even: the verify's and the draft's measured cost in
+decode steps, less one; at least MODEL_MIN_ACCEPTED accepted drafts a step) offers no model
+draft for PROBE_EVERY steps, then probes again,
 twice as many steps after each further probe that leaves the mean below (at most 64): the
 AcceptanceGate's rule (speculative/policies.py) per request, while its lookup drafts still run
 every step. The mean is over every model draft, not a recent few: acceptance comes in bursts
@@ -30,6 +32,7 @@ Both proposers see every request's start, commits and finish, so either can draf
 draft model catches up over the tokens committed while it did not draft (its catch-up extend, as
 after the acceptance gate's plain steps). Both trees have N nodes, so a step verifies one shape
 whichever drafted, and the merged tree's linkage is rebuilt from its ancestor mask."""
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -38,8 +41,8 @@ from torch import Tensor
 
 from specdec_inductor import ops
 from specdec_inductor.proposers.ngram import NgramProposer
-from specdec_inductor.speculative import DraftTree, Proposer
-from specdec_inductor.speculative.policies import fails_to_pay, rest_after
+from specdec_inductor.speculative import DraftProgram, DraftTree, Proposer
+from specdec_inductor.speculative.policies import StepCosts, break_even, fails_to_pay, rest_after
 
 # A lookup drafts when the context suffix it continues is at least this long and it offers at
 # least this many drafts. One-token matches (a repeated newline or keyword) continue too seldom;
@@ -47,13 +50,15 @@ from specdec_inductor.speculative.policies import fails_to_pay, rest_after
 # means hand it back to the model (benchmarks/bench_styles.py --lookup 1,2,3).
 MIN_MATCH = 2
 MIN_DRAFTS = 2
-# A request's model drafts stop below this mean of accepted drafts per step over all of them,
+# A request's model drafts stop below a mean of accepted drafts per step over all of them,
 # judged from its MIN_STEPS-th model draft (one step's count is mostly noise), and are probed
 # again after PROBE_EVERY steps, twice as many after each further miss, at most 64
-# (policies.MAX_REST). The values follow the loop's own gate (its threshold from measured costs
-# on the dense target, its first rest) rather than the break-even of a whole step: heads on
-# short and chat answers accept in bursts after a slow start, and a stricter gate resting
-# longer missed the bursts (docs/decisions.md; benchmarks/bench_styles.py --lookup 2,2/0.5/8).
+# (policies.MAX_REST). The mean is the break-even of the loop's measured step costs and the
+# model's timed drafts (the loop's own gate's rule) where they are known, and never below
+# MODEL_MIN_ACCEPTED. The floor and the first rest follow the loop's gate on the dense target:
+# heads on short and chat answers accept in bursts after a slow start, and a stricter gate
+# resting longer missed the bursts (docs/decisions.md; benchmarks/bench_styles.py --lookup
+# 2,2/0.5/8); where a verify costs more decode steps (a quantized target) the break-even rises.
 MODEL_MIN_ACCEPTED = 0.3
 MIN_STEPS = 4
 PROBE_EVERY = 4
@@ -72,6 +77,7 @@ class _Source:
     # scored against the emitted tokens. Starts level with the model's: the first match drafts.
     lookup_mean: float = 1.0
     rest: int = 0  # steps left without model drafts
+    model_before: bool = False  # the model drafted its previous step (no catch-up to price)
     shadow: Optional[tuple] = None  # _path_table of this step's lookup match not drafted
 
 
@@ -84,8 +90,11 @@ class LookupFirstProposer(Proposer):
         min_match / min_drafts: a request's lookup draft is used when its match length and its
             number of drafts reach these.
         model_min_accepted / min_steps / probe_every: the per-request gate of the model's
-            drafts (its threshold, the model drafts before it judges, its first rest).
+            drafts (its least threshold, the model drafts before it judges, its first rest).
     """
+
+    # Times the model's drafts (tests swap in a scripted clock).
+    clock = staticmethod(time.perf_counter)
 
     # Per request: the model's drafts rest while they miss, the lookup's run whenever they
     # match; the loop's batch gate would silence both for every request.
@@ -113,6 +122,10 @@ class LookupFirstProposer(Proposer):
         self.needs_target_hidden = model.needs_target_hidden
         self.engine = model.engine
         self._sources: Dict[int, _Source] = {}
+        self.costs: Optional[StepCosts] = None  # the loop's (use_step_costs)
+        self.draft_s: Optional[float] = None  # running mean of a model draft's seconds
+        self._chosen = None  # (request ids, trees, sources) draft_program chose for propose
+        self._program_t0: Optional[float] = None  # when a step drafted in its program began
         # Request-steps each source drafted and the drafts accepted from them (for reports).
         self.drafts = {LOOKUP: 0, MODEL: 0}
         self.accepted = {LOOKUP: 0, MODEL: 0}
@@ -128,7 +141,47 @@ class LookupFirstProposer(Proposer):
         for rid in request_ids:
             self._sources[rid] = _Source()
 
+    def draft_program(self, request_ids: List[int], seq_lens: Tensor,
+                      roots: Tensor) -> Optional[DraftProgram]:
+        """The model's program when it drafts for every request this step (as the model alone
+        would draft: inside the step program); else None, and propose drafts the step with
+        the sources chosen here."""
+        bs = len(request_ids)
+        found, sources = self._choose(request_ids, seq_lens[:bs])
+        program = None
+        if all(s.last == MODEL for s in sources):
+            program = self.model.draft_program(request_ids, seq_lens, roots)
+        if program is None:
+            self._chosen = (list(request_ids), found, sources)
+        else:  # priced at commit: the step's seconds beyond a verify
+            self._program_t0 = self.clock()
+        return program
+
     def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
+        chosen, self._chosen = self._chosen, None
+        if chosen is not None and chosen[0] == list(request_ids):
+            found, sources = chosen[1], chosen[2]
+        else:
+            found, sources = self._choose(request_ids, seq_lens)
+        model_rows = [b for b, s in enumerate(sources) if s.last == MODEL]
+        if not model_rows:
+            return found
+        # The model drafts the whole batch when it drafts for any request: for a subset its
+        # catch-up and draft graphs would run at a smaller bucket, a graph compiled mid-run.
+        # The rows that lookup drafted or that rest keep their own, and the model is told that
+        # its drafts there go unverified.
+        t0 = self.clock()
+        drafted = self.model.propose(request_ids, seq_lens)
+        self._price(self.clock() - t0, sources)
+        if len(model_rows) == len(request_ids):
+            return drafted
+        self.model.discard_drafts([r for r, s in zip(request_ids, sources) if s.last != MODEL])
+        return self._merge(found, drafted, model_rows, seq_lens)
+
+    def _choose(self, request_ids: List[int], seq_lens: Tensor):
+        """(the lookup's trees [B], each request's _Source with this step's source in `last`):
+        the lookup where it matched and is trusted (or the model rests), else the model unless
+        it rests. A request that rests offers no drafts."""
         found, match_len = self.lookup.propose_with_match(request_ids, seq_lens)
         use_lookup = ((match_len >= self.min_match)
                       & (found.num_drafts >= self.min_drafts)).tolist()  # [B]
@@ -144,21 +197,23 @@ class LookupFirstProposer(Proposer):
         resting = [b for b, s in enumerate(sources) if s.last == NONE]
         num_drafts[resting] = 0  # a decode step for them, unless others verify drafts
         found.num_drafts = num_drafts
-        model_rows = [b for b, s in enumerate(sources) if s.last == MODEL]
-        if not model_rows:
-            return found
-        # The model drafts the whole batch when it drafts for any request: for a subset its
-        # catch-up and draft graphs would run at a smaller bucket, a graph compiled mid-run.
-        # The rows that lookup drafted or that rest keep their own, and the model is told that
-        # its drafts there go unverified.
-        drafted = self.model.propose(request_ids, seq_lens)
-        if len(model_rows) == len(request_ids):
-            return drafted
-        self.model.discard_drafts([r for r, s in zip(request_ids, sources) if s.last != MODEL])
-        return self._merge(found, drafted, model_rows, seq_lens)
+        return found, sources
+
+    def _price(self, seconds: float, sources: List[_Source]) -> None:
+        """A model draft's seconds into the running mean the gate prices drafts by, as the
+        loop's gate does: not a draft that also caught the model up over a rest or a prompt."""
+        if all(s.model_before for s in sources if s.last == MODEL):
+            d = self.draft_s
+            self.draft_s = seconds if d is None else 0.8 * d + 0.2 * seconds
 
     def commit(self, request_ids: List[int], emitted: List[List[int]],
                hidden: Optional[List[Tensor]] = None) -> None:
+        t0, self._program_t0 = self._program_t0, None
+        if t0 is not None and self.costs is not None and self.costs.verify_cost is not None:
+            # The step ran the model's draft and the verify as one program.
+            verify_s = self.costs.verify_cost * self.costs.decode_s
+            self._price(max(0.0, self.clock() - t0 - verify_s),
+                        [self._sources[r] for r in request_ids])
         self.model.commit(request_ids, emitted, hidden)
         self.lookup.commit(request_ids, emitted)
         for rid, toks in zip(request_ids, emitted):
@@ -172,7 +227,17 @@ class LookupFirstProposer(Proposer):
                 self._gate(s, len(toks) - 1)
                 if s.shadow is not None:
                     s.lookup_mean = 0.5 * (s.lookup_mean + _matched(*s.shadow, toks))
+            s.model_before = bool(toks) and s.last == MODEL
             s.last, s.shadow = NONE, None
+
+    def use_step_costs(self, costs: StepCosts) -> None:
+        self.costs = costs
+
+    def threshold(self) -> float:
+        """Accepted model drafts per step below which a request's model drafts rest."""
+        if self.costs is None:
+            return self.model_min_accepted
+        return break_even(self.model_min_accepted, self.costs, self.draft_s)
 
     def finish(self, request_ids: List[int]) -> None:
         for rid in request_ids:
@@ -186,8 +251,7 @@ class LookupFirstProposer(Proposer):
         """Count a model draft's accepted drafts; rest the model while its mean does not pay."""
         s.model_steps += 1
         s.model_accepted += accepted
-        if fails_to_pay(s.model_accepted, s.model_steps, self.min_steps,
-                        self.model_min_accepted):
+        if fails_to_pay(s.model_accepted, s.model_steps, self.min_steps, self.threshold()):
             s.rest = rest_after(self.probe_every, s.failures)
             s.failures += 1
         else:

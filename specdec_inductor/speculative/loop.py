@@ -202,7 +202,8 @@ class SpeculativeGenerator:
     `cheap_drafts`) with grow_at and probe_cost, else the acceptance gate with min_accepted
     (None: verify_cost_per_node * (N - 1), raised to the measured costs' break-even point once
     compile_verify measured them), backoff_steps and gate_min_steps; a proposer that
-    `gates_own_drafts` has every draft it offers verified, without the gate. start_policy: keyword
+    `gates_own_drafts` has every draft it offers verified, without the gate (its own gate gets
+    the measured costs: Proposer.use_step_costs). start_policy: keyword
     arguments of a StartPolicy put in front of that policy (when a request starts paying for
     full drafts: probes of verify size 2 first; None: no start rule); it adds size 2 to the
     default tree_sizes. cost_aware: with the adaptive size, each step's size by expected
@@ -248,6 +249,8 @@ class SpeculativeGenerator:
         # Measured by compile_verify (compiled engines) unless probe_cost is given.
         self.costs = StepCosts(probe_cost=1.0 if probe_cost is None else probe_cost)
         self._calibrate = probe_cost is None
+        if proposer is not None:
+            proposer.use_step_costs(self.costs)
         if tree_sizes is None and proposer is not None and proposer.variable_drafts:
             tree_sizes = range(1, n + 1)
         elif tree_sizes is None:

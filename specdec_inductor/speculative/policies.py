@@ -82,6 +82,15 @@ class StepCosts:
     step_s: Dict[Tuple[int, int], float] = field(default_factory=dict)
 
 
+def break_even(floor: float, costs: StepCosts, draft_s: Optional[float]) -> float:
+    """Accepted drafts per step below which a step that drafts (draft_s seconds) and verifies N
+    nodes brings fewer tokens than plain decode steps in its time, verify_cost + draft_s /
+    decode_s - 1, and at least `floor`; the floor alone while a cost is not measured yet."""
+    if costs.verify_cost is None or costs.decode_s is None or draft_s is None:
+        return floor
+    return max(floor, costs.verify_cost + draft_s / costs.decode_s - 1.0)
+
+
 @dataclass
 class StepPlan:
     """One step's decision: verify `size` nodes per request (1: a plain decode step)."""
@@ -154,9 +163,7 @@ class AcceptanceGate(DraftPolicy):
 
     @staticmethod
     def threshold_for(min_accepted: float, from_costs: bool, costs: StepCosts) -> float:
-        if not from_costs or costs.verify_cost is None or costs.draft_s is None:
-            return min_accepted
-        return max(min_accepted, costs.verify_cost + costs.draft_s / costs.decode_s - 1.0)
+        return break_even(min_accepted, costs, costs.draft_s) if from_costs else min_accepted
 
     def threshold(self) -> float:
         """Accepted drafts per verify step below which drafting switches off."""

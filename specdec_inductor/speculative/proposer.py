@@ -1,11 +1,14 @@
 """The interface every speculative method implements (proposers/, one file per method).
 Subclass `Proposer`: its class attributes declare what the loop must do for the method, and
 its methods default to doing nothing, so a method overrides only what it keeps state for."""
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from torch import Tensor
 
 from specdec_inductor.speculative.tree import DraftProgram, DraftTree
+
+if TYPE_CHECKING:
+    from specdec_inductor.speculative.policies import StepCosts
 
 
 class Proposer:
@@ -63,6 +66,11 @@ class Proposer:
         """The drafts this step's propose made for these requests will not be verified (a
         proposer in front of this one drafts them otherwise): their commit must take nothing
         of the emitted tokens as its own drafts."""
+
+    def use_step_costs(self, costs: "StepCosts") -> None:
+        """The loop's step costs (a decode step's seconds, verify(N) against it), measured by
+        its compile_verify into this same object later: a proposer that gates its own drafts
+        prices them with these."""
 
     def commit(self, request_ids: List[int], emitted: List[List[int]],
                hidden: Optional[List[Tensor]] = None) -> None:
