@@ -31,7 +31,9 @@ of a request whose head drafts miss, and every other request's drafts with them.
 Both proposers see every request's start, commits and finish, so either can draft any step: the
 draft model catches up over the tokens committed while it did not draft (its catch-up extend, as
 after the acceptance gate's plain steps). Both trees have N nodes, so a step verifies one shape
-whichever drafted, and the merged tree's linkage is rebuilt from its ancestor mask."""
+whichever drafted, and the merged tree's linkage is rebuilt from its ancestor mask. A step where
+the model drafts for every request drafts inside the step program, as the model alone does
+(draft_program); any other step drafts before it (propose), from the sources already chosen."""
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
