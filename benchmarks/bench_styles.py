@@ -97,10 +97,11 @@ def make_methods(args, model):
             for label, cfg in variants:
                 proposer = make_proposer(cfg, engine)
                 fixed = outside = False
-                if cfg.lookup:  # "M[/G[/P]][+gate][-propose]": min_match M, the model's
+                if cfg.lookup:  # "M[/G[/P[/S]]][+gate][-propose]": min_match M, the model's
                     # per-request gate's least threshold G ("=G": that threshold, not priced
-                    # from costs) and its first rest P, the loop's batch acceptance gate on
-                    # top, the model's drafts never inside the step program
+                    # from costs), its first rest P and the model drafts S it judges from, the
+                    # loop's batch acceptance gate on top, the model's drafts never inside the
+                    # step program
                     spec, outside, _ = label.rsplit(" ", 1)[1].partition("-propose")
                     spec, plus, _ = spec.partition("+gate")
                     proposer.gates_own_drafts = not plus
@@ -111,6 +112,8 @@ def make_methods(args, model):
                         proposer.model_min_accepted = float(gate[0].lstrip("="))
                     if len(gate) > 1:
                         proposer.probe_every = int(gate[1])
+                    if len(gate) > 2:
+                        proposer.min_steps = int(gate[2])
                 if start == "none":
                     methods[label] = SpeculativeGenerator(engine, proposer)
                     methods[label].draft_in_program = not outside
@@ -302,12 +305,14 @@ def main():
     parser.add_argument("--prompts", default=None, help="comma list of prompt names only")
     parser.add_argument("--no-ngram", action="store_true")
     parser.add_argument("--lookup", default=None,
-                        help="comma list of M[/G[/P]][+gate]: also EAGLE-3 with prompt lookup "
+                        help="comma list of M[/G[/P[/S]]][+gate][-propose]: also EAGLE-3 with "
+                             "prompt lookup "
                              "first (ProposerConfig.lookup) at minimum match length M (and G: "
                              "the least accepted drafts a step below which a request's model "
                              "drafts rest, default lookup_first.MODEL_MIN_ACCEPTED, raised to "
                              "the break-even of the measured costs; =G: G alone; P: their first "
-                             "rest in steps, default lookup_first.PROBE_EVERY; +gate: the loop's "
+                             "rest in steps, default lookup_first.PROBE_EVERY; S: the model "
+                             "drafts it judges from, default lookup_first.MIN_STEPS; +gate: the loop's "
                              "batch acceptance gate on top of the per-request one; -propose: the "
                              "model's drafts never inside the step program)")
     parser.add_argument("--floor", action="store_true",
