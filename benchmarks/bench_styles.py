@@ -386,9 +386,10 @@ def main():
         cells = [f"{statistics.median(results[(style, m)]):.2f}x" for m in methods]
         print(f"| {style} | " + " | ".join(cells) + " |")
     held = [s for s in styles if s in STYLES]  # the style-held-out set, without corpus-heldout
-    overall = [f"{statistics.median([v for s in held for v in results[(s, m)]]):.2f}x"
-               for m in methods]
-    print("| all styles | " + " | ".join(overall) + " |")
+    if held:  # none with --per-style 0 (the corpus's held-out prompts alone)
+        overall = [f"{statistics.median([v for s in held for v in results[(s, m)]]):.2f}x"
+                   for m in methods]
+        print("| all styles | " + " | ".join(overall) + " |")
     print("| worst prompt | " + " | ".join(f"{worst[m][0]:.2f}x ({worst[m][1]})" for m in methods)
           + " |")
 
