@@ -44,7 +44,8 @@ from torch import Tensor
 from specdec_inductor import ops
 from specdec_inductor.proposers.ngram import NgramProposer
 from specdec_inductor.speculative import DraftProgram, DraftTree, Proposer
-from specdec_inductor.speculative.policies import StepCosts, break_even, fails_to_pay, rest_after
+from specdec_inductor.speculative.policies import (StepCosts, break_even, fails_to_pay, rest_after,
+                                                   running_draft_s)
 
 # A lookup drafts when the context suffix it continues is at least this long and it offers at
 # least this many drafts. One-token matches (a repeated newline or keyword) continue too seldom;
@@ -205,17 +206,16 @@ class LookupFirstProposer(Proposer):
         """A model draft's seconds into the running mean the gate prices drafts by, as the
         loop's gate does: not a draft that also caught the model up over a rest or a prompt."""
         if all(s.model_before for s in sources if s.last == MODEL):
-            d = self.draft_s
-            self.draft_s = seconds if d is None else 0.8 * d + 0.2 * seconds
+            self.draft_s = running_draft_s(self.draft_s, seconds)
 
     def commit(self, request_ids: List[int], emitted: List[List[int]],
                hidden: Optional[List[Tensor]] = None) -> None:
         t0, self._program_t0 = self._program_t0, None
-        if t0 is not None and self.costs is not None and self.costs.verify_cost is not None:
+        if t0 is not None and self.costs is not None:
             # The step ran the model's draft and the verify as one program.
-            verify_s = self.costs.verify_cost * self.costs.decode_s
-            self._price(max(0.0, self.clock() - t0 - verify_s),
-                        [self._sources[r] for r in request_ids])
+            draft_s = self.costs.draft_in_step(self.clock() - t0)
+            if draft_s is not None:
+                self._price(draft_s, [self._sources[r] for r in request_ids])
         self.model.commit(request_ids, emitted, hidden)
         self.lookup.commit(request_ids, emitted)
         for rid, toks in zip(request_ids, emitted):

@@ -582,8 +582,9 @@ class SpeculativeGenerator:
         if in_program is not None:
             stats.drafted_in_program += 1
             # The draft ran inside the step: price it as what the step took beyond a verify.
-            if self.costs.verify_cost is not None and self.costs.decode_s is not None:
-                policy.drafted(max(0.0, (t2 - t1) - self.costs.verify_cost * self.costs.decode_s))
+            draft_s = self.costs.draft_in_step(t2 - t1)
+            if draft_s is not None:
+                policy.drafted(draft_s)
         if plan is not NO_DRAFT:
             policy.observe(plan, live, [r.policy_state for r in reqs], [h[0] for h in host],
                            [h[1] for h in host], t2 - t1)

@@ -81,6 +81,18 @@ class StepCosts:
     # cost-aware policy refines them online)
     step_s: Dict[Tuple[int, int], float] = field(default_factory=dict)
 
+    def draft_in_step(self, step_s: float) -> Optional[float]:
+        """The draft's seconds in a step that drafted inside its verify program (step_s
+        seconds): what it took beyond a verify(N); None until the costs are measured."""
+        if self.verify_cost is None or self.decode_s is None:
+            return None
+        return max(0.0, step_s - self.verify_cost * self.decode_s)
+
+
+def running_draft_s(mean: Optional[float], seconds: float) -> float:
+    """The running mean of a priced draft's seconds after one more draft."""
+    return seconds if mean is None else 0.8 * mean + 0.2 * seconds
+
 
 def break_even(floor: float, costs: StepCosts, draft_s: Optional[float]) -> float:
     """Accepted drafts per step below which a step that drafts (draft_s seconds) and verifies N
@@ -183,8 +195,7 @@ class AcceptanceGate(DraftPolicy):
 
     def drafted(self, seconds: float) -> None:
         if self.from_costs and not self.catch_up:
-            d = self.costs.draft_s
-            self.costs.draft_s = seconds if d is None else 0.8 * d + 0.2 * seconds
+            self.costs.draft_s = running_draft_s(self.costs.draft_s, seconds)
         self.catch_up = False
 
     def observe(self, plan, live, states, accepted, first_tokens, seconds=None) -> None:
