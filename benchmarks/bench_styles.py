@@ -18,6 +18,7 @@ medians per style and overall, and each method's worst prompt.
     python benchmarks/bench_styles.py --acceptance --eagle-heads shipped,C  # EAGLE heads too
 """
 import argparse
+import re
 import statistics
 import time
 from dataclasses import replace
@@ -97,14 +98,22 @@ def make_methods(args, model):
             for label, cfg in variants:
                 proposer = make_proposer(cfg, engine)
                 fixed = outside = False
-                if cfg.lookup:  # "M[/G[/P[/S]]][+gate][-propose]": min_match M, the model's
-                    # per-request gate's least threshold G ("=G": that threshold, not priced
-                    # from costs), its first rest P and the model drafts S it judges from, the
-                    # loop's batch acceptance gate on top, the model's drafts never inside the
-                    # step program
-                    spec, outside, _ = label.rsplit(" ", 1)[1].partition("-propose")
-                    spec, plus, _ = spec.partition("+gate")
-                    proposer.gates_own_drafts = not plus
+                if cfg.lookup:  # "M[/G[/P[/S]]][+gate][+graftK][-propose]": min_match M,
+                    # the model's per-request gate's least threshold G ("=G": that threshold,
+                    # not priced from costs), its first rest P and the model drafts S it judges
+                    # from, the loop's batch acceptance gate on top, at most K lookup nodes
+                    # grafted into the model's tree, the model's drafts never inside the step
+                    # program
+                    spec, *flags = re.split(r"(?=[+-][a-z])", label.rsplit(" ", 1)[1])
+                    unknown = set(flags) - {"+gate", "-propose"} - {
+                        f for f in flags if re.fullmatch(r"\+graft\d+", f)}
+                    if unknown:
+                        raise SystemExit(f"--lookup {label}: unknown {sorted(unknown)}")
+                    outside = "-propose" in flags
+                    proposer.gates_own_drafts = "+gate" not in flags
+                    for f in flags:
+                        if f.startswith("+graft"):
+                            proposer.graft = int(f[len("+graft"):])
                     match, *gate = spec.split("/")
                     proposer.min_match = int(match)
                     if gate:
@@ -305,15 +314,17 @@ def main():
     parser.add_argument("--prompts", default=None, help="comma list of prompt names only")
     parser.add_argument("--no-ngram", action="store_true")
     parser.add_argument("--lookup", default=None,
-                        help="comma list of M[/G[/P[/S]]][+gate][-propose]: also EAGLE-3 with "
-                             "prompt lookup "
-                             "first (ProposerConfig.lookup) at minimum match length M (and G: "
+                        help="comma list of M[/G[/P[/S]]][+gate][+graftK][-propose]: also "
+                             "EAGLE-3 with prompt lookup first (ProposerConfig.lookup) at minimum match length M (and G: "
                              "the least accepted drafts a step below which a request's model "
                              "drafts rest, default lookup_first.MODEL_MIN_ACCEPTED, raised to "
                              "the break-even of the measured costs; =G: G alone; P: their first "
                              "rest in steps, default lookup_first.PROBE_EVERY; S: the model "
                              "drafts it judges from, default lookup_first.MIN_STEPS; +gate: the loop's "
-                             "batch acceptance gate on top of the per-request one; -propose: the "
+                             "batch acceptance gate on top of the per-request one; +graftK: at "
+                             "most K of the lookup's nodes grafted into the model's tree where "
+                             "a short match leaves neither source ahead (default "
+                             "lookup_first.GRAFT, +graft0: never); -propose: the "
                              "model's drafts never inside the step program)")
     parser.add_argument("--floor", action="store_true",
                         help="also time the loop without drafts: plain decoding through it and "
@@ -371,6 +382,7 @@ def main():
           "| tokens == AR |")
     print("|---|---|---|---|---|---|---|")
     results = {}  # (style, label) -> [speedup]
+    lengths = {}  # (style, label) -> [mean accepted length]
     worst = {}  # label -> (speedup, prompt)
     for p in prompts:
         for label, (speedup, accepted, same, new) in run_prompt(
@@ -378,6 +390,7 @@ def main():
             print(f"| {p.style} | {p.name} | {new} | {label} | {speedup:.2f}x | {accepted:.2f} | "
                   f"{'yes' if same else 'NO'} |", flush=True)
             results.setdefault((p.style, label), []).append(speedup)
+            lengths.setdefault((p.style, label), []).append(accepted)
             worst[label] = min(worst.get(label, (float("inf"), "")), (speedup, p.name))
     print("\n| style | " + " | ".join(methods) + " |")
     print("|---|" + "---|" * len(methods))
@@ -390,6 +403,10 @@ def main():
         overall = [f"{statistics.median([v for s in held for v in results[(s, m)]]):.2f}x"
                    for m in methods]
         print("| all styles | " + " | ".join(overall) + " |")
+        per_prompt = {m: [v for s in held for v in lengths[(s, m)]] for m in methods}
+        print("| accepted length, mean (median) | " + " | ".join(
+            f"{statistics.mean(per_prompt[m]):.2f} ({statistics.median(per_prompt[m]):.2f})"
+            for m in methods) + " |")
     print("| worst prompt | " + " | ".join(f"{worst[m][0]:.2f}x ({worst[m][1]})" for m in methods)
           + " |")
 

@@ -185,9 +185,9 @@ def test_merge_takes_each_row_from_its_source():
     assert model.calls == [[0, 1, 2]] and model.discarded == [[1]]
     assert tree.tokens[1].tolist() == [3, 4, 5, 1]  # "1 2 3" seen before: 4 5 1 follow
     assert tree.tokens[0].tolist() == tree.tokens[2].tolist() == [50, 51, 52, 53]
-    assert p.drafts == {"lookup": 1, "model": 2}
+    assert p.drafts == {"lookup": 1, "model": 2, "both": 0}
     p.commit([0, 1, 2], [[50, 7], [4, 5, 1, 9], [11]])  # 1, 3 and 0 drafts accepted
-    assert p.accepted == {"lookup": 3, "model": 1}
+    assert p.accepted == {"lookup": 3, "model": 1, "both": 0}
     # The merged linkage is each row's own: a chain of 4 at every row, flat indices b*n + i.
     assert tree.retrieve_index.tolist() == [[b * n + i for i in range(n)] for b in range(3)]
     assert tree.positions.view(3, n).tolist() == [[s + i for i in range(n)]
@@ -292,7 +292,7 @@ def test_a_request_drafts_with_the_source_accepted_more_scoring_undrafted_matche
     n = 4
     model = _Fixed(n)  # drafts 51 52 53, which the steps below never accept
     p = LookupFirstProposer(model, NgramProposer(n, min_window=1, max_window=4, breadth=(1,)),
-                            min_match=2, min_drafts=2)
+                            min_match=2, min_drafts=2, graft=0)  # one source a step
     p.start([0], [[3, 5, 6, 7, 1, 2, 3, 4, 5, 1, 2, 3]])
     tree = p.propose([0], torch.tensor([11]))  # "1 2 3" repeats: the lookup drafts 4 5 1
     assert model.calls == [] and tree.tokens[0].tolist() == [3, 4, 5, 1]
@@ -303,9 +303,81 @@ def test_a_request_drafts_with_the_source_accepted_more_scoring_undrafted_matche
     p.commit([0], [[6]])
     tree = p.propose([0], torch.tensor([13]))  # lookup 0.75 >= model 0.5: "5 6" repeats
     assert model.calls == [[0]] and tree.tokens[0].tolist() == [6, 7, 1, 2]
-    assert p.drafts == {"lookup": 2, "model": 1}
+    assert p.drafts == {"lookup": 2, "model": 1, "both": 0}
     p.commit([0], [[7, 1, 2, 9]])
-    assert p.accepted == {"lookup": 3, "model": 0}
+    assert p.accepted == {"lookup": 3, "model": 0, "both": 0}
+    p.finish([0])
+
+
+def test_where_neither_source_leads_the_lookups_path_is_grafted_into_the_models_tree():
+    """A fresh request (both running means level) with a match drafts with both: the lookup's
+    path follows the model's tree while the tree holds its tokens, then goes on as at most
+    `graft` new nodes in place of the tree's last ones. Each source is then scored on what its
+    own tree predicted: here the lookup's, which takes the next matched step alone."""
+    from specdec_inductor.proposers.lookup_first import _path_table
+    n = 6
+    model = _Fixed(n)  # the chain 51 52 53 54 55 under the root
+    p = LookupFirstProposer(model, NgramProposer(n, min_window=1, max_window=4, breadth=(1,)),
+                            min_match=2, min_drafts=2, graft=2)
+    # "1 2" repeats: the lookup's path is 51 52 7 8 3, the model's tree holds 51 52.
+    p.start([0], [[1, 2, 51, 52, 7, 8, 3, 1, 2]])
+    tree = p.propose([0], torch.tensor([8]))
+    assert model.calls == [[0]] and model.discarded == []  # its drafts are verified
+    assert p.drafts == {"lookup": 0, "model": 0, "both": 1}
+    tokens, first, sibling, offered = _path_table(tree, 0)
+    # Nodes 0-3 the model's chain cut to 51 52 53; 4 and 5 the graft: 7 under 52, 8 under 7.
+    assert tokens == [50, 51, 52, 53, 7, 8] and offered == n - 1
+    assert first == [1, 2, 3, -1, 5, -1] and sibling == [-1, -1, -1, 4, -1, -1]
+    assert tree.positions.tolist() == [8, 9, 10, 11, 11, 12]
+    p.commit([0], [[51, 52, 7, 8, 3]])  # 4 drafts accepted along the graft, then 3
+    assert p.accepted == {"lookup": 0, "model": 0, "both": 4}
+    s = p._sources[0]  # the model's own tree predicted 51 52, the lookup's all 4
+    assert (s.model_mean, s.lookup_mean) == (1.5, 2.5)
+    # The lookup now leads by a whole draft: "8 3" (seen before) drafts alone.
+    tree = p.propose([0], torch.tensor([13]))
+    assert tree.tokens[0].tolist() == [3, 1, 2, 51, 52, 7] and model.calls == [[0]]
+    assert p.drafts == {"lookup": 1, "model": 0, "both": 1}
+    p.finish([0])
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="argument 'graft'"):
+            LookupFirstProposer(_Fixed(4), NgramProposer(4), graft=bad)
+
+
+def test_a_graft_leaves_the_model_its_first_draft():
+    from specdec_inductor.proposers.lookup_first import _path_table
+    n = 6
+    p = LookupFirstProposer(_Fixed(n), NgramProposer(n, min_window=1, max_window=4,
+                                                     breadth=(1,)), graft=10)
+    p.start([0], [[1, 2, 7, 8, 9, 10, 11, 1, 2]])  # the path 7 8 9 10 11, none the model's
+    tokens, first, sibling, _ = _path_table(p.propose([0], torch.tensor([8])), 0)
+    assert tokens == [50, 51, 7, 8, 9, 10]  # at most N - 2 = 4 grafted
+    assert first == [1, -1, 3, 4, 5, -1] and sibling == [-1, 2, -1, -1, -1, -1]
+    p.finish([0])
+
+
+def test_a_match_of_three_tokens_or_more_drafts_alone_where_the_sources_are_level():
+    """Longer repeats (a restated block) keep the plain rule: level running means let the
+    lookup draft alone, its whole trie, with no model draft."""
+    n = 6
+    model = _Fixed(n)
+    p = LookupFirstProposer(model, NgramProposer(n, min_window=1, max_window=4, breadth=(1,)),
+                            min_match=2, min_drafts=2, graft=2)
+    p.start([0], [[1, 2, 3, 4, 5, 1, 2, 3]])  # "1 2 3" repeats: a match of 3
+    tree = p.propose([0], torch.tensor([7]))
+    assert tree.tokens[0].tolist() == [3, 4, 5, 1, 2, 3] and model.calls == []
+    assert p.drafts == {"lookup": 1, "model": 0, "both": 0}
+    p.finish([0])
+
+
+def test_a_graft_makes_no_new_node_where_the_models_tree_holds_the_lookups_path():
+    from specdec_inductor.proposers.lookup_first import _path_table
+    n = 6
+    model = _Fixed(n)
+    p = LookupFirstProposer(model, NgramProposer(n, min_window=1, max_window=4, breadth=(1,)),
+                            min_match=2, min_drafts=2, graft=2)
+    p.start([0], [[1, 2, 51, 52, 53, 54, 55, 1, 2]])  # the path 51 52 53 54 55: the chain's
+    tree = p.propose([0], torch.tensor([8]))
+    assert _path_table(tree, 0)[0] == list(range(50, 50 + n))
     p.finish([0])
 
 

@@ -88,6 +88,19 @@ def test_gate_prices_drafts_but_not_catch_ups():
     assert AcceptanceGate.threshold_for(3.0, True, costs) == 3.0  # never below min_accepted
 
 
+def test_a_draft_far_slower_than_the_mean_counts_as_a_bounded_outlier():
+    """A draft that first ran a graph or was preempted counts at most DRAFT_S_OUTLIER times the
+    running mean: it nudges the break-even, it does not hold it up for dozens of drafts."""
+    from specdec_inductor.speculative.policies import DRAFT_S_OUTLIER, running_draft_s
+    assert running_draft_s(None, 0.5) == 0.5  # the first priced draft is the mean
+    assert running_draft_s(0.01, 0.02) == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)
+    assert running_draft_s(0.01, 0.16) == pytest.approx(0.8 * 0.01 + 0.2 * DRAFT_S_OUTLIER * 0.01)
+    mean = 0.01
+    for seconds in [0.16] + [0.01] * 5:
+        mean = running_draft_s(mean, seconds)
+    assert mean < 0.0125  # five ordinary drafts later, within 25% of them
+
+
 def test_adaptive_size_cuts_after_four_misses_and_regrows_on_a_hit():
     policy = AdaptiveVerifySize([1, 2, 6], StepCosts(), grow_at=0.5)
     state = policy.new_request()

@@ -9,11 +9,15 @@ rewrite, code edited in place) NGRAM accepts 4-6 tokens a step where a head trai
 prompts accepts 0-2, and on free text the head wins: the choice is per request and per step.
 
 Which source drafts follows what each has been accepted lately, per request: a request's
-lookup drafts while their running mean of accepted drafts is at least the model's. The
-lookup's drafts cost nothing to make, so on a step the model drafts, the lookup's match (when it
-had one) is scored against the tokens the step emitted, as if it had been verified: a lookup
-that keeps guessing a chat answer wrong hands the request to the model, and one whose repeats
-start to hold (a code block restated) takes it back.
+lookup drafts while their running mean of accepted drafts is at least the model's. A short
+match (two tokens, GRAFT_BELOW) is weak evidence, common in free text: unless one source leads
+by GRAFT_MARGIN accepted drafts, both draft that step, the lookup's first path grafted into the
+model's tree in place of the tree's last (deepest) nodes, so an early two-token repeat in a
+chat answer no longer takes the step from the head (`graft`). The lookup's drafts cost nothing
+to make, so on a step it does not draft alone, its match (when it had one) is scored against
+the tokens the step emitted, as if it had been verified: a lookup that keeps guessing a chat
+answer wrong hands the request to the model, and one whose repeats start to hold (a code block
+restated) takes it back.
 
 The model's drafts are gated per request, not per batch: a request whose model drafts do not
 pay (from its MIN_STEPS-th model draft on, a mean over all its model drafts below the break-even
@@ -32,8 +36,9 @@ Both proposers see every request's start, commits and finish, so either can draf
 draft model catches up over the tokens committed while it did not draft (its catch-up extend, as
 after the acceptance gate's plain steps). Both trees have N nodes, so a step verifies one shape
 whichever drafted, and the merged tree's linkage is rebuilt from its ancestor mask. A step where
-the model drafts for every request drafts inside the step program, as the model alone does
-(draft_program); any other step drafts before it (propose), from the sources already chosen."""
+the model alone drafts for every request drafts inside the step program, as the model alone
+does (draft_program); any other step, grafts included, drafts before it (propose), from the
+sources already chosen."""
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -65,8 +70,19 @@ MIN_DRAFTS = 2
 MODEL_MIN_ACCEPTED = 0.3
 MIN_STEPS = 4
 PROBE_EVERY = 4
+# A match shorter than GRAFT_BELOW tokens (a two-token repeat, common in free text) where
+# neither source's running mean leads the other's by GRAFT_MARGIN accepted drafts drafts with
+# both: the lookup's first path grafted into the model's tree in place of the tree's last
+# (deepest) nodes, at most `graft` of them and N - 2 (0: never both). Longer matches keep the
+# plain rule. Five of the seven drafts at N = 8: the head's first two stay, and a grafted path
+# holds as much as a lookup drafting alone accepts on rewrites (benchmarks/bench_styles.py
+# --lookup 2+graft0,2+graft3,2+graft5).
+GRAFT = 5
+GRAFT_MARGIN = 1.0
+GRAFT_BELOW = 3
 
-LOOKUP, MODEL, NONE = "lookup", "model", "none"  # who drafted a request's last step
+# Who drafted a request's last step: the lookup, the model, both (a graft), nobody.
+LOOKUP, MODEL, BOTH, NONE = "lookup", "model", "both", "none"
 
 
 @dataclass
@@ -81,7 +97,8 @@ class _Source:
     lookup_mean: float = 1.0
     rest: int = 0  # steps left without model drafts
     model_before: bool = False  # the model drafted its previous step (no catch-up to price)
-    shadow: Optional[tuple] = None  # _path_table of this step's lookup match not drafted
+    shadow: Optional[tuple] = None  # _path_table of this step's lookup match not drafted alone
+    model_table: Optional[tuple] = None  # _path_table of the model's tree a graft cut
 
 
 class LookupFirstProposer(Proposer):
@@ -94,6 +111,9 @@ class LookupFirstProposer(Proposer):
             number of drafts reach these.
         model_min_accepted / min_steps / probe_every: the per-request gate of the model's
             drafts (its least threshold, the model drafts before it judges, its first rest).
+        graft: at most this many nodes of the lookup's path (and N - 2) replace the model
+            tree's last nodes where a short match leaves neither source ahead (0: one source a
+            step).
     """
 
     # Times the model's drafts (tests swap in a scripted clock).
@@ -105,7 +125,8 @@ class LookupFirstProposer(Proposer):
 
     def __init__(self, model: Proposer, lookup: NgramProposer, min_match: int = MIN_MATCH,
                  min_drafts: int = MIN_DRAFTS, model_min_accepted: float = MODEL_MIN_ACCEPTED,
-                 min_steps: int = MIN_STEPS, probe_every: int = PROBE_EVERY):
+                 min_steps: int = MIN_STEPS, probe_every: int = PROBE_EVERY,
+                 graft: int = GRAFT):
         if lookup.num_draft_tokens != model.num_draft_tokens:
             raise ValueError(f"argument 'lookup' drafts N={lookup.num_draft_tokens} nodes, the "
                              f"model N={model.num_draft_tokens}: verify needs one tree size")
@@ -113,13 +134,15 @@ class LookupFirstProposer(Proposer):
                             ("min_steps", min_steps), ("probe_every", probe_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"argument '{name}' must be an int >= 1, got {value!r}")
+        if isinstance(graft, bool) or not isinstance(graft, int) or graft < 0:
+            raise ValueError(f"argument 'graft' must be an int >= 0, got {graft!r}")
         if not 0.0 <= model_min_accepted < model.num_draft_tokens:
             raise ValueError(f"argument 'model_min_accepted' must be in [0, N), got "
                              f"{model_min_accepted!r}")
         self.model, self.lookup = model, lookup
         self.min_match, self.min_drafts = min_match, min_drafts
         self.model_min_accepted, self.probe_every = model_min_accepted, probe_every
-        self.min_steps = min_steps
+        self.min_steps, self.graft = min_steps, graft
         self.num_draft_tokens = model.num_draft_tokens
         self.num_spec_steps = max(model.num_spec_steps, lookup.num_spec_steps)
         self.needs_target_hidden = model.needs_target_hidden
@@ -130,8 +153,8 @@ class LookupFirstProposer(Proposer):
         self._chosen = None  # (request ids, trees, sources) draft_program chose for propose
         self._program_t0: Optional[float] = None  # when a step drafted in its program began
         # Request-steps each source drafted and the drafts accepted from them (for reports).
-        self.drafts = {LOOKUP: 0, MODEL: 0}
-        self.accepted = {LOOKUP: 0, MODEL: 0}
+        self.drafts = {LOOKUP: 0, MODEL: 0, BOTH: 0}
+        self.accepted = {LOOKUP: 0, MODEL: 0, BOTH: 0}
 
     def start(self, request_ids: List[int], contexts: List[List[int]],
               hidden: Optional[List[Tensor]] = None) -> None:
@@ -166,7 +189,7 @@ class LookupFirstProposer(Proposer):
             found, sources = chosen[1], chosen[2]
         else:
             found, sources = self._choose(request_ids, seq_lens)
-        model_rows = [b for b, s in enumerate(sources) if s.last == MODEL]
+        model_rows = [b for b, s in enumerate(sources) if s.last in (MODEL, BOTH)]
         if not model_rows:
             return found
         # The model drafts the whole batch when it drafts for any request: for a subset its
@@ -175,27 +198,39 @@ class LookupFirstProposer(Proposer):
         # its drafts there go unverified.
         t0 = self.clock()
         drafted = self.model.propose(request_ids, seq_lens)
-        self._price(self.clock() - t0, sources)
-        if len(model_rows) == len(request_ids):
+        both = [b for b, s in enumerate(sources) if s.last == BOTH]
+        if not both:  # a graft step drafts outside the program: not what model steps cost
+            self._price(self.clock() - t0, sources)
+        if len(model_rows) == len(request_ids) and not both:
             return drafted
-        self.model.discard_drafts([r for r, s in zip(request_ids, sources) if s.last != MODEL])
+        # A graft row's model nodes were drafted and verified as in a model step: the model
+        # keeps what of them the step accepts (it compares its proposal with the emitted).
+        unverified = [r for r, s in zip(request_ids, sources) if s.last not in (MODEL, BOTH)]
+        if unverified:
+            self.model.discard_drafts(unverified)
+        if both:
+            drafted = self._graft(found, drafted, both, sources)
         return self._merge(found, drafted, model_rows, seq_lens)
 
     def _choose(self, request_ids: List[int], seq_lens: Tensor):
         """(the lookup's trees [B], each request's _Source with this step's source in `last`):
-        the lookup where it matched and is trusted (or the model rests), else the model unless
-        it rests. A request that rests offers no drafts."""
+        the lookup where it matched and is trusted (or the model rests), both where a short match leaves neither source ahead, else the model unless it rests.
+        A request that rests offers no drafts."""
         found, match_len = self.lookup.propose_with_match(request_ids, seq_lens)
         use_lookup = ((match_len >= self.min_match)
                       & (found.num_drafts >= self.min_drafts)).tolist()  # [B]
         sources = [self._sources[r] for r in request_ids]
+        short = (match_len < GRAFT_BELOW).tolist() if self.graft else [False] * len(sources)
         for b, (s, match) in enumerate(zip(sources, use_lookup)):
-            better = match and (s.lookup_mean >= s.model_mean or s.rest > 0)
+            margin = GRAFT_MARGIN if short[b] else 0.0
+            better = match and (s.lookup_mean >= s.model_mean + margin or s.rest > 0)
             s.last = LOOKUP if better else self._model_turn(s)
+            if match and s.last == MODEL:  # scored against the emitted tokens at commit
+                s.shadow = _path_table(found, b)
+                if s.lookup_mean > s.model_mean - margin:  # neither leads: draft with both
+                    s.last = BOTH
             if s.last != NONE:
                 self.drafts[s.last] += 1
-            if match and s.last == MODEL:
-                s.shadow = _path_table(found, b)
         num_drafts = found.num_drafts.clone()
         resting = [b for b, s in enumerate(sources) if s.last == NONE]
         num_drafts[resting] = 0  # a decode step for them, unless others verify drafts
@@ -227,10 +262,16 @@ class LookupFirstProposer(Proposer):
             if toks and s.last == MODEL:
                 s.model_mean = 0.5 * (s.model_mean + len(toks) - 1)
                 self._gate(s, len(toks) - 1)
-                if s.shadow is not None:
-                    s.lookup_mean = 0.5 * (s.lookup_mean + _matched(*s.shadow, toks))
-            s.model_before = bool(toks) and s.last == MODEL
-            s.last, s.shadow = NONE, None
+            if toks and s.last == MODEL and s.shadow is not None:
+                s.lookup_mean = 0.5 * (s.lookup_mean + _matched(*s.shadow, toks))
+            if toks and s.last == BOTH:  # each source scored on what its own tree predicts
+                accepted = len(toks) - 1
+                own = min(accepted, _matched(*s.model_table, toks))
+                s.model_mean = 0.5 * (s.model_mean + own)
+                self._gate(s, own)
+                s.lookup_mean = 0.5 * (s.lookup_mean + min(accepted, _matched(*s.shadow, toks)))
+            s.model_before = bool(toks) and s.last in (MODEL, BOTH)
+            s.last, s.shadow, s.model_table = NONE, None, None
 
     def use_step_costs(self, costs: StepCosts) -> None:
         self.costs = costs
@@ -266,6 +307,45 @@ class LookupFirstProposer(Proposer):
             return NONE
         return MODEL
 
+    def _graft(self, found: DraftTree, drafted: DraftTree, rows: List[int],
+               sources: List[_Source]) -> DraftTree:
+        """`drafted` with, at each of `rows`, the lookup's first path from the root (of
+        `found`) grafted in: the path follows the model's tree as far as the tree holds its
+        tokens, then goes on as new nodes that take the places of the tree's last nodes (at
+        most `graft`; the last nodes of a tree numbered parents first are a subtree's
+        leaves). Linkage is rebuilt by _merge."""
+        bs, n = drafted.tokens.shape
+        tokens, mask = drafted.tokens.clone(), drafted.tree_mask.view(bs, n, n).clone()
+        num_drafts = (drafted.num_drafts.clone() if drafted.num_drafts is not None
+                      else torch.full((bs,), n - 1, dtype=torch.int64))
+        for b in rows:
+            table = _path_table(drafted, b)
+            sources[b].model_table = table
+            node, path = 0, []  # the lookup's first path, along first children
+            first, offered = sources[b].shadow[1], sources[b].shadow[3]
+            while first[node] != -1 and first[node] <= offered:
+                node = first[node]
+                path.append(sources[b].shadow[0][node])
+            new, keep = 0, n
+            while True:  # the new nodes' places shorten the model's tree, so walk again
+                attach, along = _follow(table, path, min(keep, table[3] + 1))
+                want = min(self.graft, n - 2, len(path) - along)  # the model keeps a draft
+                if want <= new:
+                    break
+                new, keep = want, n - want
+            if new == 0:
+                continue  # the model's tree already holds the lookup's path
+            row_mask = mask[b]
+            parent = attach
+            for j, tok in zip(range(keep, n), path[along:along + new]):
+                row_mask[j] = row_mask[parent]
+                row_mask[j, j] = True
+                tokens[b, j] = tok
+                parent = j
+            num_drafts[b] = min(int(num_drafts[b]), keep - 1) + new
+        return DraftTree(tokens, mask.flatten(), drafted.positions, drafted.retrieve_index,
+                         drafted.retrieve_next_token, drafted.retrieve_next_sibling, num_drafts)
+
     def _merge(self, found: DraftTree, drafted: DraftTree, rows: List[int],
                seq_lens: Tensor) -> DraftTree:
         """`found` with rows `rows` replaced by the same rows of `drafted` (both trees of the
@@ -290,6 +370,21 @@ def _path_table(tree: DraftTree, b: int) -> tuple:
     offered = tree.tokens.shape[1] - 1 if tree.num_drafts is None else int(tree.num_drafts[b])
     return (tree.tokens[b].tolist(), tree.retrieve_next_token[b].tolist(),
             tree.retrieve_next_sibling[b].tolist(), offered)
+
+
+def _follow(table: tuple, path: List[int], limit: int) -> tuple:
+    """(the last node, how many of `path`'s tokens) a draft tree (a _path_table) holds in a
+    row from its root, among its nodes below `limit`."""
+    tokens, first, sibling, _ = table
+    node, along = 0, 0
+    for tok in path:
+        child = first[node]
+        while child != -1 and (child >= limit or tokens[child] != tok):
+            child = sibling[child]
+        if child == -1:
+            break
+        node, along = child, along + 1
+    return node, along
 
 
 def _matched(tokens: List[int], first: List[int], sibling: List[int], offered: int,

@@ -89,9 +89,19 @@ class StepCosts:
         return max(0.0, step_s - self.verify_cost * self.decode_s)
 
 
+# A priced draft counts at most this many times the running mean: a draft that first runs a
+# graph (loading its code) or that another process preempted can take 20+ decode steps, and at
+# full weight it held the mean, and the break-even with it, above what drafts cost for dozens of
+# steps, resting drafts that paid (benchmarks/bench_styles.py, the gate's printed threshold).
+DRAFT_S_OUTLIER = 3.0
+
+
 def running_draft_s(mean: Optional[float], seconds: float) -> float:
-    """The running mean of a priced draft's seconds after one more draft."""
-    return seconds if mean is None else 0.8 * mean + 0.2 * seconds
+    """The running mean of a priced draft's seconds after one more draft (counted at most
+    DRAFT_S_OUTLIER times the mean)."""
+    if mean is None:
+        return seconds
+    return 0.8 * mean + 0.2 * min(seconds, DRAFT_S_OUTLIER * mean)
 
 
 def break_even(floor: float, costs: StepCosts, draft_s: Optional[float]) -> float:
