@@ -355,6 +355,30 @@ def test_a_graft_leaves_the_model_its_first_draft():
     p.finish([0])
 
 
+def test_a_graft_past_a_short_model_draft_counts_every_node_up_to_its_last():
+    """A model chain that stopped after one draft (its other nodes padding): the grafted nodes
+    come last, so the row offers N - 1 drafts, and a verify cut to the offered size keeps
+    them."""
+    from specdec_inductor.speculative.tree import truncate_draft
+
+    class Short(_Fixed):
+        def propose(self, request_ids, seq_lens):
+            tree = super().propose(request_ids, seq_lens)
+            tree.num_drafts = torch.ones(len(request_ids), dtype=torch.int64)
+            return tree
+
+    n = 6
+    p = LookupFirstProposer(Short(n), NgramProposer(n, min_window=1, max_window=4,
+                                                    breadth=(1,)), graft=2)
+    p.start([0], [[1, 2, 7, 8, 9, 1, 2]])
+    tree = p.propose([0], torch.tensor([6]))
+    assert tree.tokens[0].tolist() == [50, 51, 52, 53, 7, 8]
+    assert tree.num_drafts.tolist() == [n - 1]
+    cut = truncate_draft(tree, int(tree.num_drafts.max()) + 1, torch.tensor([6]))
+    assert cut.tokens[0, -2:].tolist() == [7, 8]
+    p.finish([0])
+
+
 def test_a_match_of_three_tokens_or_more_drafts_alone_where_the_sources_are_level():
     """Longer repeats (a restated block) keep the plain rule: level running means let the
     lookup draft alone, its whole trie, with no model draft."""

@@ -342,7 +342,7 @@ class LookupFirstProposer(Proposer):
                 row_mask[j, j] = True
                 tokens[b, j] = tok
                 parent = j
-            num_drafts[b] = min(int(num_drafts[b]), keep - 1) + new
+            num_drafts[b] = n - 1  # the graft ends at the last node (a cut must keep it)
         return DraftTree(tokens, mask.flatten(), drafted.positions, drafted.retrieve_index,
                          drafted.retrieve_next_token, drafted.retrieve_next_sibling, num_drafts)
 
