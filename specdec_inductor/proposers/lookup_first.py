@@ -214,8 +214,9 @@ class LookupFirstProposer(Proposer):
 
     def _choose(self, request_ids: List[int], seq_lens: Tensor):
         """(the lookup's trees [B], each request's _Source with this step's source in `last`):
-        the lookup where it matched and is trusted (or the model rests), both where a short match leaves neither source ahead, else the model unless it rests.
-        A request that rests offers no drafts."""
+        the lookup where it matched and is trusted (or the model rests), both where a short
+        match leaves neither source ahead, else the model unless it rests. A request that
+        rests offers no drafts."""
         found, match_len = self.lookup.propose_with_match(request_ids, seq_lens)
         use_lookup = ((match_len >= self.min_match)
                       & (found.num_drafts >= self.min_drafts)).tolist()  # [B]
@@ -262,8 +263,8 @@ class LookupFirstProposer(Proposer):
             if toks and s.last == MODEL:
                 s.model_mean = 0.5 * (s.model_mean + len(toks) - 1)
                 self._gate(s, len(toks) - 1)
-            if toks and s.last == MODEL and s.shadow is not None:
-                s.lookup_mean = 0.5 * (s.lookup_mean + _matched(*s.shadow, toks))
+                if s.shadow is not None:
+                    s.lookup_mean = 0.5 * (s.lookup_mean + _matched(*s.shadow, toks))
             if toks and s.last == BOTH:  # each source scored on what its own tree predicts
                 accepted = len(toks) - 1
                 own = min(accepted, _matched(*s.model_table, toks))
@@ -392,12 +393,4 @@ def _matched(tokens: List[int], first: List[int], sibling: List[int], offered: i
     """How many of the emitted tokens the draft tree predicts in a row from its root (nodes
     past `offered` left out): the drafts a verify of that tree would have accepted, counting
     the bonus token when the tree went on past the accepted ones (at most len(emitted))."""
-    node, count = 0, 0
-    for tok in emitted:
-        child = first[node]
-        while child != -1 and (child > offered or tokens[child] != tok):
-            child = sibling[child]
-        if child == -1:
-            break
-        node, count = child, count + 1
-    return count
+    return _follow((tokens, first, sibling, offered), emitted, offered + 1)[1]
