@@ -209,7 +209,7 @@ class LookupFirstProposer(Proposer):
         if unverified:
             self.model.discard_drafts(unverified)
         if both:
-            drafted = self._graft(found, drafted, both, sources)
+            drafted = self._graft(drafted, both, sources)
         return self._merge(found, drafted, model_rows, seq_lens)
 
     def _choose(self, request_ids: List[int], seq_lens: Tensor):
@@ -260,17 +260,18 @@ class LookupFirstProposer(Proposer):
                 self.accepted[s.last] += len(toks) - 1
             if toks and s.last == LOOKUP:
                 s.lookup_mean = 0.5 * (s.lookup_mean + len(toks) - 1)
-            if toks and s.last == MODEL:
-                s.model_mean = 0.5 * (s.model_mean + len(toks) - 1)
-                self._gate(s, len(toks) - 1)
-                if s.shadow is not None:
-                    s.lookup_mean = 0.5 * (s.lookup_mean + _matched(*s.shadow, toks))
-            if toks and s.last == BOTH:  # each source scored on what its own tree predicts
+            if toks and s.last in (MODEL, BOTH):
+                # After a graft each source is scored on what its own tree predicted.
                 accepted = len(toks) - 1
-                own = min(accepted, _matched(*s.model_table, toks))
+                own = accepted if s.last == MODEL else min(accepted,
+                                                           _matched(*s.model_table, toks))
                 s.model_mean = 0.5 * (s.model_mean + own)
                 self._gate(s, own)
-                s.lookup_mean = 0.5 * (s.lookup_mean + min(accepted, _matched(*s.shadow, toks)))
+                if s.shadow is not None:  # a match not drafted alone (every graft has one)
+                    scored = _matched(*s.shadow, toks)
+                    if s.last == BOTH:
+                        scored = min(accepted, scored)
+                    s.lookup_mean = 0.5 * (s.lookup_mean + scored)
             s.model_before = bool(toks) and s.last in (MODEL, BOTH)
             s.last, s.shadow, s.model_table = NONE, None, None
 
@@ -308,10 +309,9 @@ class LookupFirstProposer(Proposer):
             return NONE
         return MODEL
 
-    def _graft(self, found: DraftTree, drafted: DraftTree, rows: List[int],
-               sources: List[_Source]) -> DraftTree:
-        """`drafted` with, at each of `rows`, the lookup's first path from the root (of
-        `found`) grafted in: the path follows the model's tree as far as the tree holds its
+    def _graft(self, drafted: DraftTree, rows: List[int], sources: List[_Source]) -> DraftTree:
+        """`drafted` with, at each of `rows`, the lookup's first path from the root (its
+        `shadow`) grafted in: the path follows the model's tree as far as the tree holds its
         tokens, then goes on as new nodes that take the places of the tree's last nodes (at
         most `graft`; the last nodes of a tree numbered parents first are a subtree's
         leaves). Linkage is rebuilt by _merge."""

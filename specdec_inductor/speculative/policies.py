@@ -89,10 +89,10 @@ class StepCosts:
         return max(0.0, step_s - self.verify_cost * self.decode_s)
 
 
-# A priced draft counts at most this many times the running mean: a draft that first runs a
-# graph (loading its code) or that another process preempted can take 20+ decode steps, and at
-# full weight it held the mean, and the break-even with it, above what drafts cost for dozens of
-# steps, resting drafts that paid (benchmarks/bench_styles.py, the gate's printed threshold).
+# A priced draft counts at most this many times the running mean: drafts timed far above the
+# rest (preempted, or a graph's first run) held the mean, and the break-even with it, above
+# what drafts cost for the rest of a prompt, resting drafts that paid (bench_styles printed a
+# gate threshold of 16 accepted drafts a step on one prompt; docs/decisions.md).
 DRAFT_S_OUTLIER = 3.0
 
 
