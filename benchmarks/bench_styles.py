@@ -98,18 +98,19 @@ def make_methods(args, model):
             for label, cfg in variants:
                 proposer = make_proposer(cfg, engine)
                 fixed = outside = False
-                if cfg.lookup:  # "M[/G[/P[/S]]][+gate][+graftK][-propose]": min_match M,
-                    # the model's per-request gate's least threshold G ("=G": that threshold,
-                    # not priced from costs), its first rest P and the model drafts S it judges
-                    # from, the loop's batch acceptance gate on top, at most K lookup nodes
-                    # grafted into the model's tree, the model's drafts never inside the step
-                    # program
+                if cfg.lookup:  # "M[/G[/P[/S]]][+gate][+graftK][+hostgraft][-propose]":
+                    # min_match M, the model's per-request gate's least threshold G ("=G": that
+                    # threshold, not priced from costs), its first rest P and the model drafts S
+                    # it judges from, the loop's batch acceptance gate on top, at most K lookup
+                    # nodes grafted into the model's tree, graft steps drafted before the step
+                    # program, the model's drafts never inside the step program
                     spec, *flags = re.split(r"(?=[+-][a-z])", label.rsplit(" ", 1)[1])
-                    unknown = set(flags) - {"+gate", "-propose"} - {
+                    unknown = set(flags) - {"+gate", "-propose", "+hostgraft"} - {
                         f for f in flags if re.fullmatch(r"\+graft\d+", f)}
                     if unknown:
                         raise SystemExit(f"--lookup {label}: unknown {sorted(unknown)}")
                     outside = "-propose" in flags
+                    proposer.graft_in_program = "+hostgraft" not in flags
                     proposer.gates_own_drafts = "+gate" not in flags
                     for f in flags:
                         if f.startswith("+graft"):
@@ -314,8 +315,8 @@ def main():
     parser.add_argument("--prompts", default=None, help="comma list of prompt names only")
     parser.add_argument("--no-ngram", action="store_true")
     parser.add_argument("--lookup", default=None,
-                        help="comma list of M[/G[/P[/S]]][+gate][+graftK][-propose]: also "
-                             "EAGLE-3 with prompt lookup first (ProposerConfig.lookup) at "
+                        help="comma list of M[/G[/P[/S]]][+gate][+graftK][+hostgraft]"
+                             "[-propose]: also EAGLE-3 with prompt lookup first (ProposerConfig.lookup) at "
                              "minimum match length M (and G: the least accepted drafts a step "
                              "below which a request's model drafts rest, default "
                              "lookup_first.MODEL_MIN_ACCEPTED, raised to the break-even of the "
@@ -325,8 +326,9 @@ def main():
                              "gate on top of the per-request one; +graftK: at most K of the "
                              "lookup's nodes grafted into the model's tree where a short match "
                              "leaves neither source ahead (default lookup_first.GRAFT, +graft0: "
-                             "never); -propose: the model's drafts never inside the step "
-                             "program)")
+                             "never); +hostgraft: graft steps draft before the step "
+                             "program, not inside it; -propose: the model's drafts never "
+                             "inside the step program)")
     parser.add_argument("--floor", action="store_true",
                         help="also time the loop without drafts: plain decoding through it and "
                              "EAGLE-3 that never drafts (what a policy cannot save)")

@@ -140,6 +140,114 @@ def test_compiled_lookup_first_equals_eager_without_recompiles(eagle3_head):
     _free(engine, proposer.engine)
 
 
+def test_grafts_run_inside_the_step_program_and_equal_eager(eagle3_head, monkeypatch):
+    """Every match drafting with both (the graft's thresholds opened wide, the model never
+    resting): every step drafts with the model, with or without a graft, as one program (the
+    graft as tensor ops after the model's tree); tokens equal plain greedy, compiled and eager
+    alike, and a second run compiles nothing."""
+    from specdec_inductor.proposers import lookup_first
+    monkeypatch.setattr(lookup_first, "GRAFT_BELOW", 99)
+    monkeypatch.setattr(lookup_first, "GRAFT_MARGIN", 99.0)
+    ps = repetitive_prompts(2)
+    runs = {}
+    for compile in (False, True):
+        spec, proposer, engine = _generators("eagle3", eagle3_head, 2, compile=compile)
+        proposer.model_min_accepted = 0.0  # the model never rests: no lookup-only steps
+        stats = SpeculativeStats()
+        assert spec.generate(ps, 16, stats=stats) == engine.generate(ps, 16)
+        assert proposer.grafts_in_program > 0 and proposer.drafts["lookup"] == 0, proposer.drafts
+        assert stats.drafted_in_program >= proposer.grafts_in_program
+        runs[compile] = (dict(proposer.drafts), dict(proposer.accepted),
+                         proposer.grafts_in_program)
+        if compile:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                ps2 = repetitive_prompts(2, seed=9)
+                again = SpeculativeStats()
+                assert spec.generate(ps2, 16, stats=again) == engine.generate(ps2, 16)
+                assert again.recompiles == 0
+        _free(engine, proposer.engine)
+    assert runs[True] == runs[False]
+
+
+def _graft_by_walk(tokens, parent, path, cap, offered):
+    """graft_paths of one tree, written as the walk it describes: follow the path from the root
+    among the nodes kept, graft the rest in place of the last nodes, again while that cuts a
+    followed node. Returns (tokens, parent list, nodes grafted)."""
+    n = len(tokens)
+    new, keep = 0, n
+    while True:
+        node, along = 0, 0
+        for tok in path:
+            child = next((c for c in range(1, min(keep, offered + 1)) if parent[c] == node
+                          and tokens[c] == tok), None)
+            if child is None:
+                break
+            node, along = child, along + 1
+        want = min(cap, n - 2, len(path) - along)
+        if want <= new:
+            break
+        new, keep = want, n - want
+    tokens, parent = list(tokens), list(parent)
+    for j in range(keep, n):
+        tokens[j], parent[j] = path[along + j - keep], (node if j == keep else j - 1)
+    return tokens, parent, new
+
+
+def test_graft_paths_matches_the_walk_it_describes():
+    """Random trees (distinct tokens among siblings, parents numbered first), paths that follow
+    them for a while then leave, every cap and offered count: graft_paths as tensors over a
+    batch equals the walk row by row, and its mask is the ancestor mask of the walk's tree."""
+    from specdec_inductor import ops
+    from specdec_inductor.proposers.lookup_first import graft_paths
+    gen = torch.Generator().manual_seed(5)
+    n, bs = 8, 16
+    for trial in range(12):
+        parents, toks, paths, offered = [], [], [], []
+        for b in range(bs):
+            par = [-1] + [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, n)]
+            tk = [0] * n
+            for j in range(1, n):
+                taken = {tk[c] for c in range(1, j) if par[c] == par[j]}
+                tk[j] = next(t for t in torch.randperm(6, generator=gen).tolist()
+                             if t not in taken)
+            node, path = 0, []
+            for _ in range(int(torch.randint(0, n, (1,), generator=gen))):
+                kids = [c for c in range(1, n) if par[c] == node]
+                if kids and bool(torch.rand(1, generator=gen) < 0.7):
+                    node = kids[int(torch.randint(0, len(kids), (1,), generator=gen))]
+                    path.append(tk[node])
+                else:
+                    path.append(int(torch.randint(0, 6, (1,), generator=gen)))
+            parents.append(par), toks.append(tk), paths.append(path)
+            offered.append(int(torch.randint(1, n, (1,), generator=gen)))
+        cap = trial % (n + 1)
+        mask = torch.zeros(bs, n, n, dtype=torch.bool)
+        for b, par in enumerate(parents):
+            for j in range(n):
+                a = j
+                while a != -1:
+                    mask[b, j, a], a = True, par[a]
+        path_t = torch.zeros(bs, n - 1, dtype=torch.int64)
+        for b, path in enumerate(paths):
+            path_t[b, :len(path)] = torch.tensor(path, dtype=torch.int64)
+        lens = torch.tensor([len(p) for p in paths])
+        out, out_mask, grafted = graft_paths(torch.tensor(toks), mask.flatten(), path_t, lens, cap,
+                                             torch.tensor(offered))
+        for b in range(bs):
+            want_tokens, want_parent, new = _graft_by_walk(toks[b], parents[b], paths[b], cap,
+                                                           offered[b])
+            assert out[b].tolist() == want_tokens, (trial, b)
+            assert bool(grafted[b]) == (new > 0)
+            rows = out_mask.view(bs, n, n)[b]
+            for j in range(n):
+                a, want = j, set()
+                while a != -1:
+                    want.add(a)
+                    a = want_parent[a]
+                assert set(torch.nonzero(rows[j]).flatten().tolist()) == want, (trial, b, j)
+        ops.reconstruct_tree_from_mask(out_mask, torch.zeros(bs, dtype=torch.int64), n)
+
+
 class _Fixed:
     """A stand-in draft model: always drafts `tokens` as a chain."""
 

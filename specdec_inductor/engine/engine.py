@@ -71,7 +71,8 @@ def _skip_model_guards(guard_entries) -> List[bool]:
 
 
 _OWNED_ROOTS = tuple(f"self.{owner}{part}" for owner in ("", "engine.", "step.engine.",
-                                                          "drafter.engine.")
+                                                          "drafter.engine.",
+                                                          "drafter.inner.engine.")
                      for part in ("model", "pool"))
 
 
@@ -80,7 +81,8 @@ def _engine_owned(name: str) -> bool:
     its modules: `dict(type(self.model.model.layers[0]))...`) or its KV pool, which the engine
     creates and never replaces; reached as `self.engine....` from a compile_program owner, and
     as `self.step.engine....` / `self.drafter.engine....` from a program that runs another
-    program's step and a draft Engine's (commit.DraftedStep)."""
+    program's step and a draft Engine's (commit.DraftedStep), `self.drafter.inner.engine....`
+    where a drafter wraps the draft Engine's (lookup_first.GraftDrafter)."""
     for root in _OWNED_ROOTS:
         at = name.find(root)
         while at >= 0:

@@ -36,9 +36,9 @@ Both proposers see every request's start, commits and finish, so either can draf
 draft model catches up over the tokens committed while it did not draft (its catch-up extend, as
 after the acceptance gate's plain steps). Both trees have N nodes, so a step verifies one shape
 whichever drafted, and the merged tree's linkage is rebuilt from its ancestor mask. A step where
-the model alone drafts for every request drafts inside the step program, as the model alone
-does (draft_program); any other step, grafts included, drafts before it (propose), from the
-sources already chosen."""
+every request drafts with the model, grafts included, drafts inside the step program, as the
+model alone does (draft_program; a graft as tensor ops after the model's tree, GraftDrafter);
+any other step drafts before it (propose), from the sources already chosen."""
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -123,6 +123,10 @@ class LookupFirstProposer(Proposer):
     # match; the loop's batch gate would silence both for every request.
     gates_own_drafts = True
 
+    # Graft steps draft inside the step program (GraftDrafter); False: before it, in propose
+    # (benchmarks/bench_styles.py --lookup 2+hostgraft: the comparison).
+    graft_in_program = True
+
     def __init__(self, model: Proposer, lookup: NgramProposer, min_match: int = MIN_MATCH,
                  min_drafts: int = MIN_DRAFTS, model_min_accepted: float = MODEL_MIN_ACCEPTED,
                  min_steps: int = MIN_STEPS, probe_every: int = PROBE_EVERY,
@@ -151,10 +155,12 @@ class LookupFirstProposer(Proposer):
         self.costs: Optional[StepCosts] = None  # the loop's (use_step_costs)
         self.draft_s: Optional[float] = None  # running mean of a model draft's seconds
         self._chosen = None  # (request ids, trees, sources) draft_program chose for propose
+        self._grafters: Dict[int, "GraftDrafter"] = {}  # by the model's program drafter
         self._program_t0: Optional[float] = None  # when a step drafted in its program began
         # Request-steps each source drafted and the drafts accepted from them (for reports).
         self.drafts = {LOOKUP: 0, MODEL: 0, BOTH: 0}
         self.accepted = {LOOKUP: 0, MODEL: 0, BOTH: 0}
+        self.grafts_in_program = 0  # steps that grafted inside the step program (GraftDrafter)
 
     def start(self, request_ids: List[int], contexts: List[List[int]],
               hidden: Optional[List[Tensor]] = None) -> None:
@@ -170,13 +176,29 @@ class LookupFirstProposer(Proposer):
     def draft_program(self, request_ids: List[int], seq_lens: Tensor,
                       roots: Tensor) -> Optional[DraftProgram]:
         """The model's program when it drafts for every request this step (as the model alone
-        would draft: inside the step program); else None, and propose drafts the step with
-        the sources chosen here."""
+        would draft: inside the step program), with the lookup's paths grafted in there
+        (GraftDrafter) where a request drafts with both; else None, and propose drafts the
+        step with the sources chosen here."""
         bs = len(request_ids)
         found, sources = self._choose(request_ids, seq_lens[:bs])
         program = None
-        if all(s.last == MODEL for s in sources):
+        both = any(s.last == BOTH for s in sources)
+        if all(s.last in (MODEL, BOTH) for s in sources) and (self.graft_in_program or not both):
             program = self.model.draft_program(request_ids, seq_lens, roots)
+        if program is not None and both:
+            grafter = self._grafters.get(id(program.drafter))
+            if grafter is None or grafter.inner is not program.drafter:
+                grafter = GraftDrafter(program.drafter, min(self.graft, self.num_draft_tokens - 2))
+                self._grafters[id(program.drafter)] = grafter
+            path, path_len = self._paths(sources, roots.shape[0])
+
+            def read(own, sources=sources):  # the model's own trees, for its score at commit
+                tokens, nxt, sib = (t.tolist() for t in own)
+                for b, s in enumerate(sources):
+                    if s.last == BOTH:
+                        s.model_table = (tokens[b], nxt[b], sib[b], len(tokens[b]) - 1)
+            program = DraftProgram(grafter, [*program.inputs, path, path_len], read)
+            self.grafts_in_program += 1
         if program is None:
             self._chosen = (list(request_ids), found, sources)
         else:  # priced at commit: the step's seconds beyond a verify
@@ -199,7 +221,7 @@ class LookupFirstProposer(Proposer):
         t0 = self.clock()
         drafted = self.model.propose(request_ids, seq_lens)
         both = [b for b, s in enumerate(sources) if s.last == BOTH]
-        if not both:  # a graft step drafts outside the program: not what model steps cost
+        if not both:  # a graft before the program costs more than a model step: not priced
             self._price(self.clock() - t0, sources)
         if len(model_rows) == len(request_ids) and not both:
             return drafted
@@ -241,7 +263,7 @@ class LookupFirstProposer(Proposer):
     def _price(self, seconds: float, sources: List[_Source]) -> None:
         """A model draft's seconds into the running mean the gate prices drafts by, as the
         loop's gate does: not a draft that also caught the model up over a rest or a prompt."""
-        if all(s.model_before for s in sources if s.last == MODEL):
+        if all(s.model_before for s in sources if s.last in (MODEL, BOTH)):
             self.draft_s = running_draft_s(self.draft_s, seconds)
 
     def commit(self, request_ids: List[int], emitted: List[List[int]],
@@ -309,42 +331,39 @@ class LookupFirstProposer(Proposer):
             return NONE
         return MODEL
 
-    def _graft(self, drafted: DraftTree, rows: List[int], sources: List[_Source]) -> DraftTree:
-        """`drafted` with, at each of `rows`, the lookup's first path from the root (its
-        `shadow`) grafted in: the path follows the model's tree as far as the tree holds its
-        tokens, then goes on as new nodes that take the places of the tree's last nodes (at
-        most `graft`; the last nodes of a tree numbered parents first are a subtree's
-        leaves). Linkage is rebuilt by _merge."""
-        bs, n = drafted.tokens.shape
-        tokens, mask = drafted.tokens.clone(), drafted.tree_mask.view(bs, n, n).clone()
-        num_drafts = (drafted.num_drafts.clone() if drafted.num_drafts is not None
-                      else torch.full((bs,), n - 1, dtype=torch.int64))
-        for b in rows:
-            table = _path_table(drafted, b)
-            sources[b].model_table = table
-            node, path = 0, []  # the lookup's first path, along first children
-            first, offered = sources[b].shadow[1], sources[b].shadow[3]
+    def _paths(self, sources: List[_Source], rows: int) -> tuple:
+        """(path [rows, N - 1], path_len [rows]) int64: the lookup's first path from the root
+        (along first children, its `shadow`) of each request drafting with both; length 0 for
+        every other row, the padding rows past the requests too."""
+        n = self.num_draft_tokens
+        path = torch.zeros(rows, n - 1, dtype=torch.int64)
+        path_len = torch.zeros(rows, dtype=torch.int64)
+        for b, s in enumerate(sources):
+            if s.last != BOTH:
+                continue
+            tokens, first, _, offered = s.shadow
+            node, along = 0, []
             while first[node] != -1 and first[node] <= offered:
                 node = first[node]
-                path.append(sources[b].shadow[0][node])
-            new, keep = 0, n
-            while True:  # the new nodes' places shorten the model's tree, so walk again
-                attach, along = _follow(table, path, min(keep, table[3] + 1))
-                want = min(self.graft, n - 2, len(path) - along)  # the model keeps a draft
-                if want <= new:
-                    break
-                new, keep = want, n - want
-            if new == 0:
-                continue  # the model's tree already holds the lookup's path
-            row_mask = mask[b]
-            parent = attach
-            for j, tok in zip(range(keep, n), path[along:along + new]):
-                row_mask[j] = row_mask[parent]
-                row_mask[j, j] = True
-                tokens[b, j] = tok
-                parent = j
-            num_drafts[b] = n - 1  # the graft ends at the last node (a cut must keep it)
-        return DraftTree(tokens, mask.flatten(), drafted.positions, drafted.retrieve_index,
+                along.append(tokens[node])
+            path[b, :len(along)] = torch.tensor(along, dtype=torch.int64)
+            path_len[b] = len(along)
+        return path, path_len
+
+    def _graft(self, drafted: DraftTree, rows: List[int], sources: List[_Source]) -> DraftTree:
+        """`drafted` with the lookup's first path grafted in at each of `rows` (graft_paths);
+        each such row offers N - 1 drafts. Linkage is rebuilt by _merge."""
+        bs, n = drafted.tokens.shape
+        for b in rows:
+            sources[b].model_table = _path_table(drafted, b)
+        offered = (drafted.num_drafts.long() if drafted.num_drafts is not None
+                   else torch.full((bs,), n - 1, dtype=torch.int64))
+        path, path_len = self._paths(sources, bs)
+        tokens, mask, grafted = graft_paths(drafted.tokens, drafted.tree_mask, path, path_len,
+                                            min(self.graft, n - 2), offered)
+        # The graft ends at the last node: a cut to the offered size must keep it.
+        num_drafts = torch.where(grafted, n - 1, offered)
+        return DraftTree(tokens, mask, drafted.positions, drafted.retrieve_index,
                          drafted.retrieve_next_token, drafted.retrieve_next_sibling, num_drafts)
 
     def _merge(self, found: DraftTree, drafted: DraftTree, rows: List[int],
@@ -363,6 +382,83 @@ class LookupFirstProposer(Proposer):
                              if drafted.num_drafts is not None else n - 1)
         positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(mask, seq_lens, n)
         return DraftTree(tokens, mask, positions, ridx, nxt, sib, num_drafts)
+
+
+def graft_paths(tokens: Tensor, tree_mask: Tensor, path: Tensor, path_len: Tensor, cap: int,
+                offered: Optional[Tensor] = None) -> tuple:
+    """Each request's path grafted into its draft tree, as tensor ops (traced inside a step
+    program by GraftDrafter; eager in propose). tokens [B, N] int64, tree_mask [B*N*N] bool
+    (parents numbered before children), path [B, P] int64 with path_len [B] tokens each (0:
+    leave the row), cap: at most this many new nodes (and N - 2), offered [B]: the tree's
+    drafts (nodes past them are not followed; default all N - 1).
+
+    The path follows the tree from its root while the tree holds its tokens, among the nodes
+    kept; then goes on as new nodes, a chain under the last node followed, that take the
+    places of the tree's last (deepest) nodes: as many as the path has left, at most cap. Taking
+    places can cut a followed node, which leaves more of the path to graft: the count is the
+    least fixed point of new = min(cap, path_len - followed(N - new)). Returns (tokens [B, N],
+    tree_mask [B*N*N], grafted [B] bool); the linkage and positions are to be rebuilt from
+    the mask."""
+    bs, n = tokens.shape
+    steps = path.shape[1]
+    cap = max(0, min(cap, n - 2))
+    if steps == 0 or cap == 0:
+        return tokens, tree_mask, torch.zeros(bs, dtype=torch.bool)
+    idx = torch.arange(n, dtype=torch.int64)
+    mask = tree_mask.view(bs, n, n)
+    # A node's parent: its last ancestor above itself (-1 at the root).
+    above = mask & (idx.view(1, 1, n) < idx.view(1, n, 1))  # [B, N, N]
+    parent = torch.where(above.any(2), (above.long() * idx).amax(2), -1)  # [B, N]
+    # The nodes holding the path's first k + 1 tokens in a row (n: not held); their numbers
+    # rise along the path, so the nodes below any limit are a prefix of them.
+    held, node = [], torch.zeros(bs, dtype=torch.int64)
+    going = path_len > 0  # [B]
+    for k in range(steps):
+        hit = ((parent == node.view(bs, 1)) & (tokens == path[:, k:k + 1]) & (idx > 0)
+               & (going & (k < path_len)).view(bs, 1))  # [B, N]
+        found = hit.any(1)
+        child = torch.where(found, hit.long().argmax(1), n)  # the first such child
+        held.append(child)
+        node = torch.where(found, child, node)
+        going = going & found
+    held_at = torch.stack(held, 1)  # [B, P]
+    limit = (n if offered is None else offered.clamp(max=n - 1) + 1)
+    limit = torch.as_tensor(limit, dtype=torch.int64).expand(bs)  # [B]
+    new = torch.zeros(bs, dtype=torch.int64)
+    for _ in range(cap + 1):  # new only grows, at most to cap
+        followed = (held_at < torch.minimum(limit, n - new).view(bs, 1)).sum(1)
+        new = torch.maximum(new, (path_len - followed).clamp(min=0, max=cap))
+    keep = n - new  # [B]
+    followed = (held_at < torch.minimum(limit, keep).view(bs, 1)).sum(1)  # [B]
+    attach = torch.where(followed > 0, held_at.gather(1, (followed - 1).clamp(min=0).view(bs, 1))
+                         .view(bs), 0)  # [B] the last node followed (the root if none)
+    fresh = idx.view(1, n) >= keep.view(bs, 1)  # [B, N] the nodes the path takes
+    pick = (followed.view(bs, 1) + idx.view(1, n) - keep.view(bs, 1)).clamp(0, steps - 1)
+    tokens = torch.where(fresh, path.gather(1, pick), tokens)
+    # A new node's ancestors: the attach node's, and the new nodes up to itself.
+    base = mask.gather(1, attach.view(bs, 1, 1).expand(bs, 1, n))  # [B, 1, N]
+    chain = (idx.view(1, 1, n) >= keep.view(bs, 1, 1)) & (idx.view(1, 1, n) <= idx.view(1, n, 1))
+    mask = torch.where(fresh.view(bs, n, 1), base | chain, mask)  # [B, N, N]
+    return tokens, mask.reshape(-1), new > 0
+
+
+class GraftDrafter:
+    """A draft model's program drafter (DraftProgram.drafter) with the lookup's paths grafted
+    into its trees inside the step program (graft_paths; inputs: the model's, then path
+    [B, N - 1] and path_len [B]). Also returns the model's own trees' tokens and linkage
+    (tokens, retrieve_next_token, retrieve_next_sibling [B, N]) for its proposer to score the
+    model on what it drafted (DraftProgram.read)."""
+
+    def __init__(self, inner, cap: int):
+        self.inner, self.cap = inner, cap
+
+    def tree_program(self, roots, seq_lens, *inputs):
+        *model_inputs, path, path_len = inputs
+        tokens, mask, _, _, nxt, sib = self.inner.tree_program(roots, seq_lens, *model_inputs)
+        n = tokens.shape[1]
+        grafted, grafted_mask, _ = graft_paths(tokens, mask, path, path_len, self.cap)
+        positions, ridx, g_nxt, g_sib = ops.reconstruct_tree_from_mask(grafted_mask, seq_lens, n)
+        return grafted, grafted_mask, positions, ridx, g_nxt, g_sib, tokens, nxt, sib
 
 
 def _path_table(tree: DraftTree, b: int) -> tuple:

@@ -83,6 +83,7 @@ class StepResult(NamedTuple):
     hidden rows of each accepted path for proposers that draft from them."""
     host: Tensor  # [B, 1 + S] int64: accepted drafts, then Committed.tokens
     path_hidden: Optional[Tensor]  # [B, S, k*H] hidden row of each path node, or None
+    drafted: Tuple[Tensor, ...] = ()  # a DraftedStep drafter's own outputs (DraftProgram.read)
 
 
 def path_rows(hidden: Tensor, path: Tensor) -> Tensor:
@@ -252,8 +253,9 @@ class DraftedStep:
         """args: the `count` draft inputs, then req_rows, seq_lens, roots and the acceptance."""
         draft_inputs, (req_rows, seq_lens, roots, *acceptance) = args[:count], args[count:]
         # The draft reads the roots and lengths before the commit advances them in place.
-        tokens, mask, positions, ridx, nxt, sib = self.drafter.tree_program(roots, seq_lens,
-                                                                            *draft_inputs)
+        tokens, mask, positions, ridx, nxt, sib, *own = self.drafter.tree_program(
+            roots, seq_lens, *draft_inputs)
         bs, n = tokens.shape
-        return self.step.verify_program(tokens, positions.view(bs, n), req_rows, seq_lens, mask,
-                                        ridx, nxt, sib, roots, *acceptance)
+        result = self.step.verify_program(tokens, positions.view(bs, n), req_rows, seq_lens,
+                                          mask, ridx, nxt, sib, roots, *acceptance)
+        return result._replace(drafted=tuple(own)) if own else result

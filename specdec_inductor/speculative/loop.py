@@ -576,6 +576,8 @@ class SpeculativeGenerator:
             result = self._run(batch, plan.size, draft)
         else:
             result = self._run_drafted(batch, in_program[1])
+            if in_program[1].read is not None:
+                in_program[1].read(result.drafted)
         # The step's one host read: per request [accepted drafts, tokens...].
         host = result.host.tolist()[:bs]
         t2 = self.clock()

@@ -2,7 +2,7 @@
 smaller verify size, and the bucket-sized verify inputs with padding requests' trees
 (VerifyInputs, reused buffers)."""
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -29,9 +29,12 @@ class DraftProgram(NamedTuple):
     advances in place), returns the draft trees of the batch's whole bucket as (tokens
     [B, N], tree_mask [B*N*N], positions [B*N], retrieve_index, retrieve_next_token,
     retrieve_next_sibling [B, N]), rows past the batch's requests drafting nothing (a chain
-    is the tree of a path). The drafter keys the compiled program."""
+    is the tree of a path), and may go on with outputs of its own (the proposer's, not
+    verify's: StepResult.drafted). The drafter keys the compiled program. `read`, when given,
+    takes those outputs after the step, before the proposer's commit."""
     drafter: object
     inputs: List[Optional[Tensor]]
+    read: Optional[Callable[[Tuple[Tensor, ...]], None]] = None
 
 
 def star_tree(n: int) -> Tuple[Tensor, Tensor]:
