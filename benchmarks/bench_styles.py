@@ -315,8 +315,8 @@ def main():
     parser.add_argument("--prompts", default=None, help="comma list of prompt names only")
     parser.add_argument("--no-ngram", action="store_true")
     parser.add_argument("--lookup", default=None,
-                        help="comma list of M[/G[/P[/S]]][+gate][+graftK][+hostgraft]"
-                             "[-propose]: also EAGLE-3 with prompt lookup first (ProposerConfig.lookup) at "
+                        help="comma list of M[/G[/P[/S]]][+gate][+graftK][+hostgraft][-propose]: "
+                             "also EAGLE-3 with prompt lookup first (ProposerConfig.lookup) at "
                              "minimum match length M (and G: the least accepted drafts a step "
                              "below which a request's model drafts rest, default "
                              "lookup_first.MODEL_MIN_ACCEPTED, raised to the break-even of the "
@@ -326,9 +326,9 @@ def main():
                              "gate on top of the per-request one; +graftK: at most K of the "
                              "lookup's nodes grafted into the model's tree where a short match "
                              "leaves neither source ahead (default lookup_first.GRAFT, +graft0: "
-                             "never); +hostgraft: graft steps draft before the step "
-                             "program, not inside it; -propose: the model's drafts never "
-                             "inside the step program)")
+                             "never); +hostgraft: graft steps draft before the step program, not "
+                             "inside it; -propose: the model's drafts never inside the step "
+                             "program)")
     parser.add_argument("--floor", action="store_true",
                         help="also time the loop without drafts: plain decoding through it and "
                              "EAGLE-3 that never drafts (what a policy cannot save)")

@@ -132,12 +132,17 @@ def test_compiled_lookup_first_equals_eager_without_recompiles(eagle3_head):
     first = SpeculativeStats()
     assert spec.generate(ps, 16, stats=first) == want
     assert 0 < first.drafted_in_program < first.verify_steps, first
-    with torch.compiler.set_stance("fail_on_recompile"):
-        ps2 = repetitive_prompts(2, seed=9)
-        stats = SpeculativeStats()
-        assert spec.generate(ps2, 16, stats=stats) == engine.generate(ps2, 16)
-        assert stats.recompiles == 0
+    _second_run_compiles_nothing(spec, engine)
     _free(engine, proposer.engine)
+
+
+def _second_run_compiles_nothing(spec, engine):
+    """Other prompts through the same compiled generator: plain greedy's tokens, no recompile."""
+    with torch.compiler.set_stance("fail_on_recompile"):
+        ps = repetitive_prompts(2, seed=9)
+        stats = SpeculativeStats()
+        assert spec.generate(ps, 16, stats=stats) == engine.generate(ps, 16)
+        assert stats.recompiles == 0
 
 
 def test_grafts_run_inside_the_step_program_and_equal_eager(eagle3_head, monkeypatch):
@@ -160,11 +165,7 @@ def test_grafts_run_inside_the_step_program_and_equal_eager(eagle3_head, monkeyp
         runs[compile] = (dict(proposer.drafts), dict(proposer.accepted),
                          proposer.grafts_in_program)
         if compile:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                ps2 = repetitive_prompts(2, seed=9)
-                again = SpeculativeStats()
-                assert spec.generate(ps2, 16, stats=again) == engine.generate(ps2, 16)
-                assert again.recompiles == 0
+            _second_run_compiles_nothing(spec, engine)
         _free(engine, proposer.engine)
     assert runs[True] == runs[False]
 
