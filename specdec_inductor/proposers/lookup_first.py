@@ -39,6 +39,7 @@ whichever drafted, and the merged tree's linkage is rebuilt from its ancestor ma
 every request drafts with the model, grafts included, drafts inside the step program, as the
 model alone does (draft_program; a graft as tensor ops after the model's tree, GraftDrafter);
 any other step drafts before it (propose), from the sources already chosen."""
+import functools
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -155,7 +156,7 @@ class LookupFirstProposer(Proposer):
         self.costs: Optional[StepCosts] = None  # the loop's (use_step_costs)
         self.draft_s: Optional[float] = None  # running mean of a model draft's seconds
         self._chosen = None  # (request ids, trees, sources) draft_program chose for propose
-        self._grafters: Dict[int, "GraftDrafter"] = {}  # by the model's program drafter
+        self._grafter: Optional["GraftDrafter"] = None  # over the model's program drafter
         self._program_t0: Optional[float] = None  # when a step drafted in its program began
         # Request-steps each source drafted and the drafts accepted from them (for reports).
         self.drafts = {LOOKUP: 0, MODEL: 0, BOTH: 0}
@@ -186,18 +187,12 @@ class LookupFirstProposer(Proposer):
         if all(s.last in (MODEL, BOTH) for s in sources) and (self.graft_in_program or not both):
             program = self.model.draft_program(request_ids, seq_lens, roots)
         if program is not None and both:
-            grafter = self._grafters.get(id(program.drafter))
-            if grafter is None or grafter.inner is not program.drafter:
-                grafter = GraftDrafter(program.drafter, min(self.graft, self.num_draft_tokens - 2))
-                self._grafters[id(program.drafter)] = grafter
+            g = self._grafter
+            if g is None or g.inner is not program.drafter or g.cap != self.graft:
+                g = self._grafter = GraftDrafter(program.drafter, self.graft)
             path, path_len = self._paths(sources, roots.shape[0])
-
-            def read(own, sources=sources):  # the model's own trees, for its score at commit
-                tokens, nxt, sib = (t.tolist() for t in own)
-                for b, s in enumerate(sources):
-                    if s.last == BOTH:
-                        s.model_table = (tokens[b], nxt[b], sib[b], len(tokens[b]) - 1)
-            program = DraftProgram(grafter, [*program.inputs, path, path_len], read)
+            program = DraftProgram(g, [*program.inputs, path, path_len],
+                                   functools.partial(self._model_trees, sources))
             self.grafts_in_program += 1
         if program is None:
             self._chosen = (list(request_ids), found, sources)
@@ -231,7 +226,7 @@ class LookupFirstProposer(Proposer):
         if unverified:
             self.model.discard_drafts(unverified)
         if both:
-            drafted = self._graft(drafted, both, sources)
+            drafted = self._graft(drafted, sources)
         return self._merge(found, drafted, model_rows, seq_lens)
 
     def _choose(self, request_ids: List[int], seq_lens: Tensor):
@@ -350,17 +345,27 @@ class LookupFirstProposer(Proposer):
             path_len[b] = len(along)
         return path, path_len
 
-    def _graft(self, drafted: DraftTree, rows: List[int], sources: List[_Source]) -> DraftTree:
-        """`drafted` with the lookup's first path grafted in at each of `rows` (graft_paths);
-        each such row offers N - 1 drafts. Linkage is rebuilt by _merge."""
+    @staticmethod
+    def _model_trees(sources: List[_Source], own: tuple) -> None:
+        """GraftDrafter's extra outputs (DraftProgram.read): the model's own trees' tokens and
+        linkage, kept for its score at commit by each request that drafted with both."""
+        tokens, nxt, sib = (t.tolist() for t in own)
+        for b, s in enumerate(sources):
+            if s.last == BOTH:
+                s.model_table = (tokens[b], nxt[b], sib[b], len(tokens[b]) - 1)
+
+    def _graft(self, drafted: DraftTree, sources: List[_Source]) -> DraftTree:
+        """`drafted` with the lookup's first path grafted in at each request drafting with
+        both (graft_paths); each such row offers N - 1 drafts. Linkage is rebuilt by _merge."""
         bs, n = drafted.tokens.shape
-        for b in rows:
-            sources[b].model_table = _path_table(drafted, b)
+        for b, s in enumerate(sources):
+            if s.last == BOTH:
+                s.model_table = _path_table(drafted, b)
         offered = (drafted.num_drafts.long() if drafted.num_drafts is not None
                    else torch.full((bs,), n - 1, dtype=torch.int64))
         path, path_len = self._paths(sources, bs)
         tokens, mask, grafted = graft_paths(drafted.tokens, drafted.tree_mask, path, path_len,
-                                            min(self.graft, n - 2), offered)
+                                            self.graft, offered)
         # The graft ends at the last node: a cut to the offered size must keep it.
         num_drafts = torch.where(grafted, n - 1, offered)
         return DraftTree(tokens, mask, drafted.positions, drafted.retrieve_index,
@@ -469,24 +474,17 @@ def _path_table(tree: DraftTree, b: int) -> tuple:
             tree.retrieve_next_sibling[b].tolist(), offered)
 
 
-def _follow(table: tuple, path: List[int], limit: int) -> tuple:
-    """(the last node, how many of `path`'s tokens) a draft tree (a _path_table) holds in a
-    row from its root, among its nodes below `limit`."""
-    tokens, first, sibling, _ = table
-    node, along = 0, 0
-    for tok in path:
-        child = first[node]
-        while child != -1 and (child >= limit or tokens[child] != tok):
-            child = sibling[child]
-        if child == -1:
-            break
-        node, along = child, along + 1
-    return node, along
-
-
 def _matched(tokens: List[int], first: List[int], sibling: List[int], offered: int,
              emitted: List[int]) -> int:
     """How many of the emitted tokens the draft tree predicts in a row from its root (nodes
     past `offered` left out): the drafts a verify of that tree would have accepted, counting
     the bonus token when the tree went on past the accepted ones (at most len(emitted))."""
-    return _follow((tokens, first, sibling, offered), emitted, offered + 1)[1]
+    node, count = 0, 0
+    for tok in emitted:
+        child = first[node]
+        while child != -1 and (child > offered or tokens[child] != tok):
+            child = sibling[child]
+        if child == -1:
+            break
+        node, count = child, count + 1
+    return count
