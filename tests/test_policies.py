@@ -89,8 +89,8 @@ def test_gate_prices_drafts_but_not_catch_ups():
 
 
 def test_a_draft_far_slower_than_the_mean_counts_as_a_bounded_outlier():
-    """A draft that first ran a graph or was preempted counts at most DRAFT_S_OUTLIER times the
-    running mean: it nudges the break-even, it does not hold it up for dozens of drafts."""
+    """A draft timed far above the running mean counts at most DRAFT_S_OUTLIER times it: it
+    nudges the break-even, it does not hold it up for dozens of drafts."""
     from specdec_inductor.speculative.policies import DRAFT_S_OUTLIER, running_draft_s
     assert running_draft_s(None, 0.5) == 0.5  # the first priced draft is the mean
     assert running_draft_s(0.01, 0.02) == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)
