@@ -13,6 +13,8 @@ public API, so the same script measures an older checkout (PYTHONPATH=that check
     python benchmarks/bench_step.py --methods eagle3 --drafted-ab   # the draft in the program
     python benchmarks/bench_step.py --methods standalone --drafted-ab   # a chain in the program
     python benchmarks/bench_step.py --methods ar,eagle3 --quantized int8   # the Q4_1 file, INT8
+    python benchmarks/bench_step.py --methods eagle3+lookup --style-prompts --mixed-ab
+        # lookup first over a batch of different styles: steps mixing sources in the program
 
 --profile counts, per step of one generate run (deterministic, so comparable across checkouts on
 a loaded machine where times are not): eager aten ops called from the host outside the compiled
@@ -33,9 +35,11 @@ from specdec_inductor.engine.engine import Engine
 from specdec_inductor.loading import load_model
 from specdec_inductor.ops.quant import QuantActivation
 from specdec_inductor.proposers.autoregressive import AutoregressiveProposer
+from specdec_inductor.proposers.lookup_first import LookupFirstProposer
 from specdec_inductor.proposers.ngram import NgramProposer
 from specdec_inductor.proposers.registry import ProposerConfig, make_proposer, make_target_engine
 from specdec_inductor.speculative import SpeculativeGenerator, SpeculativeStats
+from specdec_inductor.train.styles import encode_prompt, eval_prompts
 
 PROMPT = ("def bubble_sort(items):\n    n = len(items)\n    for i in range(n):\n"
           "        for j in range(0, n - i - 1):\n            if items[j] > items[j + 1]:\n"
@@ -102,12 +106,15 @@ def measure(variants, timer, prompts, new_tokens, rounds, parts=None):
     """{label: median over rounds of (ms per step, in-graph ms per step, host share, the
     proposer's host ms per step preparing drafts, committing)} and the per-round ratios of ms
     per step to the first variant's; variants: {label: (generator, one_program,
-    draft_in_program)}, taking turns within every round so that a drift of the machine's
-    speed hits them alike; parts: a ProposerHostTimer installed over their proposers."""
+    draft_in_program, mixed_in_program)} (the last for lookup first), taking turns within
+    every round so that a drift of the machine's speed hits them alike; parts: a
+    ProposerHostTimer installed over their proposers."""
     rows = {label: [] for label in variants}
     for _ in range(rounds):
-        for label, (spec, one_program, in_program) in variants.items():
+        for label, (spec, one_program, in_program, mixed) in variants.items():
             spec.one_program, spec.draft_in_program = one_program, in_program
+            if isinstance(spec.proposer, LookupFirstProposer):
+                spec.proposer.mixed_in_program = mixed
             stats = SpeculativeStats()
             timer.seconds = 0.0
             if parts is not None:
@@ -250,7 +257,16 @@ def main():
     parser.add_argument("--methods", default="ngram,ar",
                         help="comma list of ngram, ar, and the draft-model methods eagle3, "
                              "eagle (the shipped heads, their default trees) and standalone (the "
-                             "target's first layers, a chain), N = 8, drafting every step")
+                             "target's first layers, a chain), N = 8, drafting every step; "
+                             "METHOD+lookup: prompt lookup in front (ProposerConfig.lookup)")
+    parser.add_argument("--style-prompts", action="store_true",
+                        help="batch b's prompts: the first b style evaluation prompts taken "
+                             "one style at a time (train/styles.py), not one prompt cut to b "
+                             "ragged lengths")
+    parser.add_argument("--mixed-ab", action="store_true",
+                        help="also time each +lookup method with the steps that mix sources "
+                             "drafting before the step program (mixed_in_program = False), in "
+                             "turns with the program that drafts them inside it")
     parser.add_argument("--drafted-ab", action="store_true",
                         help="also time each draft-model method drafting before the step program "
                              "(draft_in_program = False: a tree in its own graph, a chain by its "
@@ -293,8 +309,9 @@ def main():
             methods[name] = SpeculativeGenerator(engine, NgramProposer(num_draft_tokens=8))
         elif name == "ar":
             methods[name] = SpeculativeGenerator(engine, AutoregressiveProposer())
-        elif name in ("eagle3", "eagle", "standalone"):
-            config = ProposerConfig(method=name, num_draft_tokens=8)
+        elif name.removesuffix("+lookup") in ("eagle3", "eagle", "standalone"):
+            config = ProposerConfig(method=name.removesuffix("+lookup"), num_draft_tokens=8,
+                                    lookup=name.endswith("+lookup"))
             target = make_target_engine(config, model, max_batch=engine.max_batch, max_len=512,
                                         compile=True, prefill_chunk=64)
             proposer = make_proposer(config, target)
@@ -334,8 +351,16 @@ def main():
               "of which the proposer's: prepare / commit ms/step | "
               "ms/step / the method's first row, per round: median (min-max) |")
         print("|---|---|---|---|---|---|---|---|")
+    if args.style_prompts:
+        by_style = {}
+        for p in eval_prompts():
+            by_style.setdefault(p.style, []).append(p)
+        mix = [p for group in zip(*by_style.values()) for p in group]  # one style at a time
+        style_ids = [encode_prompt(tokenizer, p) for p in mix]
     for bs in batches:
         prompts = [ids[:len(ids) - b] for b in range(bs)]  # ragged lengths
+        if args.style_prompts:
+            prompts = style_ids[:bs]
         for name, spec in methods.items():
             spec.compile_verify(batch_size=bs)
             spec.generate(prompts, 16)  # the bucket's prefill and decode graphs
@@ -352,23 +377,34 @@ def main():
                     print(f"#   most called per step: {names}", flush=True)
                 spec.draft_in_program = True
                 continue
-            variants = {name: (spec, True, True)}
+            variants = {name: (spec, True, True, True)}
             if args.pieces:
-                variants[f"{name} pieces"] = (spec, False, True)
+                variants[f"{name} pieces"] = (spec, False, True, True)
                 spec.one_program = False
                 spec.generate(prompts, 16)  # the engine's own decode graph
                 spec.one_program = True
             if args.drafted_ab and spec.proposer is not None and spec.proposer.engine:
-                variants[f"{name} propose first"] = (spec, True, False)
+                variants[f"{name} propose first"] = (spec, True, False, True)
                 spec.draft_in_program = False
                 spec.generate(prompts, 16)  # the draft's own graphs
                 spec.draft_in_program = True
+            if args.mixed_ab and isinstance(spec.proposer, LookupFirstProposer):
+                variants[f"{name} mixed steps first"] = (spec, True, True, False)
+                for mixed in (True, False):  # what either compiles, at full length
+                    spec.proposer.mixed_in_program = mixed
+                    spec.generate(prompts, args.max_new_tokens)
             parts.install(spec.proposer)
             for label, (step, graph, share, prepare, commit, ratios) in measure(
                     variants, timer, prompts, args.max_new_tokens, args.rounds, parts).items():
                 print(f"| {label} | {bs} | {step:.2f} | {graph:.2f} | {step - graph:.2f} | "
                       f"{100 * share:.1f}% | {prepare:.2f} / {commit:.2f} | "
                       f"{statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f}) |",
+                      flush=True)
+            if isinstance(spec.proposer, LookupFirstProposer):
+                lf = spec.proposer
+                print(f"#   {name} batch {bs}, every run so far: request-steps by source "
+                      f"{lf.drafts}; steps mixing sources inside the program "
+                      f"{lf.mixed_in_program_steps}, grafting there {lf.grafts_in_program}",
                       flush=True)
 
 

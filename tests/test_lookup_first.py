@@ -136,10 +136,11 @@ def test_compiled_lookup_first_equals_eager_without_recompiles(eagle3_head):
     _free(engine, proposer.engine)
 
 
-def _second_run_compiles_nothing(spec, engine):
-    """Other prompts through the same compiled generator: plain greedy's tokens, no recompile."""
+def _second_run_compiles_nothing(spec, engine, count=2):
+    """`count` other prompts through the same compiled generator: plain greedy's tokens, no
+    recompile."""
     with torch.compiler.set_stance("fail_on_recompile"):
-        ps = repetitive_prompts(2, seed=9)
+        ps = repetitive_prompts(count, seed=9)
         stats = SpeculativeStats()
         assert spec.generate(ps, 16, stats=stats) == engine.generate(ps, 16)
         assert stats.recompiles == 0
@@ -168,6 +169,85 @@ def test_grafts_run_inside_the_step_program_and_equal_eager(eagle3_head, monkeyp
             _second_run_compiles_nothing(spec, engine)
         _free(engine, proposer.engine)
     assert runs[True] == runs[False]
+
+
+def test_batches_mixing_sources_draft_inside_the_step_program_as_before_it(eagle3_head):
+    """A ragged batch whose requests draft with the lookup, the model, both, or rest in the
+    same step: those steps run as one program (the lookup's trees and the rests applied to
+    the model's trees as tensor ops, MixedDrafter) and choose, draft and accept exactly as the
+    same steps drafted before the program (mixed_in_program False); tokens equal plain
+    greedy, compiled and eager, and a second run compiles nothing."""
+    ps = repetitive_prompts(3)
+    runs = {}
+    for compile, in_program in ((False, True), (True, True), (True, False)):
+        spec, proposer, engine = _generators("eagle3", eagle3_head, 3, compile=compile)
+        proposer.mixed_in_program = in_program
+        stats = SpeculativeStats()
+        assert spec.generate(ps, 24, stats=stats) == engine.generate(ps, 24)
+        assert (proposer.mixed_in_program_steps > 0) == in_program, proposer.drafts
+        assert min(proposer.drafts.values()) > 0, proposer.drafts  # every source drafted
+        runs[compile, in_program] = (dict(proposer.drafts), dict(proposer.accepted),
+                                     stats.steps_by_size, stats.accepted_at_depth,
+                                     proposer.mixed_in_program_steps)
+        if compile and in_program:
+            _second_run_compiles_nothing(spec, engine, 3)
+        _free(engine, proposer.engine)
+    assert runs[True, True] == runs[False, True]
+    assert runs[True, True][:4] == runs[True, False][:4]
+
+
+class _FixedTrees:
+    """A program drafter (DraftProgram.drafter) whose trees are `tokens` / `mask` whatever its
+    inputs."""
+
+    def __init__(self, tokens, mask):
+        self.tokens, self.mask = tokens, mask
+
+    def tree_program(self, roots, seq_lens):
+        from specdec_inductor import ops
+        positions, ridx, nxt, sib = ops.reconstruct_tree_from_mask(self.mask, seq_lens,
+                                                                   self.tokens.shape[1])
+        return self.tokens, self.mask, positions, ridx, nxt, sib
+
+
+def test_mixed_drafter_applies_each_rows_source_to_the_models_trees():
+    """Row by row: a model row keeps the model's tree, a lookup row takes the lookup's, a
+    resting row keeps a tree it never accepts from (the root's linkage cut: a decode row), a
+    row drafting with both gets the lookup's path grafted in (graft_paths); the model's own
+    trees come back after the step's."""
+    from specdec_inductor import ops
+    from specdec_inductor.proposers.lookup_first import MixedDrafter, graft_paths
+    n, bs = 5, 4
+    chain = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    star = torch.eye(n, dtype=torch.bool)
+    star[:, 0] = True
+    model_tokens = torch.tensor([[1, 11, 12, 13, 14]] * bs)
+    model_mask = chain.repeat(bs, 1, 1).reshape(-1)
+    found_tokens = torch.tensor([[1, 21, 22, 23, 24]] * bs)
+    found_mask = star.repeat(bs, 1, 1).reshape(-1)
+    path = torch.tensor([[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [11, 31, 32, 0]])
+    path_len = torch.tensor([0, 0, 0, 3])
+    M, L, R = MixedDrafter.MODEL_ROW, MixedDrafter.LOOKUP_ROW, MixedDrafter.RESTING_ROW
+    source = torch.tensor([M, L, R, M])
+    seq_lens = torch.tensor([7, 8, 9, 10])
+    drafter = MixedDrafter(_FixedTrees(model_tokens, model_mask), cap=3)
+    tokens, mask, positions, ridx, nxt, sib, own, own_nxt, own_sib = drafter.tree_program(
+        torch.ones(bs, dtype=torch.int64), seq_lens, path, path_len, found_tokens, found_mask,
+        source)
+    grafted, grafted_mask, _ = graft_paths(model_tokens, model_mask, path, path_len, 3)
+    assert grafted[3].tolist() == [1, 11, 12, 31, 32]  # followed 11, then the new chain
+    want_mask = torch.stack([chain, star, chain, grafted_mask.view(bs, n, n)[3]]).reshape(-1)
+    assert tokens.tolist() == [model_tokens[0].tolist(), found_tokens[1].tolist(),
+                               model_tokens[2].tolist(), grafted[3].tolist()]
+    assert torch.equal(mask, want_mask)
+    want = ops.reconstruct_tree_from_mask(want_mask, seq_lens, n)
+    assert torch.equal(positions, want[0]) and torch.equal(ridx, want[1])
+    for got, full in ((nxt, want[2]), (sib, want[3])):
+        assert got[2].tolist() == [-1] * n  # the resting row: nothing past its root
+        assert torch.equal(got[[0, 1, 3]], full[[0, 1, 3]])
+    model_linkage = ops.reconstruct_tree_from_mask(model_mask, seq_lens, n)
+    assert torch.equal(own, model_tokens) and torch.equal(own_nxt, model_linkage[2])
+    assert torch.equal(own_sib, model_linkage[3])
 
 
 def _graft_by_walk(tokens, parent, path, cap, offered):
@@ -394,6 +474,57 @@ def test_the_model_gate_rises_to_the_break_even_of_the_measured_costs(priced):
     # A mean of 0.5 accepted drafts over the 4: below 1.0, above 0.3.
     want = [0] if priced else [n - 1]
     assert p.propose([0], torch.tensor([3])).num_drafts.tolist() == want
+    p.finish([0])
+
+
+def test_a_model_draft_during_which_a_graph_compiled_is_not_priced(monkeypatch):
+    """A model draft whose step compiled a graph (its time the compiler's) leaves the running
+    price of a draft as it was, on the host path and inside the step program alike; the
+    drafts after it are priced again. Scripted clock and graph count."""
+    from specdec_inductor.proposers import lookup_first
+    from specdec_inductor.speculative.policies import StepCosts
+    n = 4
+    model = _Fixed(n)
+    graphs, now = [0], [0.0]
+    monkeypatch.setattr(lookup_first, "graphs_compiled", lambda: graphs[0])
+    p = LookupFirstProposer(model, NgramProposer(n), min_steps=4)
+    p.clock = lambda: now[0]
+    p.use_step_costs(StepCosts(decode_s=1.0, verify_cost=1.5))
+    p.start([0], [[9, 8, 7]])
+    fresh = iter(range(10, 1000))  # tokens never repeated: lookup never matches
+
+    def step(seconds, compiles=False, in_program=False):
+        if in_program:  # as draft_program marks a step drafted inside its program
+            p._program_t0 = (p.clock(), lookup_first.graphs_compiled())
+            p._sources[0].last = lookup_first.MODEL
+        else:
+            p.propose([0], torch.tensor([3]))
+        now[0] += seconds
+        graphs[0] += int(compiles)
+        p.commit([0], [[next(fresh) for _ in range(3)]])
+
+    # The host path times propose alone: the seconds are spent inside the model's propose.
+    model_propose = model.propose
+    spent = []
+
+    def timed_propose(request_ids, seq_lens):
+        seconds, compiles = spent.pop(0)
+        now[0] += seconds
+        graphs[0] += int(compiles)
+        return model_propose(request_ids, seq_lens)
+
+    model.propose = timed_propose
+    for seconds, compiles in [(0.5, False), (0.5, False), (90.0, True), (0.5, False)]:
+        spent.append((seconds, compiles))
+        step(0.0)
+    assert p.draft_s == pytest.approx(0.5)  # the first (a catch-up) and the compiling one left
+    # Inside the program: the step's seconds beyond a verify(N) of 1.5.
+    step(2.0, in_program=True)
+    assert p.draft_s == pytest.approx(0.5)
+    step(400.0, compiles=True, in_program=True)
+    assert p.draft_s == pytest.approx(0.5)
+    step(2.5, in_program=True)
+    assert p.draft_s == pytest.approx(0.8 * 0.5 + 0.2 * 1.0)
     p.finish([0])
 
 

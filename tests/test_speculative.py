@@ -340,6 +340,47 @@ def test_gate_does_not_price_the_catch_up_after_a_cooldown():
     engine.pool.check_consistent()
 
 
+class _CompilingProposer(_CostlyScriptedChainProposer):
+    """Right drafts costing `delay`, but the `compiling`-th draft compiles a graph (Dynamo's
+    count of compiled graphs, `graphs`, grows) and takes `compile_s` instead."""
+
+    def __init__(self, truth, delay, clock, graphs, compiling, compile_s):
+        super().__init__(truth, delay, clock)
+        self.graphs, self.compiling, self.compile_s, self.drafts = graphs, compiling, compile_s, 0
+
+    def propose(self, request_ids, seq_lens):
+        self.drafts += 1
+        if self.drafts == self.compiling:
+            self.graphs[0] += 1
+            self.clock.now += self.compile_s - self.delay
+        return super().propose(request_ids, seq_lens)
+
+
+@pytest.mark.parametrize("compiling", [2, 5])
+def test_gate_does_not_price_a_draft_that_compiled_a_graph(monkeypatch, compiling):
+    """A draft during which a graph compiled (a draft graph's first run, seconds where drafts
+    take milliseconds) is not priced: the first priced draft would seed the running mean, a
+    later one lift it, and the gate would rest drafts that pay. Scripted clock and graph
+    count; the next drafts are priced again."""
+    from specdec_inductor.speculative import loop
+    graphs = [0]
+    monkeypatch.setattr(loop, "graphs_compiled", lambda: graphs[0])
+    model = tiny_model("llama", seed=4)
+    engine = Engine(model, max_batch=1, max_len=128, compile=False, prefill_chunk=16)
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    plain = engine.generate(prompt, 40)
+    clock = _ScriptedClock()
+    proposer = _CompilingProposer(plain[0], 0.2, clock, graphs, compiling, compile_s=500.0)
+    spec = SpeculativeGenerator(engine, proposer)
+    spec.clock = clock
+    spec.verify_cost, spec._decode_s = 1.2, 1.0  # as compile_verify measures them
+    stats = SpeculativeStats()
+    assert spec.generate(prompt, 40, stats=stats) == plain
+    assert graphs[0] == 1 and proposer.drafts > compiling
+    assert spec._draft_s == pytest.approx(0.2) and stats.decode_steps == 0, stats.summary()
+    engine.pool.check_consistent()
+
+
 def test_adaptive_size_shrinks_verifies_after_misses_and_grows_back():
     """A proposer with cheap drafts gets no acceptance gate: after missing drafts its verifies
     drop to the smallest size (2 tokens, a decode step's cost) instead of plain decodes, and

@@ -82,7 +82,7 @@ def _engine_owned(name: str) -> bool:
     creates and never replaces; reached as `self.engine....` from a compile_program owner, and
     as `self.step.engine....` / `self.drafter.engine....` from a program that runs another
     program's step and a draft Engine's (commit.DraftedStep), `self.drafter.inner.engine....`
-    where a drafter wraps the draft Engine's (lookup_first.GraftDrafter)."""
+    where a drafter wraps the draft Engine's (lookup_first.MixedDrafter)."""
     for root in _OWNED_ROOTS:
         at = name.find(root)
         while at >= 0:

@@ -36,9 +36,10 @@ Both proposers see every request's start, commits and finish, so either can draf
 draft model catches up over the tokens committed while it did not draft (its catch-up extend, as
 after the acceptance gate's plain steps). Both trees have N nodes, so a step verifies one shape
 whichever drafted, and the merged tree's linkage is rebuilt from its ancestor mask. A step where
-every request drafts with the model, grafts included, drafts inside the step program, as the
-model alone does (draft_program; a graft as tensor ops after the model's tree, GraftDrafter);
-any other step drafts before it (propose), from the sources already chosen."""
+any request drafts with the model drafts inside the step program, as the model alone does
+(draft_program): the rows that draft with both, with the lookup alone or not at all take their
+trees from the model's there, as tensor ops (MixedDrafter); a step without model drafts
+verifies the lookup's trees (propose)."""
 import functools
 import time
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from specdec_inductor.proposers.ngram import NgramProposer
 from specdec_inductor.speculative import DraftProgram, DraftTree, Proposer
 from specdec_inductor.speculative.policies import (StepCosts, break_even, fails_to_pay, rest_after,
                                                    running_draft_s)
+from specdec_inductor.speculative.stats import graphs_compiled
 
 # A lookup drafts when the context suffix it continues is at least this long and it offers at
 # least this many drafts. One-token matches (a repeated newline or keyword) continue too seldom;
@@ -124,9 +126,12 @@ class LookupFirstProposer(Proposer):
     # match; the loop's batch gate would silence both for every request.
     gates_own_drafts = True
 
-    # Graft steps draft inside the step program (GraftDrafter); False: before it, in propose
+    # Graft steps draft inside the step program (MixedDrafter); False: before it, in propose
     # (benchmarks/bench_styles.py --lookup 2+hostgraft: the comparison).
     graft_in_program = True
+    # Steps whose batch mixes model rows with lookup or resting rows draft inside the step
+    # program too (MixedDrafter); False: before it (benchmarks/bench_step.py --drafted-ab).
+    mixed_in_program = True
 
     def __init__(self, model: Proposer, lookup: NgramProposer, min_match: int = MIN_MATCH,
                  min_drafts: int = MIN_DRAFTS, model_min_accepted: float = MODEL_MIN_ACCEPTED,
@@ -156,12 +161,16 @@ class LookupFirstProposer(Proposer):
         self.costs: Optional[StepCosts] = None  # the loop's (use_step_costs)
         self.draft_s: Optional[float] = None  # running mean of a model draft's seconds
         self._chosen = None  # (request ids, trees, sources) draft_program chose for propose
-        self._grafter: Optional["GraftDrafter"] = None  # over the model's program drafter
-        self._program_t0: Optional[float] = None  # when a step drafted in its program began
+        self._mixer: Optional["MixedDrafter"] = None  # over the model's program drafter
+        # When a step drafted in its program began: (clock, graphs_compiled()).
+        self._program_t0: Optional[tuple] = None
         # Request-steps each source drafted and the drafts accepted from them (for reports).
         self.drafts = {LOOKUP: 0, MODEL: 0, BOTH: 0}
         self.accepted = {LOOKUP: 0, MODEL: 0, BOTH: 0}
-        self.grafts_in_program = 0  # steps that grafted inside the step program (GraftDrafter)
+        # Steps that drafted inside the step program (MixedDrafter) with a graft, and with
+        # rows that drafted with the lookup alone or rested (tests assert the path).
+        self.grafts_in_program = 0
+        self.mixed_in_program_steps = 0
 
     def start(self, request_ids: List[int], contexts: List[List[int]],
               hidden: Optional[List[Tensor]] = None) -> None:
@@ -176,29 +185,54 @@ class LookupFirstProposer(Proposer):
 
     def draft_program(self, request_ids: List[int], seq_lens: Tensor,
                       roots: Tensor) -> Optional[DraftProgram]:
-        """The model's program when it drafts for every request this step (as the model alone
-        would draft: inside the step program), with the lookup's paths grafted in there
-        (GraftDrafter) where a request drafts with both; else None, and propose drafts the
-        step with the sources chosen here."""
+        """The model's program when it drafts for some request this step (as the model alone
+        would draft: inside the step program); where requests draft otherwise (with both, the
+        lookup alone, or not at all), the model's program with each row's source applied
+        after its trees (MixedDrafter). None when no request drafts with the model (the
+        lookup's trees, or none, are the step's: propose)."""
         bs = len(request_ids)
         found, sources = self._choose(request_ids, seq_lens[:bs])
         program = None
         both = any(s.last == BOTH for s in sources)
-        if all(s.last in (MODEL, BOTH) for s in sources) and (self.graft_in_program or not both):
+        mixed = any(s.last in (LOOKUP, NONE) for s in sources)
+        if (any(s.last in (MODEL, BOTH) for s in sources) and (self.graft_in_program or not both)
+                and (self.mixed_in_program or not mixed)):
             program = self.model.draft_program(request_ids, seq_lens, roots)
-        if program is not None and both:
-            g = self._grafter
-            if g is None or g.inner is not program.drafter or g.cap != self.graft:
-                g = self._grafter = GraftDrafter(program.drafter, self.graft)
-            path, path_len = self._paths(sources, roots.shape[0])
-            program = DraftProgram(g, [*program.inputs, path, path_len],
-                                   functools.partial(self._model_trees, sources))
-            self.grafts_in_program += 1
+        if program is not None and (both or mixed):
+            program = self._mixed(program, found, sources, roots.shape[0])
+            if mixed:  # the model's drafts there are never verified
+                self.model.discard_drafts([r for r, s in zip(request_ids, sources)
+                                           if s.last in (LOOKUP, NONE)])
+            self.grafts_in_program += int(both)
+            self.mixed_in_program_steps += int(mixed)
         if program is None:
             self._chosen = (list(request_ids), found, sources)
         else:  # priced at commit: the step's seconds beyond a verify
-            self._program_t0 = self.clock()
+            self._program_t0 = (self.clock(), graphs_compiled())
         return program
+
+    def _mixed(self, program: DraftProgram, found: DraftTree, sources: List[_Source],
+               rows: int) -> DraftProgram:
+        """`program` (the model's, over `rows` bucket rows) with MixedDrafter's inputs: each
+        request's lookup path to graft (where it drafts with both), the lookup's trees
+        (`found`, padded to the bucket) and each row's source."""
+        g = self._mixer
+        if g is None or g.inner is not program.drafter or g.cap != self.graft:
+            g = self._mixer = MixedDrafter(program.drafter, self.graft)
+        bs, n = found.tokens.shape
+        path, path_len = self._paths(sources, rows)
+        tokens = torch.zeros(rows, n, dtype=torch.int64)
+        tokens[:bs] = found.tokens
+        mask = torch.eye(n, dtype=torch.bool).repeat(rows, 1, 1)  # padding rows: never read
+        mask[:bs] = found.tree_mask.view(bs, n, n)
+        code = torch.full((rows,), MixedDrafter.MODEL_ROW, dtype=torch.int64)
+        for b, s in enumerate(sources):
+            if s.last == LOOKUP:
+                code[b] = MixedDrafter.LOOKUP_ROW
+            elif s.last == NONE:
+                code[b] = MixedDrafter.RESTING_ROW
+        return DraftProgram(g, [*program.inputs, path, path_len, tokens, mask.view(-1), code],
+                            functools.partial(self._model_trees, sources))
 
     def propose(self, request_ids: List[int], seq_lens: Tensor) -> DraftTree:
         chosen, self._chosen = self._chosen, None
@@ -213,11 +247,11 @@ class LookupFirstProposer(Proposer):
         # catch-up and draft graphs would run at a smaller bucket, a graph compiled mid-run.
         # The rows that lookup drafted or that rest keep their own, and the model is told that
         # its drafts there go unverified.
-        t0 = self.clock()
+        t0 = (self.clock(), graphs_compiled())
         drafted = self.model.propose(request_ids, seq_lens)
         both = [b for b, s in enumerate(sources) if s.last == BOTH]
         if not both:  # a graft before the program costs more than a model step: not priced
-            self._price(self.clock() - t0, sources)
+            self._price(t0, sources)
         if len(model_rows) == len(request_ids) and not both:
             return drafted
         # A graft row's model nodes were drafted and verified as in a model step: the model
@@ -255,20 +289,26 @@ class LookupFirstProposer(Proposer):
         found.num_drafts = num_drafts
         return found, sources
 
-    def _price(self, seconds: float, sources: List[_Source]) -> None:
-        """A model draft's seconds into the running mean the gate prices drafts by, as the
-        loop's gate does: not a draft that also caught the model up over a rest or a prompt."""
-        if all(s.model_before for s in sources if s.last in (MODEL, BOTH)):
+    def _price(self, t0: tuple, sources: List[_Source], in_step: bool = False) -> None:
+        """The seconds of a model draft begun at t0 (clock, graphs_compiled()) into the running
+        mean the gate prices drafts by, as the loop's gate does: not a draft that also caught
+        the model up over a rest or a prompt, nor one during which a graph compiled (the time
+        was the compiler's). in_step: the draft ran inside the step program, and its seconds
+        are what the step took beyond a verify."""
+        if graphs_compiled() != t0[1]:
+            return
+        seconds = self.clock() - t0[0]
+        if in_step:
+            seconds = self.costs.draft_in_step(seconds) if self.costs is not None else None
+        if seconds is not None and all(s.model_before for s in sources
+                                       if s.last in (MODEL, BOTH)):
             self.draft_s = running_draft_s(self.draft_s, seconds)
 
     def commit(self, request_ids: List[int], emitted: List[List[int]],
                hidden: Optional[List[Tensor]] = None) -> None:
         t0, self._program_t0 = self._program_t0, None
-        if t0 is not None and self.costs is not None:
-            # The step ran the model's draft and the verify as one program.
-            draft_s = self.costs.draft_in_step(self.clock() - t0)
-            if draft_s is not None:
-                self._price(draft_s, [self._sources[r] for r in request_ids])
+        if t0 is not None:  # the step ran the model's draft and the verify as one program
+            self._price(t0, [self._sources[r] for r in request_ids], in_step=True)
         self.model.commit(request_ids, emitted, hidden)
         self.lookup.commit(request_ids, emitted)
         for rid, toks in zip(request_ids, emitted):
@@ -347,7 +387,7 @@ class LookupFirstProposer(Proposer):
 
     @staticmethod
     def _model_trees(sources: List[_Source], own: tuple) -> None:
-        """GraftDrafter's extra outputs (DraftProgram.read): the model's own trees' tokens and
+        """MixedDrafter's extra outputs (DraftProgram.read): the model's own trees' tokens and
         linkage, kept for its score at commit by each request that drafted with both."""
         tokens, nxt, sib = (t.tolist() for t in own)
         for b, s in enumerate(sources):
@@ -392,7 +432,7 @@ class LookupFirstProposer(Proposer):
 def graft_paths(tokens: Tensor, tree_mask: Tensor, path: Tensor, path_len: Tensor, cap: int,
                 offered: Optional[Tensor] = None) -> tuple:
     """Each request's path grafted into its draft tree, as tensor ops (traced inside a step
-    program by GraftDrafter; eager in propose). tokens [B, N] int64, tree_mask [B*N*N] bool
+    program by MixedDrafter; eager in propose). tokens [B, N] int64, tree_mask [B*N*N] bool
     (parents numbered before children), path [B, P] int64 with path_len [B] tokens each (0:
     leave the row), cap: at most this many new nodes (and N - 2), offered [B]: the tree's
     drafts (nodes past them are not followed; default all N - 1).
@@ -447,23 +487,36 @@ def graft_paths(tokens: Tensor, tree_mask: Tensor, path: Tensor, path_len: Tenso
     return tokens, mask.reshape(-1), new > 0
 
 
-class GraftDrafter:
-    """A draft model's program drafter (DraftProgram.drafter) with the lookup's paths grafted
-    into its trees inside the step program (graft_paths; inputs: the model's, then path
-    [B, N - 1] and path_len [B]). Also returns the model's own trees' tokens and linkage
-    (tokens, retrieve_next_token, retrieve_next_sibling [B, N]) for its proposer to score the
-    model on what it drafted (DraftProgram.read)."""
+class MixedDrafter:
+    """A draft model's program drafter (DraftProgram.drafter) with each row's source applied
+    to its trees inside the step program: the lookup's path grafted in (graft_paths) where a
+    row drafts with both, the lookup's own tree where it drafts alone, no drafts (a decode
+    row: the root's linkage cut) where it rests. Inputs: the model's, then path [B, N - 1]
+    and path_len [B] (0: no graft), the lookup's trees (tokens [B, N] int64, tree_mask
+    [B*N*N] bool) and each row's source [B] int64 (MODEL_ROW, LOOKUP_ROW, RESTING_ROW).
+    Also returns the model's own trees' tokens and linkage (tokens, retrieve_next_token,
+    retrieve_next_sibling [B, N]) for its proposer to score the model on what it drafted
+    (DraftProgram.read)."""
+
+    MODEL_ROW, LOOKUP_ROW, RESTING_ROW = 0, 1, 2
 
     def __init__(self, inner, cap: int):
         self.inner, self.cap = inner, cap
 
     def tree_program(self, roots, seq_lens, *inputs):
-        *model_inputs, path, path_len = inputs
+        *model_inputs, path, path_len, found_tokens, found_mask, source = inputs
         tokens, mask, _, _, nxt, sib = self.inner.tree_program(roots, seq_lens, *model_inputs)
-        n = tokens.shape[1]
+        bs, n = tokens.shape
         grafted, grafted_mask, _ = graft_paths(tokens, mask, path, path_len, self.cap)
-        positions, ridx, g_nxt, g_sib = ops.reconstruct_tree_from_mask(grafted_mask, seq_lens, n)
-        return grafted, grafted_mask, positions, ridx, g_nxt, g_sib, tokens, nxt, sib
+        alone = source == self.LOOKUP_ROW  # [B]
+        out = torch.where(alone.view(bs, 1), found_tokens, grafted)
+        out_mask = torch.where(alone.view(bs, 1, 1), found_mask.view(bs, n, n),
+                               grafted_mask.view(bs, n, n)).reshape(-1)
+        positions, ridx, o_nxt, o_sib = ops.reconstruct_tree_from_mask(out_mask, seq_lens, n)
+        rests = (source == self.RESTING_ROW).view(bs, 1)  # greedy acceptance takes the root
+        o_nxt = o_nxt.masked_fill(rests, -1)
+        o_sib = o_sib.masked_fill(rests, -1)
+        return out, out_mask, positions, ridx, o_nxt, o_sib, tokens, nxt, sib
 
 
 def _path_table(tree: DraftTree, b: int) -> tuple:

@@ -49,7 +49,8 @@ from specdec_inductor.speculative.policies import (NO_DRAFT, AcceptanceGate, Ada
                                                    CostAwareVerifySize, DraftPolicy, StartPolicy,
                                                    StepCosts, StepPlan, VerifySizePlanner)
 from specdec_inductor.speculative.proposer import Proposer
-from specdec_inductor.speculative.stats import SpeculativeStats, dynamo_counts, step_times
+from specdec_inductor.speculative.stats import (SpeculativeStats, dynamo_counts, graphs_compiled,
+                                                step_times)
 from specdec_inductor.speculative.tree import DraftProgram, DraftTree, VerifyInputs, truncate_draft
 
 
@@ -555,13 +556,14 @@ class SpeculativeGenerator:
         if not any(live):
             return {}
         bs = len(reqs)
-        t0 = self.clock()
+        t0, graphs0 = self.clock(), graphs_compiled()
         plan, draft, in_program = NO_DRAFT, None, None
         if self._drafts and policy.wants_draft():
             in_program = self._draft_in_program(batch, live)
             if in_program is None:
                 draft = self.proposer.propose(batch.rows, batch.seq_lens[:bs])
-                policy.drafted(self.clock() - t0)
+                if graphs_compiled() == graphs0:  # else the time was the compiler's
+                    policy.drafted(self.clock() - t0)
                 # before the cut to the plan's size
                 offered = (draft.num_drafts.tolist() if draft.num_drafts is not None
                            else [self.num_draft_tokens - 1] * bs)
@@ -581,15 +583,16 @@ class SpeculativeGenerator:
         # The step's one host read: per request [accepted drafts, tokens...].
         host = result.host.tolist()[:bs]
         t2 = self.clock()
+        timed = graphs_compiled() == graphs0  # a step that compiled a graph prices nothing
         if in_program is not None:
             stats.drafted_in_program += 1
             # The draft ran inside the step: price it as what the step took beyond a verify.
-            draft_s = self.costs.draft_in_step(t2 - t1)
+            draft_s = self.costs.draft_in_step(t2 - t1) if timed else None
             if draft_s is not None:
                 policy.drafted(draft_s)
         if plan is not NO_DRAFT:
             policy.observe(plan, live, [r.policy_state for r in reqs], [h[0] for h in host],
-                           [h[1] for h in host], t2 - t1)
+                           [h[1] for h in host], t2 - t1 if timed else None)
         emitted = self._emit(batch, live, host)
         if self.proposer is not None:
             lists = [emitted.get(r, []) for r in reqs]

@@ -74,7 +74,14 @@ class SpeculativeStats:
 def dynamo_counts() -> Tuple[int, int]:
     """(graphs compiled, recompiles) so far in this process, from Dynamo's counters."""
     from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+    return graphs_compiled(), sum(counters["recompiles"].values())
+
+
+def graphs_compiled() -> int:
+    """Graphs Dynamo compiled so far in this process: a step during which it grew spent its
+    time compiling, and its timing prices nothing (the policies' draft and step costs)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
 
 
 @torch.inference_mode()
