@@ -105,9 +105,10 @@ def ours(method: str, args, log_dir: str, root: Optional[str] = None) -> ServerP
     label = f"{'baseline' if root else 'ours'} {method}"
     cmd = ["env", f"PYTHONPATH={root}"] if root else []
     cmd += [specdec, "serve", "--port", "{port}",
-           "--method", method, "--max-batch", str(args.max_batch), "--max-len",
+           "--method", method.removesuffix("+lookup"), "--max-batch", str(args.max_batch), "--max-len",
            str(args.max_len), "--max-queue", str(4 * max(args.concurrency)),
            "--served-model-name", NAME, "--max-new-tokens", str(args.max_tokens)]
+    cmd += ["--lookup"] if method.endswith("+lookup") else []
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--eager"] if args.eager else []
     trace = os.path.join(log_dir, label.replace(" ", "_") + ".trace.jsonl")
@@ -267,7 +268,8 @@ def main() -> int:
                    help="model name or .gguf (default: the SmolLM2-135M Q4_1 file, kept quantized "
                         "as llama-server runs it)")
     p.add_argument("--methods", default="none,ngram,eagle3",
-                   help="our servers, one per method (none: no speculation)")
+                   help="our servers, one per method (none: no speculation; METHOD+lookup: "
+                        "with --lookup, prompt lookup in front of a draft model)")
     p.add_argument("--concurrency", default="1,4,16", help="clients at once, comma list")
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--prompts", type=int, default=len(heldout_prompts()),

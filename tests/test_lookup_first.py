@@ -681,6 +681,9 @@ def test_bad_arguments_are_refused_naming_them(eagle3_head):
         LookupFirstProposer(_Fixed(4), NgramProposer(4), min_steps=0)
     with pytest.raises(ValueError, match="argument 'model_min_accepted'"):
         LookupFirstProposer(_Fixed(4), NgramProposer(4), model_min_accepted=-1.0)
+    for k in (2, -1, "1"):
+        with pytest.raises(ValueError, match="argument 'k'"):
+            LookupFirstProposer(_Fixed(4), NgramProposer(4)).use_program_variant(k)
     for kwargs in ({"method": "ngram", "lookup": True}, {"method": "none", "lookup": True},
                    {"method": "eagle3", "lookup": 1}):
         with pytest.raises(ProposerConfigError, match="argument 'lookup'") as info:

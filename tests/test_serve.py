@@ -745,6 +745,35 @@ def test_a_draft_model_server_compiles_nothing_while_serving(tokenizer, tmp_path
     assert lane.stats.drafted_in_program == lane.stats.verify_steps - lane.stats.decode_steps
 
 
+def test_a_lookup_first_server_compiles_its_mixed_program_in_the_warm_up(tokenizer, tmp_path):
+    """Lookup first in front of an EAGLE-3 tree: a batch whose requests draft from different
+    sources (the lookup, the model, both, none) takes a step program of its own
+    (lookup_first.MixedDrafter); the warm-up compiles it at every bucket (its own phase), so
+    greedy requests that repeat their prompts and others that do not, joining a running
+    batch, compile nothing while serving and take that program."""
+    from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
+    from specdec_inductor.proposers.lookup_first import LookupFirstProposer
+    from specdec_inductor.proposers.ngram import NgramProposer
+    torch._dynamo.reset()
+    target = _tiny_llama(len(tokenizer), layers=4)
+    write_random_eagle3_checkpoint(str(tmp_path), target.config, seed=3, layer_ids=[0, 1, 2])
+    head = load_eagle3_head(str(tmp_path), target)
+    draft = Engine(head, max_batch=2 * 3, max_len=160 + 6, compile=True,
+                   compile_backend="eager", prefill_chunk=8, capture_hidden=[-1])
+    proposer = LookupFirstProposer(Eagle3Proposer(draft, 6, topk=2, depth=3), NgramProposer(6))
+    engine = Engine(target, max_batch=2, max_len=160, compile=True, compile_backend="eager",
+                    prefill_chunk=32, capture_hidden=proposer.model.target_hidden_layers)
+    scheduler = Scheduler(engine, proposer, method="eagle3", max_batch=2, max_queue=8,
+                          eos_token_id=None, warmup_prompt=[5, 6, 7, 8] * 3)
+    greedy = SamplingParams()
+    requests = [([3, 4, 5] * 6, greedy, True), ([7, 30, 9, 41, 2, 17], greedy, True),
+                ([3, 4] * 20, greedy, True), ([11, 52, 13, 8, 60], greedy, True)]
+    with _serve_compiling_nothing(scheduler, requests, 16):
+        assert scheduler.warmup_graphs["draft program 1"] > 0
+        warm = proposer.mixed_in_program_steps + proposer.grafts_in_program
+    assert proposer.mixed_in_program_steps + proposer.grafts_in_program > warm
+
+
 def test_a_compile_while_serving_is_counted_and_logged(tokenizer, caplog):
     """A shape the warm-up did not compile (here: a prefill size added after it) compiles in
     the step that meets it, and the scheduler says so: a warning naming the lane and bucket,

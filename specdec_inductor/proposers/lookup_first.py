@@ -132,6 +132,9 @@ class LookupFirstProposer(Proposer):
     # Steps whose batch mixes model rows with lookup or resting rows draft inside the step
     # program too (MixedDrafter); False: before it (benchmarks/bench_step.py --drafted-ab).
     mixed_in_program = True
+    # The model's program, and MixedDrafter's (use_program_variant(1): every step with model
+    # drafts takes it, for a warm-up to compile it at each bucket).
+    program_variants = 2
 
     def __init__(self, model: Proposer, lookup: NgramProposer, min_match: int = MIN_MATCH,
                  min_drafts: int = MIN_DRAFTS, model_min_accepted: float = MODEL_MIN_ACCEPTED,
@@ -162,6 +165,7 @@ class LookupFirstProposer(Proposer):
         self.draft_s: Optional[float] = None  # running mean of a model draft's seconds
         self._chosen = None  # (request ids, trees, sources) draft_program chose for propose
         self._mixer: Optional["MixedDrafter"] = None  # over the model's program drafter
+        self._variant = 0  # use_program_variant's
         # When a step drafted in its program began: (clock, graphs_compiled()).
         self._program_t0: Optional[tuple] = None
         # Request-steps each source drafted and the drafts accepted from them (for reports).
@@ -198,7 +202,7 @@ class LookupFirstProposer(Proposer):
         if (any(s.last in (MODEL, BOTH) for s in sources) and (self.graft_in_program or not both)
                 and (self.mixed_in_program or not mixed)):
             program = self.model.draft_program(request_ids, seq_lens, roots)
-        if program is not None and (both or mixed):
+        if program is not None and (both or mixed or self._variant == 1):
             program = self._mixed(program, found, sources, roots.shape[0])
             if mixed:  # the model's drafts there are never verified
                 self.model.discard_drafts([r for r, s in zip(request_ids, sources)
@@ -210,6 +214,11 @@ class LookupFirstProposer(Proposer):
         else:  # priced at commit: the step's seconds beyond a verify
             self._program_t0 = (self.clock(), graphs_compiled())
         return program
+
+    def use_program_variant(self, k: int) -> None:
+        if k not in range(self.program_variants):
+            raise ValueError(f"argument 'k' must be in [0, {self.program_variants}), got {k!r}")
+        self._variant = k
 
     def _mixed(self, program: DraftProgram, found: DraftTree, sources: List[_Source],
                rows: int) -> DraftProgram:

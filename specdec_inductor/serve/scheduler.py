@@ -39,6 +39,7 @@ the step's Deltas to the HTTP side together (one event-loop wake-up per step, no
 request).
 """
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -314,7 +315,10 @@ class Scheduler:
         - with a draft model (a proposer with an engine of its own, whose graphs take the live
           count's bucket), a scratch group of every other bucket size through the first lane,
           and a sampled one of every bucket size: its drafted steps are step programs that
-          draft inside them (SpeculativeGenerator.draft_in_program), greedy or sampled.
+          draft inside them (SpeculativeGenerator.draft_in_program), greedy or sampled;
+        - where the proposer's drafted steps may take other step programs too (lookup first:
+          a batch whose requests draft from different sources), a scratch group of every
+          bucket size per other program (Proposer.program_variants).
         `warmup_graphs` keeps each phase's count."""
         if self._warmup is None:
             return
@@ -331,6 +335,9 @@ class Scheduler:
                 self._scratch_group(lane, [prompt] * b, tokens) for b in sizes[1:]])
             self._warm_phase("draft model, sampled", f"buckets {sizes}", lambda: [
                 self._scratch_group(lane, [prompt] * b, tokens, sampled=True) for b in sizes])
+        for k in range(1, gen.proposer.program_variants if gen.proposer is not None else 1):
+            self._warm_phase(f"draft program {k}", f"buckets {sizes}",
+                             functools.partial(self._program_variant, lane, k, prompt, tokens))
         log.info(f"warm-up: {sum(self.warmup_graphs.values())} graphs in "
                  f"{time.perf_counter() - start:.1f} s")
 
@@ -341,6 +348,17 @@ class Scheduler:
         self.warmup_graphs[name] = dynamo_counts()[0] - graphs0
         log.info(f"warm-up: {name} ({what}): {self.warmup_graphs[name]} graphs in "
                  f"{time.perf_counter() - t0:.1f} s")
+
+    def _program_variant(self, lane: Lane, k: int, prompt: List[int], tokens: int) -> None:
+        """A scratch group of every bucket size whose steps take the proposer's k-th step
+        program (Proposer.use_program_variant)."""
+        proposer = lane.generator.proposer
+        proposer.use_program_variant(k)
+        try:
+            for b in (self.engine.buckets if self.engine.compiled else [1]):
+                self._scratch_group(lane, [prompt] * b, tokens)
+        finally:
+            proposer.use_program_variant(0)
 
     def _scratch_group(self, lane: Lane, prompts: List[List[int]], tokens: int,
                        prefill_chunk: Optional[int] = None, sampled: bool = False) -> None:

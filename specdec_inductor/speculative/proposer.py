@@ -44,6 +44,12 @@ class Proposer:
     # pool to each batch, so a request it still holds after the batch is reported as leaked.
     engine = None
 
+    # Step programs per bucket that steps drafting inside the step program may take (lookup
+    # first: the draft model's, and MixedDrafter's for a batch whose requests draft from
+    # different sources): a warm-up compiles program k > 0 by stepping after
+    # use_program_variant(k).
+    program_variants: int = 1
+
     def start(self, request_ids: List[int], contexts: List[List[int]],
               hidden: Optional[List[Tensor]] = None) -> None:
         """New requests: their prompt followed by their first emitted token."""
@@ -66,6 +72,10 @@ class Proposer:
         """The drafts this step's propose made for these requests will not be verified (a
         proposer in front of this one drafts them otherwise): their commit must take nothing
         of the emitted tokens as its own drafts."""
+
+    def use_program_variant(self, k: int) -> None:
+        """Warm-ups only: every later step that drafts inside the step program takes its k-th
+        program (0, the default: the one each step's drafts choose)."""
 
     def use_step_costs(self, costs: "StepCosts") -> None:
         """The loop's step costs (a decode step's seconds, verify(N) against it), measured by
