@@ -714,24 +714,36 @@ def test_the_warm_up_compiles_each_graph_once_and_serving_none(tokenizer):
     assert scheduler.lanes[1].stats.verify_steps > 0  # the draft-less lane stepped too
 
 
-def test_a_draft_model_server_compiles_nothing_while_serving(tokenizer, tmp_path):
-    """With a draft model (an EAGLE-3 tree, whose drafted steps draft inside the step
-    program, greedy or sampled: SpeculativeGenerator.draft_in_program), the warm-up compiles
-    every graph serving needs: greedy and sampled requests, alone and together, speculative
-    and not, run under fail_on_recompile and compile nothing, and the speculative lane's
-    drafted steps ran as the programs that draft inside them."""
+def _eagle3_scheduler(tokenizer, tmp_path, lookup=False):
+    """(a Scheduler, its proposer) over a tiny target compiled by Dynamo with the eager backend
+    (the same graphs and guards, without Inductor's compile time), max batch 2, drafting with a
+    random EAGLE-3 tree head (N = 6, topk 2, depth 3), with prompt lookup in front where
+    `lookup`."""
     from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
+    from specdec_inductor.proposers.lookup_first import LookupFirstProposer
+    from specdec_inductor.proposers.ngram import NgramProposer
     torch._dynamo.reset()
     target = _tiny_llama(len(tokenizer), layers=4)
     write_random_eagle3_checkpoint(str(tmp_path), target.config, seed=3, layer_ids=[0, 1, 2])
     head = load_eagle3_head(str(tmp_path), target)
     draft = Engine(head, max_batch=2 * 3, max_len=160 + 6, compile=True,
                    compile_backend="eager", prefill_chunk=8, capture_hidden=[-1])
-    proposer = Eagle3Proposer(draft, 6, topk=2, depth=3)
+    model = Eagle3Proposer(draft, 6, topk=2, depth=3)
+    proposer = LookupFirstProposer(model, NgramProposer(6)) if lookup else model
     engine = Engine(target, max_batch=2, max_len=160, compile=True, compile_backend="eager",
-                    prefill_chunk=32, capture_hidden=proposer.target_hidden_layers)
+                    prefill_chunk=32, capture_hidden=model.target_hidden_layers)
     scheduler = Scheduler(engine, proposer, method="eagle3", max_batch=2, max_queue=8,
                           eos_token_id=None, warmup_prompt=[5, 6, 7, 8] * 3)
+    return scheduler, proposer
+
+
+def test_a_draft_model_server_compiles_nothing_while_serving(tokenizer, tmp_path):
+    """With a draft model (an EAGLE-3 tree, whose drafted steps draft inside the step
+    program, greedy or sampled: SpeculativeGenerator.draft_in_program), the warm-up compiles
+    every graph serving needs: greedy and sampled requests, alone and together, speculative
+    and not, run under fail_on_recompile and compile nothing, and the speculative lane's
+    drafted steps ran as the programs that draft inside them."""
+    scheduler, _ = _eagle3_scheduler(tokenizer, tmp_path)
     lane = scheduler.lanes[0]
     lane.generator.min_accepted = 0.0  # a random head: drafting every step all the same
     sampled = SamplingParams(temperature=0.8, seed=3)
@@ -751,20 +763,7 @@ def test_a_lookup_first_server_compiles_its_mixed_program_in_the_warm_up(tokeniz
     (lookup_first.MixedDrafter); the warm-up compiles it at every bucket (its own phase), so
     greedy requests that repeat their prompts and others that do not, joining a running
     batch, compile nothing while serving and take that program."""
-    from specdec_inductor.proposers.eagle3 import Eagle3Proposer, load_eagle3_head
-    from specdec_inductor.proposers.lookup_first import LookupFirstProposer
-    from specdec_inductor.proposers.ngram import NgramProposer
-    torch._dynamo.reset()
-    target = _tiny_llama(len(tokenizer), layers=4)
-    write_random_eagle3_checkpoint(str(tmp_path), target.config, seed=3, layer_ids=[0, 1, 2])
-    head = load_eagle3_head(str(tmp_path), target)
-    draft = Engine(head, max_batch=2 * 3, max_len=160 + 6, compile=True,
-                   compile_backend="eager", prefill_chunk=8, capture_hidden=[-1])
-    proposer = LookupFirstProposer(Eagle3Proposer(draft, 6, topk=2, depth=3), NgramProposer(6))
-    engine = Engine(target, max_batch=2, max_len=160, compile=True, compile_backend="eager",
-                    prefill_chunk=32, capture_hidden=proposer.model.target_hidden_layers)
-    scheduler = Scheduler(engine, proposer, method="eagle3", max_batch=2, max_queue=8,
-                          eos_token_id=None, warmup_prompt=[5, 6, 7, 8] * 3)
+    scheduler, proposer = _eagle3_scheduler(tokenizer, tmp_path, lookup=True)
     greedy = SamplingParams()
     requests = [([3, 4, 5] * 6, greedy, True), ([7, 30, 9, 41, 2, 17], greedy, True),
                 ([3, 4] * 20, greedy, True), ([11, 52, 13, 8, 60], greedy, True)]
