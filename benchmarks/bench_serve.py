@@ -105,8 +105,8 @@ def ours(method: str, args, log_dir: str, root: Optional[str] = None) -> ServerP
     label = f"{'baseline' if root else 'ours'} {method}"
     cmd = ["env", f"PYTHONPATH={root}"] if root else []
     cmd += [specdec, "serve", "--port", "{port}",
-           "--method", method.removesuffix("+lookup"), "--max-batch", str(args.max_batch), "--max-len",
-           str(args.max_len), "--max-queue", str(4 * max(args.concurrency)),
+           "--method", method.removesuffix("+lookup"), "--max-batch", str(args.max_batch),
+           "--max-len", str(args.max_len), "--max-queue", str(4 * max(args.concurrency)),
            "--served-model-name", NAME, "--max-new-tokens", str(args.max_tokens)]
     cmd += ["--lookup"] if method.endswith("+lookup") else []
     cmd += ["--model", args.model] if args.model else []
