@@ -110,7 +110,7 @@ def make_methods(args, model):
                     if unknown:
                         raise SystemExit(f"--lookup {label}: unknown {sorted(unknown)}")
                     outside = "-propose" in flags
-                    proposer.graft_in_program = "+hostgraft" not in flags
+                    proposer.mixed_in_program = "+hostgraft" not in flags
                     proposer.gates_own_drafts = "+gate" not in flags
                     for f in flags:
                         if f.startswith("+graft"):
@@ -326,8 +326,8 @@ def main():
                              "gate on top of the per-request one; +graftK: at most K of the "
                              "lookup's nodes grafted into the model's tree where a short match "
                              "leaves neither source ahead (default lookup_first.GRAFT, +graft0: "
-                             "never); +hostgraft: graft steps draft before the step program, not "
-                             "inside it; -propose: the model's drafts never inside the step "
+                             "never); +hostgraft: graft steps (and at batch > 1 steps mixing "
+                             "sources) draft before the step program, not inside it; -propose: the model's drafts never inside the step "
                              "program)")
     parser.add_argument("--floor", action="store_true",
                         help="also time the loop without drafts: plain decoding through it and "

@@ -126,11 +126,10 @@ class LookupFirstProposer(Proposer):
     # match; the loop's batch gate would silence both for every request.
     gates_own_drafts = True
 
-    # Graft steps draft inside the step program (MixedDrafter); False: before it, in propose
-    # (benchmarks/bench_styles.py --lookup 2+hostgraft: the comparison).
-    graft_in_program = True
-    # Steps whose batch mixes model rows with lookup or resting rows draft inside the step
-    # program too (MixedDrafter); False: before it (benchmarks/bench_step.py --drafted-ab).
+    # Steps with model drafts where some request drafts otherwise (a graft; lookup or resting
+    # rows beside model rows) draft inside the step program (MixedDrafter); False: before it,
+    # in propose (the comparisons: benchmarks/bench_styles.py --lookup 2+hostgraft,
+    # benchmarks/bench_step.py --mixed-ab).
     mixed_in_program = True
     # The model's program, and MixedDrafter's (use_program_variant(1): every step with model
     # drafts takes it, for a warm-up to compile it at each bucket).
@@ -199,8 +198,8 @@ class LookupFirstProposer(Proposer):
         program = None
         both = any(s.last == BOTH for s in sources)
         mixed = any(s.last in (LOOKUP, NONE) for s in sources)
-        if (any(s.last in (MODEL, BOTH) for s in sources) and (self.graft_in_program or not both)
-                and (self.mixed_in_program or not mixed)):
+        if (any(s.last in (MODEL, BOTH) for s in sources)
+                and (self.mixed_in_program or not (both or mixed))):
             program = self.model.draft_program(request_ids, seq_lens, roots)
         if program is not None and (both or mixed or self._variant == 1):
             program = self._mixed(program, found, sources, roots.shape[0])

@@ -336,8 +336,8 @@ class Scheduler:
             self._warm_phase("draft model, sampled", f"buckets {sizes}", lambda: [
                 self._scratch_group(lane, [prompt] * b, tokens, sampled=True) for b in sizes])
         for k in range(1, gen.proposer.program_variants if gen.proposer is not None else 1):
-            self._warm_phase(f"draft program {k}", f"buckets {sizes}",
-                             functools.partial(self._program_variant, lane, k, prompt, tokens))
+            self._warm_phase(f"draft program {k}", f"buckets {sizes}", functools.partial(
+                self._program_variant, lane, k, [[prompt] * b for b in sizes], tokens))
         log.info(f"warm-up: {sum(self.warmup_graphs.values())} graphs in "
                  f"{time.perf_counter() - start:.1f} s")
 
@@ -349,14 +349,15 @@ class Scheduler:
         log.info(f"warm-up: {name} ({what}): {self.warmup_graphs[name]} graphs in "
                  f"{time.perf_counter() - t0:.1f} s")
 
-    def _program_variant(self, lane: Lane, k: int, prompt: List[int], tokens: int) -> None:
-        """A scratch group of every bucket size whose steps take the proposer's k-th step
-        program (Proposer.use_program_variant)."""
+    def _program_variant(self, lane: Lane, k: int, groups: List[List[List[int]]],
+                         tokens: int) -> None:
+        """Scratch groups (of prompts) whose steps take the proposer's k-th step program
+        (Proposer.use_program_variant)."""
         proposer = lane.generator.proposer
         proposer.use_program_variant(k)
         try:
-            for b in (self.engine.buckets if self.engine.compiled else [1]):
-                self._scratch_group(lane, [prompt] * b, tokens)
+            for prompts in groups:
+                self._scratch_group(lane, prompts, tokens)
         finally:
             proposer.use_program_variant(0)
 
