@@ -20,7 +20,8 @@ to see a method's own acceptance where the calibrated gate would switch it off.
 --profile N: only a torch.profiler table of our AR decoding N tokens of the first prompt (after a
 warm-up): where a decode step's time goes, op by op, with the quantized linears' share.
 --step-costs: only the seconds of one step program (target step, acceptance, commit) of each
-verify size at batch 1 over a 200-token context, as a ratio to a decode step, and, with
+verify size at batch 1 (or each of --batches) over a 200-token context, as a ratio to a decode
+step of the same batch (what a verify's extra rows cost under concurrency), and, with
 --draft-model, the draft model's decode step (per --draft-vocab size) as a share of the
 target's: what a STANDALONE step costs before any draft is accepted.
 --int8-agreement: only the accuracy of INT8 activations against FLOAT on the target (eager, one
@@ -299,22 +300,28 @@ def step_costs(args, engine, sizes=(1, 2, 3, 4, 6, 8), context: int = 200) -> in
     from specdec_inductor.speculative.commit import GreedyStep
     from specdec_inductor.speculative.stats import step_times
 
-    def times(e):
-        return step_times(e, list(sizes), context=context, rounds=15, program=GreedyStep.of(e, 1))
+    def times(e, batch=1):
+        return step_times(e, list(sizes), context=context, rounds=15, batch_size=batch,
+                          program=GreedyStep.of(e, 1))
 
-    target = times(engine)
-    print(f"# step programs at batch 1 over a {context}-token context, medians of 15 rounds")
-    print("| model | " + " | ".join(f"N={z}" for z in sizes) + " |")
-    print("|---|" + "---|" * len(sizes))
-    print("| target (ms) | " + " | ".join(f"{target[z] * 1e3:.2f}" for z in sizes) + " |")
-    print("| target / decode | " + " | ".join(f"{target[z] / target[1]:.2f}x" for z in sizes) + " |")
+    print(f"# step programs over a {context}-token context, medians of 15 rounds")
+    print("| model | batch | " + " | ".join(f"N={z}" for z in sizes) + " |")
+    print("|---|---|" + "---|" * len(sizes))
+    for batch in args.batches:
+        t = times(engine, batch)
+        print(f"| target (ms) | {batch} | " + " | ".join(f"{t[z] * 1e3:.2f}" for z in sizes) + " |")
+        print(f"| target / decode | {batch} | "
+              + " | ".join(f"{t[z] / t[1]:.2f}x" for z in sizes) + " |")
+        if batch == args.batches[0]:
+            target = t
     for vd in args.draft_vocabs if args.draft_model else []:
         draft, _ = load_model(args.draft_model, torch.float32, dequantize=args.dequantize,
                               quant_activation=args.act, hugepages=not args.no_hugepages)
         if vd is not None:
             apply_draft_vocab(draft, vd)
         d = times(Engine(draft, max_batch=1, max_len=args.max_len, compile=not args.eager))
-        print(f"| draft Vd={vd or 'full'} (ms) | " + " | ".join(f"{d[z] * 1e3:.2f}" for z in sizes) + " |")
+        print(f"| draft Vd={vd or 'full'} (ms) | 1 | "
+              + " | ".join(f"{d[z] * 1e3:.2f}" for z in sizes) + " |")
         print(f"# draft (Vd={vd or 'full'}) decode step / target decode step: {d[1] / target[1]:.3f}")
     return 0
 
@@ -358,6 +365,8 @@ def main():
                    help="only profile our AR decoding N tokens of the first prompt (no timing)")
     p.add_argument("--step-costs", action="store_true",
                    help="only time the step programs by verify size (and the draft's decode)")
+    p.add_argument("--batches", default="1", metavar="B[,B...]",
+                   help="--step-costs: the batch sizes whose step programs are timed")
     p.add_argument("--int8-agreement", action="store_true",
                    help="only compare INT8 activations' logits with FLOAT's (no timing)")
     args = p.parse_args()
@@ -384,8 +393,14 @@ def main():
     model, tokenizer = load_model(args.model, torch.float32, dequantize=args.dequantize,
                                   quant_activation=args.act, hugepages=not args.no_hugepages)
     load_s = time.perf_counter() - t0
-    engine = Engine(model, max_batch=1, max_len=args.max_len, compile=not args.eager,
-                    prefill_chunk=64)
+    try:
+        args.batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        raise SystemExit(f"--batches: a comma list of batch sizes, got {args.batches!r}") from None
+    if min(args.batches) < 1:
+        raise SystemExit(f"--batches must be >= 1, got {args.batches}")
+    engine = Engine(model, max_batch=max(args.batches), max_len=args.max_len,
+                    compile=not args.eager, prefill_chunk=64)
     first = encode(tokenizer, PROMPTS[args.prompts.split(",")[0]], chat=True)
     t1 = time.perf_counter()
     engine.generate([first], 1)

@@ -99,27 +99,30 @@ def test_lookup_first_over_a_standalone_draft_vocabulary_is_exact_greedy():
     _free(engine, proposer.engine)
 
 
-def test_the_loops_batch_gate_leaves_lookup_first_to_its_own_per_request_gate():
-    """The loop's acceptance gate switches drafting off for the whole batch; lookup-first gates
-    per request (gates_own_drafts), so the loop verifies whatever it offers: with a threshold
-    no step can reach, the gate would silence the lookup's repeats too, and without it they
-    keep drafting."""
-    from specdec_inductor.speculative.policies import AcceptanceGate, DraftPolicy
+def test_the_loops_batch_gate_judges_lookup_first_from_bucket_2_on():
+    """Lookup first gates per request (gates_own_drafts): at bucket 1, where its request is the
+    batch, the loop verifies whatever it offers, and with a gate threshold no step can reach
+    its repeats keep drafting. In a batch of 2 every row pays for a verify's rows, and the
+    loop's gate judges the batch's drafts at that bucket: the same threshold stops drafting
+    after the gate's first min_steps drafted steps (and no probe follows at that bucket)."""
+    from specdec_inductor.speculative.policies import AcceptanceGate
     spec, proposer, engine = _generators("standalone", None, 2)
-    spec.min_accepted = 100.0  # no step reaches it: the gate, where it runs, cools down
+    spec.min_accepted = 100.0  # no step reaches it
     ps = repetitive_prompts(2)
     want = engine.generate(ps, 28)
-    assert type(spec.new_policy()) is DraftPolicy
-    stats = SpeculativeStats()
-    assert spec.generate(ps, 28, stats=stats) == want
-    own = dict(proposer.drafts)
-    proposer.gates_own_drafts = False  # the loop's batch gate on top
-    assert type(spec.new_policy()) is AcceptanceGate
-    proposer.drafts = {k: 0 for k in own}
-    gated = SpeculativeStats()
-    assert spec.generate(ps, 28, stats=gated) == want
-    assert own["lookup"] > proposer.drafts["lookup"] > 0, (own, proposer.drafts)
-    assert gated.decode_steps > stats.decode_steps
+    policy = spec.new_policy()
+    assert type(policy) is AcceptanceGate and policy.judge_from == 2
+    alone = SpeculativeStats()
+    for p, w in zip(ps, want):
+        assert spec.generate([p], 28, stats=alone) == [w]
+    drafted_alone = sum(k for z, k in alone.steps_by_size.items() if z > 1)
+    lookup_alone = proposer.drafts["lookup"]
+    assert drafted_alone > 2 * spec.gate_min_steps, alone.steps_by_size
+    proposer.drafts = {k: 0 for k in proposer.drafts}
+    batched = SpeculativeStats()
+    assert spec.generate(ps, 28, stats=batched) == want
+    assert sum(k for z, k in batched.steps_by_size.items() if z > 1) == spec.gate_min_steps
+    assert lookup_alone > proposer.drafts["lookup"], (lookup_alone, proposer.drafts)
     _free(engine, proposer.engine)
 
 
@@ -493,9 +496,9 @@ def test_a_model_draft_during_which_a_graph_compiled_is_not_priced(monkeypatch):
     p.start([0], [[9, 8, 7]])
     fresh = iter(range(10, 1000))  # tokens never repeated: lookup never matches
 
-    def step(seconds, compiles=False, in_program=False):
+    def step(seconds, compiles=False, in_program=False, bucket=1):
         if in_program:  # as draft_program marks a step drafted inside its program
-            p._program_t0 = (p.clock(), lookup_first.graphs_compiled())
+            p._program_t0 = (p.clock(), lookup_first.graphs_compiled(), bucket)
             p._sources[0].last = lookup_first.MODEL
         else:
             p.propose([0], torch.tensor([3]))
@@ -525,6 +528,11 @@ def test_a_model_draft_during_which_a_graph_compiled_is_not_priced(monkeypatch):
     assert p.draft_s == pytest.approx(0.5)
     step(2.5, in_program=True)
     assert p.draft_s == pytest.approx(0.8 * 0.5 + 0.2 * 1.0)
+    # A step of bucket 4, where a verify(N) costs 3 decode steps of 1.2 s: beyond its 3.6 s.
+    p.costs.by_bucket[4] = (3.0, 1.2)
+    mean = p.draft_s
+    step(4.2, in_program=True, bucket=4)
+    assert p.draft_s == pytest.approx(0.8 * mean + 0.2 * 0.6)
     p.finish([0])
 
 

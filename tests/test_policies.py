@@ -88,6 +88,63 @@ def test_gate_prices_drafts_but_not_catch_ups():
     assert AcceptanceGate.threshold_for(3.0, True, costs) == 3.0  # never below min_accepted
 
 
+def test_gate_prices_each_bucket_by_its_own_costs():
+    """The break-even at a bucket reads that bucket's verify(N) / decode and its own drafts'
+    running price (bucket 1's until a draft there is priced); a step drafted inside its
+    program is priced beyond its bucket's verify."""
+    costs = StepCosts(decode_s=0.01, verify_cost=1.5, by_bucket={4: (4.0, 0.012)})
+    gate = _gate(min_accepted=0.1, from_costs=True, costs=costs)
+    assert gate.wants_draft(1)
+    gate.drafted(5.0)  # the first draft catches up: not priced
+    gate.wants_draft(1)
+    gate.drafted(0.01)
+    assert costs.draft_s_at == {1: 0.01}
+    assert gate.threshold(1) == pytest.approx(1.5 + 1.0 - 1.0)
+    assert gate.threshold(4) == pytest.approx(4.0 + 0.01 / 0.012 - 1.0)  # bucket 1's draft
+    gate.wants_draft(4)
+    gate.drafted(0.03)
+    assert costs.draft_s_at == {1: 0.01, 4: 0.03}
+    assert gate.threshold(4) == pytest.approx(4.0 + 0.03 / 0.012 - 1.0)
+    assert gate.threshold(2) == pytest.approx(1.5 + 0.01 / 0.01 - 1.0)  # not measured there
+    assert costs.draft_in_step(0.06, 4) == pytest.approx(0.06 - 4.0 * 0.012)
+    assert costs.draft_in_step(0.02, 1) == pytest.approx(0.02 - 1.5 * 0.01)
+
+
+def test_gate_does_not_draft_in_a_bucket_whose_break_even_the_mean_misses():
+    """A mean of 1.5 accepted drafts pays at bucket 1 (break-even 0.5) and not at bucket 4
+    (3.0): steps of bucket 4 neither draft nor probe, and leave the cooldown and backoff as
+    they are; back at bucket 1 drafting goes on."""
+    costs = StepCosts(decode_s=1.0, verify_cost=1.5, by_bucket={4: (4.0, 1.0)})
+    gate = _gate(min_accepted=0.1, from_costs=True, costs=costs, min_steps=4)
+    costs.draft_s = 0.0  # drafts priced at nothing: the verify alone sets the break-even
+    for _ in range(4):
+        assert gate.wants_draft(4)  # fewer than min_steps drafted steps: not judged yet
+        gate.observe(StepPlan(6), [True, True], [None, None], [1, 2], [0, 0])
+    assert [gate.wants_draft(4) for _ in range(70)] == [False] * 70
+    assert (gate.cooldown, gate.failures) == (0, 0)
+    assert gate.wants_draft(1) and gate.wants_draft(2)  # bucket 2: bucket 1's costs, 0.5
+    gate.observe(StepPlan(6), [True], [None], [1], [0])  # a mean of 7/5 pays at bucket 1
+    assert gate.cooldown == 0
+
+
+def test_a_gate_judging_from_bucket_2_verifies_every_draft_at_bucket_1():
+    """judge_from=2 (a proposer that gates its own drafts): at bucket 1 every step drafts and
+    no cooldown starts however few drafts the target accepts; the mean so far still judges
+    the steps of a larger bucket."""
+    costs = StepCosts(decode_s=1.0, verify_cost=1.5, by_bucket={2: (2.0, 1.0)})
+    gate = _gate(min_accepted=0.1, from_costs=True, costs=costs, min_steps=2, judge_from=2)
+    costs.draft_s = 0.0
+    for _ in range(6):
+        assert gate.wants_draft(1)
+        gate.observe(StepPlan(6), [True], [None], [0], [0])
+    assert (gate.cooldown, gate.draft_steps) == (0, 6)
+    assert not gate.wants_draft(2)  # a mean of 0 against the break-even 1.0
+    for _ in range(6):
+        assert gate.wants_draft(1)
+        gate.observe(StepPlan(6), [True], [None], [5], [0])
+    assert gate.wants_draft(2)  # a mean of 30 / 12 = 2.5 pays there
+
+
 def test_a_draft_far_slower_than_the_mean_counts_as_a_bounded_outlier():
     """A draft timed far above the running mean counts at most DRAFT_S_OUTLIER times it: it
     nudges the break-even, it does not hold it up for dozens of drafts."""

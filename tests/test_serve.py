@@ -764,6 +764,9 @@ def test_a_lookup_first_server_compiles_its_mixed_program_in_the_warm_up(tokeniz
     greedy requests that repeat their prompts and others that do not, joining a running
     batch, compile nothing while serving and take that program."""
     scheduler, proposer = _eagle3_scheduler(tokenizer, tmp_path, lookup=True)
+    # From bucket 2 on the loop's gate judges lookup first's drafts by the bucket's price; a
+    # threshold of 0 (set by hand) keeps every bucket drafting, so that mixed steps run.
+    scheduler.lanes[0].generator.min_accepted = 0.0
     greedy = SamplingParams()
     requests = [([3, 4, 5] * 6, greedy, True), ([7, 30, 9, 41, 2, 17], greedy, True),
                 ([3, 4] * 20, greedy, True), ([11, 52, 13, 8, 60], greedy, True)]

@@ -166,6 +166,25 @@ def test_gated_decode_steps_do_not_call_the_proposer():
     assert len(calls) == stats.verify_steps - stats.decode_steps, (len(calls), stats.summary())
 
 
+def test_gate_does_not_probe_in_a_bucket_whose_break_even_the_drafts_miss():
+    """Drafts that miss: at bucket 1 the gate that switched drafting off probes again after
+    each cooldown; in a batch of 2, whose every row pays for a probe's verify, the mean so far
+    (acceptance does not depend on the bucket) keeps the steps from drafting once it has
+    judged them (gate_min_steps drafted steps)."""
+    model = tiny_model("llama", seed=9)
+    prompts = repetitive_prompts(2)
+    engine = Engine(model, max_batch=2, max_len=128, compile=False, prefill_chunk=16)
+    drafted = {}
+    for batch in (prompts[:1], prompts):
+        spec = SpeculativeGenerator(engine, _WrongChainProposer())
+        stats = SpeculativeStats()
+        assert spec.generate(batch, 40, stats=stats) == engine.generate(batch, 40)
+        drafted[len(batch)] = stats.verify_steps - stats.decode_steps
+    assert drafted == {1: drafted[1], 2: spec.gate_min_steps}, drafted
+    assert drafted[1] > spec.gate_min_steps + 1  # the probes after 4 and 8 cooldown steps
+    engine.pool.check_consistent()
+
+
 def test_compile_verify_compiles_every_verify_size_before_the_first_draft():
     torch._dynamo.reset()
     engine = Engine(tiny_model(), max_batch=1, max_len=128, compile=True, prefill_chunk=16)

@@ -29,8 +29,9 @@ AcceptanceGate's rule (speculative/policies.py) per request, while its lookup dr
 every step. The mean is over every model draft, not a recent few: acceptance comes in bursts
 (a chat answer's set phrases, then free text), and a gate on the last two steps rested heads
 that paid overall. The loop's acceptance gate, which switches drafting off for the whole batch,
-lookup included, is off for this proposer (`gates_own_drafts`): it would throw away the repeats
-of a request whose head drafts miss, and every other request's drafts with them.
+lookup included, judges this proposer's steps only from bucket 2 on (`gates_own_drafts`): at
+bucket 1 it would throw away the repeats of a request whose head drafts miss; in a larger
+bucket every row pays for a verify's N rows, which one request's drafts rarely pay alone.
 
 Both proposers see every request's start, commits and finish, so either can draft any step: the
 draft model catches up over the tokens committed while it did not draft (its catch-up extend, as
@@ -165,7 +166,7 @@ class LookupFirstProposer(Proposer):
         self._chosen = None  # (request ids, trees, sources) draft_program chose for propose
         self._mixer: Optional["MixedDrafter"] = None  # over the model's program drafter
         self._variant = 0  # use_program_variant's
-        # When a step drafted in its program began: (clock, graphs_compiled()).
+        # When a step drafted in its program began: (clock, graphs_compiled(), bucket).
         self._program_t0: Optional[tuple] = None
         # Request-steps each source drafted and the drafts accepted from them (for reports).
         self.drafts = {LOOKUP: 0, MODEL: 0, BOTH: 0}
@@ -211,7 +212,7 @@ class LookupFirstProposer(Proposer):
         if program is None:
             self._chosen = (list(request_ids), found, sources)
         else:  # priced at commit: the step's seconds beyond a verify
-            self._program_t0 = (self.clock(), graphs_compiled())
+            self._program_t0 = (self.clock(), graphs_compiled(), roots.shape[0])
         return program
 
     def use_program_variant(self, k: int) -> None:
@@ -307,7 +308,8 @@ class LookupFirstProposer(Proposer):
             return
         seconds = self.clock() - t0[0]
         if in_step:
-            seconds = self.costs.draft_in_step(seconds) if self.costs is not None else None
+            seconds = (self.costs.draft_in_step(seconds, t0[2]) if self.costs is not None
+                       else None)
         if seconds is not None and all(s.model_before for s in sources
                                        if s.last in (MODEL, BOTH)):
             self.draft_s = running_draft_s(self.draft_s, seconds)

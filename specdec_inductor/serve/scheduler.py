@@ -307,9 +307,10 @@ class Scheduler:
         first-call costs once), once each, and log what each phase compiled:
         - the step programs of every bucket: compile_verify of the first lane (the largest
           bucket first, so the single-bucket costs probe_cost and verify_cost stay those of
-          bucket 1, as `specdec generate` measures them; the cost-aware verify size weighs
-          every bucket's); a draft-less second lane runs the same engine's decode programs
-          (GreedyStep.of shares them), so it has nothing of its own to compile;
+          bucket 1, as `specdec generate` measures them; the cost-aware verify size and the
+          acceptance gate weigh every bucket's); a draft-less second lane runs the same
+          engine's decode programs (GreedyStep.of shares them), so it has nothing of its own
+          to compile;
         - one scratch request per prefill size: prefill chunks are one-row steps
           (SpeculativeGenerator._prefill_chunks), one graph per size whatever the bucket;
         - with a draft model (a proposer with an engine of its own, whose graphs take the live

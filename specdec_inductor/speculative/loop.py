@@ -202,9 +202,10 @@ class SpeculativeGenerator:
     Draft budgets (policies.py): the adaptive verify size (adaptive; default for proposers with
     `cheap_drafts`) with grow_at and probe_cost, else the acceptance gate with min_accepted
     (None: verify_cost_per_node * (N - 1), raised to the measured costs' break-even point once
-    compile_verify measured them), backoff_steps and gate_min_steps; a proposer that
-    `gates_own_drafts` has every draft it offers verified, without the gate (its own gate gets
-    the measured costs: Proposer.use_step_costs). start_policy: keyword
+    compile_verify measured them, at the step's bucket), backoff_steps and gate_min_steps; a
+    proposer that `gates_own_drafts` has every draft it offers verified at bucket 1, the gate
+    judging from bucket 2 on (its own gate gets the measured costs: Proposer.use_step_costs).
+    start_policy: keyword
     arguments of a StartPolicy put in front of that policy (when a request starts paying for
     full drafts: probes of verify size 2 first; None: no start rule); it adds size 2 to the
     default tree_sizes. cost_aware: with the adaptive size, each step's size by expected
@@ -316,12 +317,11 @@ class SpeculativeGenerator:
                                          VerifySizePlanner(self.tree_sizes, self.costs.step_s))
         elif self.adaptive:
             policy = AdaptiveVerifySize(self.tree_sizes, self.costs, self.grow_at)
-        elif self.proposer.gates_own_drafts:
-            policy = DraftPolicy(self.tree_sizes)
-        else:
+        else:  # a proposer that gates its own drafts is judged from bucket 2 on
             policy = AcceptanceGate(self.tree_sizes, self.costs, self._min_accepted,
                                     self._gate_from_costs, self.backoff_steps,
-                                    self.gate_min_steps)
+                                    self.gate_min_steps,
+                                    judge_from=2 if self.proposer.gates_own_drafts else 1)
         if self.start_policy is not None:
             policy = StartPolicy(policy, **self.start_policy)
         return policy
@@ -335,7 +335,8 @@ class SpeculativeGenerator:
         Runs one step per size on a scratch request (step_times); with the adaptive size it
         also measures every size's greedy program at batch_size's bucket (costs.step_s) and
         probe_cost, with the cost-based acceptance gate verify_cost (the greedy programs of
-        verify(N) against a decode step)."""
+        verify(N) against a decode step), also kept as the bucket's (costs.by_bucket): the
+        gate prices each step at its bucket."""
         engine = self.engine
         if not engine.compiled:
             return
@@ -351,6 +352,8 @@ class SpeculativeGenerator:
             times = step_times(engine, [1, n], rounds=self.calibration_rounds,
                                batch_size=batch_size, program=self._greedy)
             self.costs.verify_cost, self.costs.decode_s = times[n] / times[1], times[1]
+            bucket = engine.bucket_for(batch_size)
+            self.costs.by_bucket[bucket] = (self.costs.verify_cost, self.costs.decode_s)
         if self.adaptive and self._calibrate and self.tree_sizes[0] == 1:
             times = step_times(engine, [1] + sizes, rounds=self.calibration_rounds,
                                batch_size=batch_size, program=self._greedy)
@@ -558,7 +561,7 @@ class SpeculativeGenerator:
         bs = len(reqs)
         t0, graphs0 = self.clock(), graphs_compiled()
         plan, draft, in_program = NO_DRAFT, None, None
-        if self._drafts and policy.wants_draft():
+        if self._drafts and policy.wants_draft(batch.bucket):
             in_program = self._draft_in_program(batch, live)
             if in_program is None:
                 draft = self.proposer.propose(batch.rows, batch.seq_lens[:bs])
@@ -587,7 +590,7 @@ class SpeculativeGenerator:
         if in_program is not None:
             stats.drafted_in_program += 1
             # The draft ran inside the step: price it as what the step took beyond a verify.
-            draft_s = self.costs.draft_in_step(t2 - t1) if timed else None
+            draft_s = self.costs.draft_in_step(t2 - t1, batch.bucket) if timed else None
             if draft_s is not None:
                 policy.drafted(draft_s)
         if plan is not NO_DRAFT:

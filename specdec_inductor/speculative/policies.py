@@ -18,9 +18,18 @@ request (`new_request`). Neither policy changes which tokens come out, only the 
   without drafting, backoff_steps at first and twice as many after each further failed probe
   (at most MAX_REST); a probe that brings the mean back up resets the backoff. The threshold is
   min_accepted, raised (from_costs) to the break-even point of the measured costs,
-  verify_cost + draft / decode - 1 accepted drafts per step. Drafts are priced per step: the
-  first draft, and the first after a cooldown or a join, catch up on tokens the draft model
-  has not seen and are not timed.
+  verify_cost + draft / decode - 1 accepted drafts per step, at the step's bucket: every row
+  of a bucket pays for a verify's N rows, and a verify's extra rows cost more the more rows a
+  step already has (the SmolLM2 Q4_1 file with INT8 activations: verify(8) / decode 1.73x at
+  batch 1, 4.32x at 4, 5.13x at 16; `benchmarks/bench_quant_e2e.py --step-costs --batches`).
+  In a bucket above 1 the mean so far is held against the bucket's break-even before every
+  step: below it the step does not draft, and does not probe either (acceptance does not
+  depend on the bucket, and a probe there costs several decode steps: the mean is measured at
+  bucket 1, where the cooldowns and probes above run). Drafts are priced per step
+  and per bucket: the first draft, and the first after a cooldown or a join, catch up on tokens
+  the draft model has not seen and are not timed. A proposer that gates its own drafts per
+  request (lookup first) has the gate judge from bucket 2 on (judge_from): at bucket 1 its
+  request is the batch, and its own gate prices it.
 - CostAwareVerifySize (proposers with `cheap_drafts`, opt-in: SpeculativeGenerator's
   cost_aware; the server's lanes): each step of the batch verifies the compiled size (1: a
   plain decode step of the whole batch) with the most expected emitted tokens per second of
@@ -76,17 +85,45 @@ class StepCosts:
     decode_s: Optional[float] = None  # a plain decode step's seconds
     verify_cost: Optional[float] = None  # verify(N) / decode step
     probe_cost: float = 1.0  # probe-size verify / decode step (1.0: free, until measured)
-    draft_s: Optional[float] = None  # running mean of a priced draft's seconds
     # (bucket, tree size) -> seconds of a greedy step program (compile_verify; the
     # cost-aware policy refines them online)
     step_s: Dict[Tuple[int, int], float] = field(default_factory=dict)
+    # bucket -> (verify(N) / decode step, a decode step's seconds) at that bucket, where
+    # compile_verify measured it (decode_s and verify_cost: the bucket it measured last)
+    by_bucket: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    # bucket -> running mean of a priced draft's seconds at that bucket
+    draft_s_at: Dict[int, float] = field(default_factory=dict)
 
-    def draft_in_step(self, step_s: float) -> Optional[float]:
-        """The draft's seconds in a step that drafted inside its verify program (step_s
-        seconds): what it took beyond a verify(N); None until the costs are measured."""
-        if self.verify_cost is None or self.decode_s is None:
+    @property
+    def draft_s(self) -> Optional[float]:
+        """Running mean of a priced draft's seconds at bucket 1."""
+        return self.draft_s_at.get(1)
+
+    @draft_s.setter
+    def draft_s(self, value: Optional[float]) -> None:
+        if value is None:
+            self.draft_s_at.pop(1, None)
+        else:
+            self.draft_s_at[1] = value
+
+    def at(self, bucket: int) -> Tuple[Optional[float], Optional[float]]:
+        """(verify(N) / decode step, a decode step's seconds) at a bucket: as measured there,
+        else verify_cost and decode_s."""
+        return self.by_bucket.get(bucket, (self.verify_cost, self.decode_s))
+
+    def draft_price(self, bucket: int) -> Optional[float]:
+        """The running mean of a draft's seconds at a bucket; where none was priced yet,
+        bucket 1's (a draft of more rows costs no less)."""
+        return self.draft_s_at.get(bucket, self.draft_s_at.get(1))
+
+    def draft_in_step(self, step_s: float, bucket: int = 1) -> Optional[float]:
+        """The draft's seconds in a step of `bucket` that drafted inside its verify program
+        (step_s seconds): what it took beyond a verify(N) there; None until the costs are
+        measured."""
+        verify_cost, decode_s = self.at(bucket)
+        if verify_cost is None or decode_s is None:
             return None
-        return max(0.0, step_s - self.verify_cost * self.decode_s)
+        return max(0.0, step_s - verify_cost * decode_s)
 
 
 # A priced draft counts at most this many times the running mean: drafts timed far above the
@@ -104,13 +141,16 @@ def running_draft_s(mean: Optional[float], seconds: float) -> float:
     return 0.8 * mean + 0.2 * min(seconds, DRAFT_S_OUTLIER * mean)
 
 
-def break_even(floor: float, costs: StepCosts, draft_s: Optional[float]) -> float:
-    """Accepted drafts per step below which a step that drafts (draft_s seconds) and verifies N
-    nodes brings fewer tokens than plain decode steps in its time, verify_cost + draft_s /
-    decode_s - 1, and at least `floor`; the floor alone while a cost is not measured yet."""
-    if costs.verify_cost is None or costs.decode_s is None or draft_s is None:
+def break_even(floor: float, costs: StepCosts, draft_s: Optional[float],
+               bucket: int = 1) -> float:
+    """Accepted drafts per step below which a step of `bucket` that drafts (draft_s seconds)
+    and verifies N nodes brings fewer tokens than plain decode steps in its time, verify_cost
+    + draft_s / decode_s - 1 at that bucket (StepCosts.at), and at least `floor`; the floor
+    alone while a cost is not measured yet."""
+    verify_cost, decode_s = costs.at(bucket)
+    if verify_cost is None or decode_s is None or draft_s is None:
         return floor
-    return max(floor, costs.verify_cost + draft_s / costs.decode_s - 1.0)
+    return max(floor, verify_cost + draft_s / decode_s - 1.0)
 
 
 @dataclass
@@ -146,8 +186,9 @@ class DraftPolicy:
     def admitted(self) -> None:
         """Requests joined the batch (their first draft catches up on their prompt)."""
 
-    def wants_draft(self) -> bool:
-        """Whether the next step drafts at all (asked before the proposer runs)."""
+    def wants_draft(self, bucket: int = 1) -> bool:
+        """Whether the next step (of `bucket` rows) drafts at all (asked before the proposer
+        runs)."""
         return True
 
     def drafted(self, seconds: float) -> None:
@@ -173,30 +214,43 @@ class DraftPolicy:
 
 
 class AcceptanceGate(DraftPolicy):
-    """Plain decode steps without drafting while drafts do not pay (module docstring)."""
+    """Plain decode steps without drafting while drafts do not pay (module docstring).
+    judge_from: the smallest bucket the gate judges (below it every draft is verified)."""
 
     def __init__(self, tree_sizes: Sequence[int], costs: StepCosts, min_accepted: float,
-                 from_costs: bool, backoff_steps: int = 4, min_steps: int = 4):
+                 from_costs: bool, backoff_steps: int = 4, min_steps: int = 4,
+                 judge_from: int = 1):
         super().__init__(tree_sizes)
         self.costs, self.min_accepted, self.from_costs = costs, min_accepted, from_costs
-        self.backoff_steps, self.min_steps = backoff_steps, min_steps
+        self.backoff_steps, self.min_steps, self.judge_from = backoff_steps, min_steps, judge_from
         self.accepted_sum, self.draft_steps, self.cooldown, self.failures = 0.0, 0, 0, 0
         self.catch_up = True  # the first draft also runs the draft's prompt: not timed
+        self.bucket = 1  # the bucket of the step asked about last (wants_draft)
 
     @staticmethod
-    def threshold_for(min_accepted: float, from_costs: bool, costs: StepCosts) -> float:
-        return break_even(min_accepted, costs, costs.draft_s) if from_costs else min_accepted
+    def threshold_for(min_accepted: float, from_costs: bool, costs: StepCosts,
+                      bucket: int = 1) -> float:
+        if not from_costs:
+            return min_accepted
+        return break_even(min_accepted, costs, costs.draft_price(bucket), bucket)
 
-    def threshold(self) -> float:
-        """Accepted drafts per verify step below which drafting switches off."""
-        return self.threshold_for(self.min_accepted, self.from_costs, self.costs)
+    def threshold(self, bucket: int = 1) -> float:
+        """Accepted drafts per verify step of `bucket` below which drafting switches off."""
+        return self.threshold_for(self.min_accepted, self.from_costs, self.costs, bucket)
 
     def admitted(self) -> None:
         self.catch_up = True
 
-    def wants_draft(self) -> bool:
-        if self.cooldown > 0:
-            self.cooldown -= 1
+    def _fails(self, bucket: int) -> bool:
+        return fails_to_pay(self.accepted_sum, self.draft_steps, self.min_steps,
+                            self.threshold(bucket))
+
+    def wants_draft(self, bucket: int = 1) -> bool:
+        self.bucket = bucket
+        if bucket < self.judge_from:
+            return True
+        if self.cooldown > 0 or (bucket > 1 and self._fails(bucket)):
+            self.cooldown = max(0, self.cooldown - 1)
             # The next draft catches up on the tokens decoded meanwhile: a cost of the
             # cooldown, not of a step's draft, so it is not priced.
             self.catch_up = True
@@ -205,7 +259,8 @@ class AcceptanceGate(DraftPolicy):
 
     def drafted(self, seconds: float) -> None:
         if self.from_costs and not self.catch_up:
-            self.costs.draft_s = running_draft_s(self.costs.draft_s, seconds)
+            prices = self.costs.draft_s_at
+            prices[self.bucket] = running_draft_s(prices.get(self.bucket), seconds)
         self.catch_up = False
 
     def observe(self, plan, live, states, accepted, first_tokens, seconds=None) -> None:
@@ -214,7 +269,9 @@ class AcceptanceGate(DraftPolicy):
         live_accepted = torch.tensor([a for a, x in zip(accepted, live) if x], dtype=torch.float32)
         self.accepted_sum += float(live_accepted.mean())
         self.draft_steps += 1
-        if fails_to_pay(self.accepted_sum, self.draft_steps, self.min_steps, self.threshold()):
+        if self.bucket != 1 or self.judge_from > 1:  # judged by wants_draft at every step
+            return
+        if self._fails(1):
             self.cooldown = rest_after(self.backoff_steps, self.failures)
             self.failures += 1
         else:
@@ -366,7 +423,7 @@ class CostAwareVerifySize(DraftPolicy):
     def admitted(self) -> None:
         self.rest, self._next_rest = 0, 1
 
-    def wants_draft(self) -> bool:
+    def wants_draft(self, bucket: int = 1) -> bool:
         if self.rest > 0:
             self.rest -= 1
             return False
@@ -476,11 +533,11 @@ class StartPolicy(DraftPolicy):
         self.plain_left = self.plain_steps
         self.inner.admitted()
 
-    def wants_draft(self) -> bool:
+    def wants_draft(self, bucket: int = 1) -> bool:
         if self.plain_left > 0 or self.cooldown > 0:
             self.plain_left, self.cooldown = max(0, self.plain_left - 1), max(0, self.cooldown - 1)
             return False
-        return self.inner.wants_draft()
+        return self.inner.wants_draft(bucket)
 
     def drafted(self, seconds: float) -> None:
         self.inner.drafted(seconds)

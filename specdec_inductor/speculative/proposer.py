@@ -30,8 +30,9 @@ class Proposer:
 
     # The proposer decides per request and per step whether the request drafts at all (one that
     # offers no drafts decodes plainly in a verify step's batch): the loop then verifies every
-    # draft offered instead of switching drafting off for the whole batch (AcceptanceGate),
-    # which would also silence the requests whose drafts pay.
+    # draft offered at bucket 1 instead of switching drafting off for the batch (AcceptanceGate),
+    # which would also silence the requests whose drafts pay; from bucket 2 on, where every
+    # row pays for a verify's rows, the gate judges the batch's drafts by that bucket's price.
     gates_own_drafts: bool = False
 
     # Drafts made from the target's hidden states (EAGLE-style): the loop then passes, as a
