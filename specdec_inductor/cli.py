@@ -19,7 +19,7 @@ import torch
 
 from specdec_inductor.loading import (DTYPES, TextStream, check_model_arg, encode, known_models,
                                       load_checked)
-from specdec_inductor.proposers.registry import ProposerConfig, ProposerConfigError
+from specdec_inductor.proposers.registry import ProposerConfig, ProposerConfigError, default_lookup
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 BENCH_PROMPTS = [
@@ -40,7 +40,8 @@ def proposer_config(args) -> ProposerConfig:
     from specdec_inductor.proposers.ngram import parse_window
     method = getattr(args, "method", "none")
     try:
-        lookup = getattr(args, "lookup", False)
+        lookup = getattr(args, "lookup", None)
+        lookup = default_lookup(method) if lookup is None else lookup
         window = parse_window(args.ngram_window) if method == "ngram" or lookup else None
     except ValueError as exc:
         raise ProposerConfigError("ngram_window",
@@ -412,11 +413,12 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--ngram-window", default=",".join(map(str, RECOMMENDED_WINDOW)),
                        help="ngram: MIN,MAX context-suffix lengths matched, longest first "
                             "(default %(default)s)")
-        p.add_argument("--lookup", action="store_true",
+        p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
                        help="standalone/eagle/eagle3/mtp: prompt lookup first: a request whose "
                             "context ends in a repeat of earlier context drafts what followed "
                             "it (as ngram) that step while such drafts are accepted at least as "
-                            "well as the model's, else the draft model drafts")
+                            "well as the model's, else the draft model drafts (default: on for "
+                            "eagle3, off for the others)")
 
     g = sub.add_parser("generate", help="stream text for one prompt")
     common(g)

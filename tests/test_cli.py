@@ -135,13 +135,20 @@ def test_no_pack_weights_flag_switches_packing_for_the_run(monkeypatch):
     assert seen == [False, True] and backend.SWITCH_DEFAULTS["pack_weights"] is True
 
 
-def test_lookup_flag_reaches_the_config_and_is_refused_without_a_draft_model():
+def test_lookup_flag_reaches_the_config_on_by_default_for_eagle3_refused_without_a_draft():
     args = cli.make_parser().parse_args(["generate", "--method", "eagle3", "--lookup",
                                          "--ngram-window", "2,6"])
     config = cli.proposer_config(args)
     assert config.lookup is True and config.ngram_window == (2, 6)
-    assert cli.proposer_config(cli.make_parser().parse_args(
-        ["generate", "--method", "eagle3"])).lookup is False
+    def lookup(*flags):
+        return cli.proposer_config(cli.make_parser().parse_args(["generate", *flags])).lookup
+
+    # On by default for EAGLE-3 alone (registry.LOOKUP_BY_DEFAULT); --no-lookup turns it off.
+    assert lookup("--method", "eagle3") is True
+    assert lookup("--method", "eagle3", "--no-lookup") is False
+    assert lookup("--method", "eagle") is False and lookup("--method", "standalone") is False
+    assert lookup("--method", "eagle", "--lookup") is True
+    assert lookup("--method", "ngram") is False and lookup() is False
     bad = cli.make_parser().parse_args(["generate", "--method", "ngram", "--lookup"])
     with pytest.raises(SystemExit, match="argument --lookup: applies to method"):
         cli.make_proposer(bad)

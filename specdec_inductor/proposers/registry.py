@@ -24,6 +24,22 @@ HIDDEN_METHODS = ("eagle", "eagle3", "mtp")  # draft from the target's hidden st
 # drafts (benchmarks/RESULTS.md).
 DEFAULT_TREES = {"eagle": (2, 4), "eagle3": (3, 4)}
 
+# Methods whose requests draft with prompt lookup first unless told otherwise (the CLI's
+# --lookup / --no-lookup; ProposerConfig.lookup itself defaults to off, so that benchmarks name
+# each variant). EAGLE-3 with the shipped head: lookup first beat the head alone on the 30
+# style-held-out prompts in every run (1.39-1.53x against 1.09-1.19x our AR), on the corpus's
+# 18 held-out prompts (1.73x against 1.68x) and on the quantized SmolLM2 (1.03x against
+# 0.88x), and serves as the head alone does under concurrency since the acceptance gate
+# judges its batches per bucket (benchmarks/RESULTS.md). STANDALONE with lookup lost on the
+# Qwen2.5-Coder pair; EAGLE and MTP were not measured with it.
+LOOKUP_BY_DEFAULT = ("eagle3",)
+
+
+def default_lookup(method: str) -> bool:
+    """Whether `method` drafts with prompt lookup first when the caller does not say."""
+    return method in LOOKUP_BY_DEFAULT
+
+
 # STANDALONE without a draft model drafts with the target cut to its first layers: a draft
 # that is the whole target would never pay.
 DEFAULT_DRAFT_LAYERS = 8
