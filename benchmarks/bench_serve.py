@@ -108,7 +108,16 @@ def ours(method: str, args, log_dir: str, root: Optional[str] = None) -> ServerP
            "--method", method.removesuffix("+lookup"), "--max-batch", str(args.max_batch),
            "--max-len", str(args.max_len), "--max-queue", str(4 * max(args.concurrency)),
            "--served-model-name", NAME, "--max-new-tokens", str(args.max_tokens)]
-    cmd += ["--lookup"] if method.endswith("+lookup") else []
+    # METHOD: the method alone (`--no-lookup`: eagle3 drafts with prompt lookup first by
+    # default); METHOD+lookup: with it. A checkout from before that default knows no
+    # `--no-lookup` and runs the method alone without it.
+    registry = os.path.join(root or ROOT, "specdec_inductor", "proposers", "registry.py")
+    with open(registry) as f:
+        knows_no_lookup = "LOOKUP_BY_DEFAULT" in f.read()
+    if method.endswith("+lookup"):
+        cmd += ["--lookup"]
+    elif knows_no_lookup:
+        cmd += ["--no-lookup"]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--eager"] if args.eager else []
     trace = os.path.join(log_dir, label.replace(" ", "_") + ".trace.jsonl")
