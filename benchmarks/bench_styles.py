@@ -327,8 +327,8 @@ def main():
                              "lookup's nodes grafted into the model's tree where a short match "
                              "leaves neither source ahead (default lookup_first.GRAFT, +graft0: "
                              "never); +hostgraft: graft steps (and at batch > 1 steps mixing "
-                             "sources) draft before the step program, not inside it; -propose: the model's drafts never inside the step "
-                             "program)")
+                             "sources) draft before the step program, not inside it; -propose: "
+                             "the model's drafts never inside the step program)")
     parser.add_argument("--floor", action="store_true",
                         help="also time the loop without drafts: plain decoding through it and "
                              "EAGLE-3 that never drafts (what a policy cannot save)")
