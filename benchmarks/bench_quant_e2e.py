@@ -85,6 +85,28 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def rss_parts(path: str) -> dict:
+    """The resident set split as /proc/self/status and smaps see it, in bytes: anonymous memory
+    (the weights we placed, the KV pool, the heap), file-backed pages (libraries and compiled
+    kernels as they fault in, and the GGUF's own mapped pages), and of those the pages mapped
+    from `path`."""
+    parts = {"anon": 0, "file": 0, "gguf": 0}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = {"RssAnon:": "anon", "RssFile:": "file"}.get(line.split(":")[0] + ":")
+            if key:
+                parts[key] = int(line.split()[1]) * 1024
+    mapping = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                mapping = fields[5] if len(fields) > 5 else None
+            elif fields[0] == "Rss:" and mapping == path:
+                parts["gguf"] += int(fields[1]) * 1024
+    return parts
+
+
 def model_file(model) -> str:
     """The GGUF file behind a model name or path (for llama.cpp and the memory check)."""
     from specdec_inductor.models import resolve_model
@@ -396,7 +418,7 @@ def main():
     if min(args.batches) < 1:
         raise SystemExit(f"--batches must be >= 1, got {args.batches}")
 
-    rss0 = rss_bytes()
+    rss0, parts0 = rss_bytes(), rss_parts(os.path.realpath(target_file))
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, torch.float32, dequantize=args.dequantize,
                                   quant_activation=args.act, hugepages=not args.no_hugepages)
@@ -408,6 +430,7 @@ def main():
     engine.generate([first], 1)
     first_token_s = time.perf_counter() - t0
     rss = rss_bytes() - rss0  # the target and its engine only (before any draft is loaded)
+    parts = {k: v - parts0[k] for k, v in rss_parts(os.path.realpath(target_file)).items()}
     print(f"# target {args.model or 'smollm2-135m'} ({os.path.getsize(target_file) / 1e6:.0f} MB "
           f"GGUF{', dequantized to fp32' if args.dequantize else ''}, activations "
           f"{getattr(model, 'quant_activation', None)}); {threads} threads, ISA "
@@ -420,6 +443,12 @@ def main():
     print(f"# resident memory added by the target, its engine and a first token: {rss / 1e6:.0f} MB"
           f" = {rss / (os.path.getsize(target_file) + kv):.2f}x (file + KV pool {kv / 1e6:.0f} MB);"
           f" peak RSS of the process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
+    # The file-backed part counts torch's and the compiled kernels' library pages as they
+    # fault in during the first compile: shared code, not weights, and it varies run to run.
+    print(f"#   of which anonymous {parts['anon'] / 1e6:.0f} MB (placed weights, KV pool, heap) = "
+          f"{parts['anon'] / (os.path.getsize(target_file) + kv):.2f}x file + KV pool; "
+          f"file-backed {parts['file'] / 1e6:.0f} MB, of it the GGUF's mapped pages "
+          f"{parts['gguf'] / 1e6:.0f} MB")
     if args.profile:
         return profile_decode(engine, first, args.profile)
     if args.step_costs:

@@ -69,6 +69,12 @@ def prefill_sizes(prefill_chunk: int, step: int = PREFILL_STEP) -> List[int]:
     return list(range(step, prefill_chunk, step)) + [prefill_chunk]
 
 
+def _draft_engine(proposer):
+    """The draft model's Engine of a lane's proposer (Proposer.engine), None for a lane without
+    a proposer or a proposer without a model."""
+    return None if proposer is None else proposer.engine
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue holds max_queue requests already."""
 
@@ -265,7 +271,7 @@ class Scheduler:
 
     def kv_pools(self):
         """The KV pools requests take slots in: the target's, and a draft model's if any."""
-        draft = getattr(self.lanes[0].generator.proposer, "engine", None)
+        draft = _draft_engine(self.lanes[0].generator.proposer)
         return [self.engine.pool] + ([draft.pool] if draft is not None else [])
 
     def assert_idle(self) -> None:
@@ -331,7 +337,7 @@ class Scheduler:
                          lambda: [gen.compile_verify(batch_size=b) for b in reversed(sizes)])
         self._warm_phase("prefill chunks", f"sizes {self.prefill_sizes}", lambda: [
             self._scratch_group(lane, [prompt], tokens, c) for c in self.prefill_sizes])
-        if getattr(gen.proposer, "engine", None) is not None:
+        if _draft_engine(gen.proposer) is not None:
             self._warm_phase("draft model", f"buckets {sizes[1:]}", lambda: [
                 self._scratch_group(lane, [prompt] * b, tokens) for b in sizes[1:]])
             self._warm_phase("draft model, sampled", f"buckets {sizes}", lambda: [
