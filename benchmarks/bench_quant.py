@@ -24,7 +24,10 @@ makes its own copies and both sides take them in turn.
 (QuantFormat.*_R16, what load_gguf builds for INT8 on VNNI: Q4_K, Q6_K and the 32-weight
 formats, K a multiple of 64) in the same rounds:
 "R16 ms", its rate in file bytes, "file/R16" (the file layout's INT8 time over the repacked one's:
-> 1 the repacked layout is faster), and each layout's M-row time over its own 1-row time.
+> 1 the repacked layout is faster), and each layout's M-row time over its own 1-row time; "of peak": the repacked kernel's
+multiply-adds (N * K * M) per second over the INT8 peak the AVX-512 VNNI probe measures on the
+same threads (vpdpbusd back to back, no memory traffic): how close a compute-bound call (M >= 8)
+comes to the machine's integer multiply-add rate.
 
 --streamed: each call reads its weights from memory, not from a cache, as a model's decode step
 does (every weight once a token): the case's weights are copied until the copies hold at least
@@ -104,6 +107,20 @@ def weight_turns(w, streamed):
     copies = -(-STREAMED_BYTES // (w.numel() * w.element_size()))
     arena = hugepages.Arena() if hugepages.available() else None
     return Turns([arena.copy(w) if arena else w.clone() for _ in range(copies)])
+
+
+def int8_peak_macs() -> float:
+    """u8 x s8 multiply-adds per second of the AVX-512 VNNI probe on torch's threads (the INT8
+    kernels' compute bound: one vpdpbusd does 64), median of 3 timed calls; 0 without VNNI."""
+    probe = specdec_inductor._C.peak_int8_multiply_adds
+    if probe(1000) == 0:
+        return 0.0
+    rates = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        macs = probe(5_000_000)
+        rates.append(macs / (time.perf_counter() - t0))
+    return statistics.median(rates)
 
 
 def worker():
@@ -191,11 +208,14 @@ def main():
     if args.path:
         specdec_inductor.set_active_isa(args.path)
     bw = read_bandwidth_gbs()
+    peak = int8_peak_macs()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
           f"torch threads {torch.get_num_threads()}, path {specdec_inductor.active_isa()} "
           f"(detected {specdec_inductor.detected_isa()}), torch {torch.__version__}")
     print(f"read bandwidth (torch.sum over 1 GiB): {bw:.1f} GB/s; load average "
           f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}")
+    print("INT8 peak (AVX-512 VNNI probe, vpdpbusd on every thread): "
+          + (f"{peak / 1e9:.0f} G multiply-adds/s" if peak else "none on this path"))
     if base:
         print(f"baseline INT8 kernels: {args.baseline} (the {'repacked' if args.repacked else 'file'} "
               f"layout where it has one)")
@@ -209,7 +229,8 @@ def main():
           f"{'ms':>8} {'GB/s':>6} {'of bw':>6} | {'F.linear fp32 ms':>16} | "
           f"{'FLOAT':>7} {'INT8':>7}" + (f" | {'base ms':>8} {'vs base':>7} {'base/M=1':>8} {'ours/M=1':>8}"
                                           if base else "")
-          + (f" | {'R16 ms':>8} {'GB/s':>6} {'file/R16':>8} {'file/M=1':>8} {'R16/M=1':>8}" if args.repacked else ""))
+          + (f" | {'R16 ms':>8} {'GB/s':>6} {'file/R16':>8} {'file/M=1':>8} {'R16/M=1':>8}"
+             f" {'of peak':>7}" if args.repacked else ""))
     for fmt, n, k in CASES:
         if args.no_head and n > 40000:
             continue
@@ -250,7 +271,8 @@ def main():
                 one_row.setdefault("file", t_8)
                 one_row.setdefault("r16", t_r[0])
                 line += (f" | {t_r[0] * 1e3:8.3f} {w.numel() / t_r[0] / 1e9:6.1f} {t_8 / t_r[0]:8.2f} "
-                         f"{t_8 / one_row['file']:8.2f} {t_r[0] / one_row['r16']:8.2f}")
+                         f"{t_8 / one_row['file']:8.2f} {t_r[0] / one_row['r16']:8.2f}"
+                         f" {n * k * m / t_r[0] / peak if peak else float('nan'):7.2f}")
             elif args.repacked:
                 line += " | (no repacked layout)"
             print(line, flush=True)

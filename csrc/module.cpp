@@ -89,6 +89,31 @@ PYBIND11_MODULE(_C, m) {
   }, "Run the widest peak multiply-add probe (AMX for bf16 on the AMX path, else AVX-512 or "
      "AVX2) on every thread; returns its multiply-adds (0 without one). Time the call for the "
      "machine's peak rate.");
+  m.def("peak_int8_multiply_adds", [](int64_t iters) -> double {
+    // The INT8 kernels' bound (quant_linear with INT8 activations): u8 x s8 multiply-adds done
+    // by `iters` steps of 12 independent vpdpbusd (64 each) on each of torch's threads; 0 when
+    // this build, CPU or active path has no AVX-512 VNNI.
+    bool vnni = false;
+#ifdef SPECDEC_BUILT_AVX512VNNI
+    vnni = active_isa() >= Isa::AVX512 && cpu_has_avx512_vnni();
+#endif
+    if (!vnni) return 0.0;
+    const int64_t threads = at::get_num_threads();
+    std::vector<int32_t> sink(threads);
+    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+#ifdef SPECDEC_BUILT_AVX512VNNI
+        sink[t] = peak_probe_avx512vnni(iters);
+#endif
+      }
+    });
+    volatile int64_t keep = 0;  // wide: the probe's lanes wrap, their sum must not overflow here
+    for (int32_t v : sink) keep = keep + v;
+    (void)keep;
+    return static_cast<double>(threads) * iters * kPeakAccumulators * 64;
+  }, "Run the AVX-512 VNNI probe (vpdpbusd, the INT8 GEMV's multiply-add) on every thread; "
+     "returns its multiply-adds (0 without VNNI on the active path). Time the call for the "
+     "machine's INT8 peak rate.");
   m.def("peak_probe_isa", [](bool bf16) -> std::string {
     const Isa probe = peak_probe_path(bf16);
     return probe == Isa::PORTABLE ? std::string() : std::string(isa_name(probe));

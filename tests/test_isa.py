@@ -107,6 +107,22 @@ def test_peak_probe_counts_its_multiply_adds_and_needs_simd():
         assert _C.peak_probe_isa(True) == ""
 
 
+def test_int8_peak_probe_counts_vpdpbusd_where_the_int8_kernels_use_vnni():
+    """bench_quant's INT8 bound: 12 vpdpbusd (64 multiply-adds each) a step on every thread,
+    wherever the INT8 kernels take the VNNI path, and nothing where they do not."""
+    from specdec_inductor import _C
+    from specdec_inductor.ops.quant import int8_path
+    threads = torch.get_num_threads()
+    if int8_path() == "avx512":
+        assert _C.peak_int8_multiply_adds(10) == threads * 10 * 12 * 64
+    else:
+        assert _C.peak_int8_multiply_adds(10) == 0
+    for isa in ("avx2", "portable"):
+        if isa in specdec_inductor.runnable_isas():
+            with specdec_inductor.forced_isa(isa):
+                assert _C.peak_int8_multiply_adds(10) == 0
+
+
 # ---- C++ exceptions across the extension boundary (conftest.py's cpp_raises marker) ------------
 
 def test_cpp_exceptions_reach_python_here():
