@@ -24,10 +24,10 @@ makes its own copies and both sides take them in turn.
 (QuantFormat.*_R16, what load_gguf builds for INT8 on VNNI: Q4_K, Q6_K and the 32-weight
 formats, K a multiple of 64) in the same rounds:
 "R16 ms", its rate in file bytes, "file/R16" (the file layout's INT8 time over the repacked one's:
-> 1 the repacked layout is faster), and each layout's M-row time over its own 1-row time; "of peak": the repacked kernel's
-multiply-adds (N * K * M) per second over the INT8 peak the AVX-512 VNNI probe measures on the
-same threads (vpdpbusd back to back, no memory traffic): how close a compute-bound call (M >= 8)
-comes to the machine's integer multiply-add rate.
+> 1 the repacked layout is faster), and each layout's M-row time over its own 1-row time;
+"of peak": the repacked kernel's multiply-adds (N * K * M) per second over the INT8 peak the
+AVX-512 VNNI probe measures on the same threads (vpdpbusd back to back, no memory traffic): how
+close a compute-bound call (M >= 8) comes to the machine's integer multiply-add rate.
 
 --streamed: each call reads its weights from memory, not from a cache, as a model's decode step
 does (every weight once a token): the case's weights are copied until the copies hold at least
