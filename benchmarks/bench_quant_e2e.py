@@ -443,8 +443,8 @@ def main():
     print(f"# resident memory added by the target, its engine and a first token: {rss / 1e6:.0f} MB"
           f" = {rss / (os.path.getsize(target_file) + kv):.2f}x (file + KV pool {kv / 1e6:.0f} MB);"
           f" peak RSS of the process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
-    # The file-backed part counts torch's and the compiled kernels' library pages as they
-    # fault in during the first compile: shared code, not weights, and it varies run to run.
+    # The file-backed part is library code (torch's, the compiled kernels') as it faults in and
+    # the GGUF's own mapped pages; the anonymous part holds the weights the loader placed.
     print(f"#   of which anonymous {parts['anon'] / 1e6:.0f} MB (placed weights, KV pool, heap) = "
           f"{parts['anon'] / (os.path.getsize(target_file) + kv):.2f}x file + KV pool; "
           f"file-backed {parts['file'] / 1e6:.0f} MB, of it the GGUF's mapped pages "
