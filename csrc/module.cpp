@@ -37,6 +37,22 @@ specdec::Isa peak_probe_path(bool bf16) {
   return probe;
 }
 
+// Runs `probe` once on each of torch's threads at once (a peak probe: every core busy) and
+// returns the thread count; the probes' results are summed into a volatile so that no probe
+// loop can be optimised away.
+template <typename Probe>
+int64_t on_every_thread(const Probe& probe) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<double> sink(threads);
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) sink[t] = probe();
+  });
+  volatile double keep = 0.0;
+  for (double v : sink) keep = keep + v;
+  (void)keep;
+  return threads;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -67,25 +83,19 @@ PYBIND11_MODULE(_C, m) {
     const int64_t per_step = probe == Isa::AMX ? kPeakAmxTiles * kAmxTileMadds
                              : probe == Isa::AVX512 ? kPeakAccumulators * (bf16 ? 32 : 16)
                                                     : kPeakAccumulators * 8;
-    const int64_t threads = at::get_num_threads();
-    std::vector<float> sink(threads);
-    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
+    return on_every_thread([&]() -> double {
+      float out = 0.f;
 #ifdef SPECDEC_BUILT_AMX
-        if (probe == Isa::AMX) sink[t] = peak_probe_amx(iters);
+      if (probe == Isa::AMX) out = peak_probe_amx(iters);
 #endif
 #ifdef SPECDEC_BUILT_AVX512
-        if (probe == Isa::AVX512) sink[t] = peak_probe_avx512(bf16, iters);
+      if (probe == Isa::AVX512) out = peak_probe_avx512(bf16, iters);
 #endif
 #ifdef SPECDEC_BUILT_AVX2
-        if (probe == Isa::AVX2) sink[t] = peak_probe_avx2(iters);
+      if (probe == Isa::AVX2) out = peak_probe_avx2(iters);
 #endif
-      }
-    });
-    volatile float keep = 0.f;
-    for (float v : sink) keep = keep + v;
-    (void)keep;
-    return static_cast<double>(threads) * iters * per_step;
+      return out;
+    }) * iters * per_step;
   }, "Run the widest peak multiply-add probe (AMX for bf16 on the AMX path, else AVX-512 or "
      "AVX2) on every thread; returns its multiply-adds (0 without one). Time the call for the "
      "machine's peak rate.");
@@ -98,19 +108,13 @@ PYBIND11_MODULE(_C, m) {
     vnni = active_isa() >= Isa::AVX512 && cpu_has_avx512_vnni();
 #endif
     if (!vnni) return 0.0;
-    const int64_t threads = at::get_num_threads();
-    std::vector<int32_t> sink(threads);
-    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
+    return on_every_thread([&]() -> double {
 #ifdef SPECDEC_BUILT_AVX512VNNI
-        sink[t] = peak_probe_avx512vnni(iters);
+      return peak_probe_avx512vnni(iters);
+#else
+      return 0.0;
 #endif
-      }
-    });
-    volatile int64_t keep = 0;  // wide: the probe's lanes wrap, their sum must not overflow here
-    for (int32_t v : sink) keep = keep + v;
-    (void)keep;
-    return static_cast<double>(threads) * iters * kPeakAccumulators * 64;
+    }) * iters * kPeakAccumulators * 64;
   }, "Run the AVX-512 VNNI probe (vpdpbusd, the INT8 GEMV's multiply-add) on every thread; "
      "returns its multiply-adds (0 without VNNI on the active path). Time the call for the "
      "machine's INT8 peak rate.");
