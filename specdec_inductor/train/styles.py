@@ -224,6 +224,19 @@ TRAIN_ENTITIES = [
     ("a car for sale", "make, model, year, mileage, price"),
     ("a course syllabus", "course, weeks, topics, assessment"),
     ("a restaurant menu item", "dish, ingredients, price, vegetarian"),
+    # added with the second style round
+    ("a library loan", "member, title, borrowed, due, renewals"),
+    ("a job posting", "title, company, location, salary_range, remote"),
+    ("a plant in a garden centre", "species, pot_size, light, watering, price"),
+    ("a support ticket", "ticket_id, customer, priority, status, opened"),
+    ("a museum exhibit", "name, artist, year, room, on_loan"),
+    ("a bank transaction", "date, description, amount, currency, balance"),
+    ("a podcast episode", "show, episode, guest, length_minutes, published"),
+    ("a gym class", "class_name, instructor, weekday, start_time, capacity"),
+    ("a rental apartment", "address, rooms, rent, deposit, available_from"),
+    ("a shipping order", "order_id, items, weight_kg, carrier, eta"),
+    ("a board game", "title, players, play_time, age, publisher"),
+    ("a medication schedule", "medicine, dose, times_per_day, with_food"),
 ]
 TRAIN_STRUCTURED_TEMPLATES = [
     "Give {entity} as JSON with the fields {fields}. Output JSON only.",
@@ -233,6 +246,11 @@ TRAIN_STRUCTURED_TEMPLATES = [
     "Output CSV rows (with a header line {fields}) for five examples of {entity}.",
     "As a numbered list, name the fields {fields} of {entity} and say what each one holds.",
     "Show an XML element for {entity} with child elements {fields}.",
+    # added with the second style round
+    "Write a TOML config section for {entity} using the keys {fields}.",
+    "Return a JSON array of three objects, each {entity} holding {fields}. No prose.",
+    "Lay out two examples of {entity} as a markdown bulleted list, one nested bullet per field "
+    "({fields}).",
 ]
 TRAIN_SENTENCES = [
     "Our team finished the quarterly budget two days early and under cost.",
@@ -247,10 +265,25 @@ TRAIN_SENTENCES = [
     "Volunteers planted two hundred trees along the river last weekend.",
     "The train strike means many commuters will work from home this week.",
     "Our landlord says the heating will be repaired by Wednesday.",
+    # added with the second style round
+    "The bakery on the corner now opens at six and sells gluten-free loaves.",
+    "Ticket sales for the summer concert doubled after the band announced a second date.",
+    "The school will replace its old computers with tablets next term.",
+    "Our flight was cancelled, so we spent the night at an airport hotel.",
+    "The city plans to add fifty electric buses to its fleet by 2028.",
+    "The printer on the third floor is out of toner again.",
+    "Sales of winter coats fell because the autumn was unusually warm.",
+    "The hospital opened a new children's ward with forty beds.",
+    "I forgot my umbrella and got soaked on the way to work.",
+    "The committee postponed its decision until the budget is approved.",
+    "The bridge will be closed to cars for repairs during August.",
+    "Our dog learned to open the fridge and ate the whole cheese.",
 ]
 TRAIN_TONES = ["more formal", "friendlier", "more enthusiastic", "neutral and factual",
                "suitable for a child", "shorter and more direct"]
-TRAIN_LANGUAGE_NAMES = ["Spanish", "German", "Italian", "Portuguese", "Dutch"]
+TRAIN_LANGUAGE_NAMES = ["Spanish", "German", "Italian", "Portuguese", "Dutch",
+                        # added with the second style round
+                        "Swedish", "Polish"]
 TRAIN_REWRITE_TEMPLATES = [
     "Make this sentence {tone}: {sentence}",
     "Put this into {language}: {sentence}",
@@ -259,15 +292,90 @@ TRAIN_REWRITE_TEMPLATES = [
     "Write the sentence below three times, each time swapping one word for a synonym:\n"
     "{sentence}",
     "Expand this into a short paragraph with one more detail: {sentence}",
+    # added with the second style round
+    "Rewrite in the passive voice where you can: {sentence}",
+    "Give two alternative ways of saying this: {sentence}",
+    "Write this as a one-line text message to a colleague: {sentence}",
+]
+# Rewrites of longer texts (added with the second style round): summaries of paragraphs,
+# grammar fixes, and copies of a list with one change.
+TRAIN_PARAGRAPHS = [
+    "The new community garden opened in April on an empty lot behind the station. Residents "
+    "rent small beds for a few euros a season, and a local school uses two of them to teach "
+    "pupils how vegetables grow. Volunteers hope to add a greenhouse next year if a grant is "
+    "approved.",
+    "Last month the company moved its support team to a four-day week. Response times stayed "
+    "the same, sick days fell by a fifth, and most staff said they felt less tired. Managers "
+    "will decide in the autumn whether to extend the scheme to other departments.",
+    "Researchers tagged forty sea turtles off the coast to learn where they feed in winter. "
+    "Most swam south to warmer water, but six stayed near the harbour all season, which "
+    "surprised the team. The data will help decide where fishing nets are banned.",
+    "The old cinema on Mill Road will reopen after a two-year restoration. The original seats "
+    "were repaired rather than replaced, and a small cafe now fills the former ticket hall. "
+    "The first week will show classic films at reduced prices.",
+    "A survey of 2,000 commuters found that most would cycle to work if there were safe lanes "
+    "and somewhere to shower. Cost was the main reason people gave for driving, followed by "
+    "the weather. The council says it will publish a cycling plan in the spring.",
+    "Our neighbourhood book club has grown from five members to twenty in a year. We now meet "
+    "in the library instead of someone's living room, and each month a different member picks "
+    "the book. Next month we are reading a detective story set in Oslo.",
+]
+TRAIN_SLOPPY = [
+    "me and him goes to the shop yesterday but it were closed",
+    "their going to announce the results tomorow, wich is to late for us",
+    "the datas shows that less people buys newspapers then before",
+    "i has three brother and none of them likes football",
+    "could you sent me the file's before friday, its urgent",
+    "the team have did a grate job on this years report",
+]
+TRAIN_LISTS = [
+    ("Breakfast: oatmeal\nLunch: lentil soup\nSnack: oatmeal bar\nDinner: grilled fish",
+     "oatmeal", "porridge"),
+    ("- Call the plumber\n- Pay the gas bill\n- Call the dentist\n- Buy stamps",
+     "Call", "Email"),
+    ("Room 101: Maths\nRoom 102: History\nRoom 103: Maths\nRoom 104: Art", "Maths", "Physics"),
+    ("08:00 bus to Leeds\n12:30 bus to York\n17:45 bus to Leeds", "Leeds", "Hull"),
+    ("1) red pen\n2) blue folder\n3) red stapler\n4) green marker", "red", "black"),
+]
+TRAIN_LONG_REWRITE_TEMPLATES = [
+    "Summarise this paragraph in one sentence:\n\n{paragraph}",
+    "Give the three key points of this text as bullets:\n\n{paragraph}",
+    "Write a headline and a one-line teaser for this news item:\n\n{paragraph}",
+    "Correct the grammar and spelling: \"{sloppy}\"",
+    "Fix the mistakes in this sentence and explain each fix briefly: {sloppy}",
+    "Copy this out again with '{old}' changed to '{new}' everywhere, nothing else "
+    "changed:\n\n{lines}",
 ]
 TRAIN_FACTS = [
     "What is the chemical symbol for {x}?", "Which continent is {y} in?",
     "What is the official language of {y}?", "What currency is used in {y}?",
+    # added with the second style round
+    "Who painted {p}?", "In what year did {e}?", "What is the plural of '{w}'?",
+    "What is the opposite of '{w}'?", "What does the abbreviation {a} stand for?",
+    "How many sides does a {s} have?", "Roughly how far is it from {c}? One line, please.",
+    "Name the highest mountain in {y}.",
 ]
 TRAIN_FACT_FILLERS = {"x": ["iron", "sodium", "potassium", "silver", "lead", "tin", "helium",
                             "neon", "copper", "zinc"],
                       "y": ["Peru", "Kenya", "Norway", "Vietnam", "Chile", "Egypt", "Poland",
-                            "Mexico", "Thailand", "Ghana", "Finland", "Argentina"]}
+                            "Mexico", "Thailand", "Ghana", "Finland", "Argentina"],
+                      # added with the second style round
+                      "p": ["the Mona Lisa", "The Starry Night", "Guernica", "The Night Watch",
+                            "The Persistence of Memory", "Girl with a Pearl Earring",
+                            "The Birth of Venus", "The Scream", "Water Lilies",
+                            "The Last Supper"],
+                      "e": ["the Berlin Wall fall", "the first person walk on the Moon",
+                            "the Titanic sink", "World War I end", "the euro coins enter use",
+                            "the first iPhone go on sale", "Columbus reach the Americas",
+                            "the Wright brothers first fly"],
+                      "w": ["mouse", "child", "cactus", "ancient", "generous", "narrow",
+                            "arrive", "victory", "shallow", "criterion"],
+                      "a": ["NASA", "UNESCO", "CPU", "DNA", "HTML", "GDP", "PDF", "WHO",
+                            "USB", "ISBN"],
+                      "s": ["hexagon", "pentagon", "triangle", "octagon", "decagon",
+                            "rhombus"],
+                      "c": ["London to Paris", "New York to Boston", "Tokyo to Osaka",
+                            "Madrid to Lisbon", "Sydney to Melbourne", "Rome to Milan"]}
 TRAIN_CONVERSATIONS = [
     ("I want to start running in the mornings.", "That's a great habit! How fit are you now?",
      ["I can jog for about ten minutes.", "I haven't exercised in years.",
@@ -282,6 +390,56 @@ TRAIN_CONVERSATIONS = [
      ["Browsing with many tabs open.", "Editing photos.", "Just email and documents."]),
     ("I'd like to save more each month.", "Good goal. Do you know where most of your money goes?",
      ["Mostly eating out.", "Rent takes half of it.", "Subscriptions add up."]),
+    # added with the second style round
+    ("We're moving house next month.", "Exciting! Is it a big move or just across town?",
+     ["Across the country, with two kids.", "Only two streets away.",
+      "To a smaller flat, so I need to get rid of things."]),
+    ("I keep waking up at 4 am.", "That sounds tiring. Has anything changed lately?",
+     ["I started a new job.", "I drink coffee late in the evening.", "Nothing I can think of."]),
+    ("I want to learn to play the guitar.", "Great idea! Do you already play any instrument?",
+     ["A little piano as a child.", "No, I'm a complete beginner.",
+      "I play the drums in a band."]),
+    ("My cat stopped eating her dry food.", "Oh no. How long has this been going on?",
+     ["About three days.", "Since we changed brands.", "Only since the weekend, she eats treats."]),
+    ("I have to give a speech at my friend's wedding.",
+     "What an honour! How long should it be?",
+     ["About five minutes.", "Short, I get very nervous.", "No limit, but I want it funny."]),
+    ("Our team keeps missing deadlines.", "That's frustrating. How are tasks planned now?",
+     ["The manager assigns everything on Monday.", "We don't really plan, we react.",
+      "We use a board but nobody updates it."]),
+    ("I'm thinking about adopting a dog.", "Lovely! What does your daily routine look like?",
+     ["I work from home most days.", "I'm out ten hours a day.", "I live alone in a flat."]),
+    ("I want to cook more at home.", "Great! What stops you from cooking now?",
+     ["I get home late and tired.", "I only know three dishes.", "My kitchen is tiny."]),
+    ("My teenage son spends all night gaming.", "That's a common worry. How is school going?",
+     ["His grades are dropping.", "Fine, surprisingly.", "He says he's bored there."]),
+    ("I'd like to visit Japan in spring.", "Wonderful. How long will you stay?",
+     ["Ten days.", "Three weeks, on a budget.", "Just five days with my parents."]),
+    ("I can't decide between two job offers.", "Tough choice! What are the two options?",
+     ["A startup with shares or a bank with a pension.",
+      "One pays more, the other is closer to home.",
+      "Same pay, but one is fully remote."]),
+    ("I want to write a novel.", "How exciting! Do you have a story in mind?",
+     ["A mystery set on a ferry.", "Not yet, just the wish.",
+      "A fantasy, but I keep rewriting chapter one."]),
+    ("My tomatoes have yellow leaves.", "Let's figure it out. Are they in pots or in the ground?",
+     ["In pots on a balcony.", "In a raised bed.", "In a greenhouse."]),
+    ("I'm nervous about my driving test.", "Totally normal. When is it?",
+     ["Next Tuesday.", "In two months.", "Tomorrow morning!"]),
+    ("I need ideas for a rainy Saturday with kids.", "Fun! How old are they?",
+     ["Four and seven.", "Both teenagers.", "Twins, aged two."]),
+    ("I'd like to read more books this year.", "Great goal. What did you enjoy reading before?",
+     ["Science fiction.", "Biographies.", "I haven't read a book since school."]),
+    ("Our neighbours are very noisy at night.", "That's hard. Have you spoken with them?",
+     ["Once, nothing changed.", "No, I'm not sure how to start.",
+      "Yes, and they got angry."]),
+    ("I want to switch careers into teaching.", "Admirable! What do you do now?",
+     ["I'm an accountant.", "I work in retail.", "I'm a nurse."]),
+    ("I get headaches after working at my computer.",
+     "That can wear you down. How many hours a day are you at the screen?",
+     ["About eight.", "More than ten.", "Four, but without breaks."]),
+    ("I'm hosting dinner for eight people on Friday.", "Nice! Any dietary needs among guests?",
+     ["Two are vegan.", "One has a nut allergy.", "No, they eat everything."]),
 ]
 TRAIN_MATH = [
     "{name} buys {a} notebooks at {b} dollars each and pays with a {c}-dollar note. How much "
@@ -291,6 +449,16 @@ TRAIN_MATH = [
     "A tank holds {c} litres and drains {a} litres per minute. How long until it is empty?",
     "{name} reads {a} pages a day. How many days does a book of {c} pages take?",
     "The sum of two numbers is {c} and their difference is {a}. What are the numbers?",
+    # added with the second style round
+    "A train travels {c} km in {a} hours. What is its average speed?",
+    "{name} saves {a} dollars a week. How many weeks until {name} has {c} dollars?",
+    "A shirt costs {c} dollars. After a {a}0% price cut, what does it cost?",
+    "A garden is {a} m by {b} m. How much fencing goes around it?",
+    "{name} shares {c} sweets equally among {a} friends. How many does each get, and how many "
+    "are left?",
+    "A car uses {a} litres of fuel per 100 km. How much fuel does a {c}-km trip need?",
+    "{name} is {a} years older than a brother who is {b}. How old will {name} be in {c} years?",
+    "A box holds {b} rows of {a} cups. How many boxes are needed for {c} cups?",
 ]
 TRAIN_NAMES = ["Maria", "Ken", "Aisha", "Lucas", "Mei", "Omar"]
 
@@ -306,6 +474,14 @@ def _style_pool(rng: random.Random) -> List[StylePrompt]:
              for t in TRAIN_STRUCTURED_TEMPLATES for e, f in TRAIN_ENTITIES]
     pool += [StylePrompt("rewrite", "", t.format(sentence=s, **fill))
              for t in TRAIN_REWRITE_TEMPLATES for s in TRAIN_SENTENCES for fill in _fills(t)]
+    pool += [StylePrompt("rewrite", "", t.format(paragraph=p))
+             for t in TRAIN_LONG_REWRITE_TEMPLATES if "{paragraph}" in t
+             for p in TRAIN_PARAGRAPHS]
+    pool += [StylePrompt("rewrite", "", t.format(sloppy=x))
+             for t in TRAIN_LONG_REWRITE_TEMPLATES if "{sloppy}" in t for x in TRAIN_SLOPPY]
+    pool += [StylePrompt("rewrite", "", t.format(lines=lines, old=old, new=new))
+             for t in TRAIN_LONG_REWRITE_TEMPLATES if "{lines}" in t
+             for lines, old, new in TRAIN_LISTS]
     pool += [StylePrompt("short", "", t.format(**{k: v}))
              for t in TRAIN_FACTS for k, vs in TRAIN_FACT_FILLERS.items() if "{" + k + "}" in t
              for v in vs]
