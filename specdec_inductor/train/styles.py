@@ -474,14 +474,8 @@ def _style_pool(rng: random.Random) -> List[StylePrompt]:
              for t in TRAIN_STRUCTURED_TEMPLATES for e, f in TRAIN_ENTITIES]
     pool += [StylePrompt("rewrite", "", t.format(sentence=s, **fill))
              for t in TRAIN_REWRITE_TEMPLATES for s in TRAIN_SENTENCES for fill in _fills(t)]
-    pool += [StylePrompt("rewrite", "", t.format(paragraph=p))
-             for t in TRAIN_LONG_REWRITE_TEMPLATES if "{paragraph}" in t
-             for p in TRAIN_PARAGRAPHS]
-    pool += [StylePrompt("rewrite", "", t.format(sloppy=x))
-             for t in TRAIN_LONG_REWRITE_TEMPLATES if "{sloppy}" in t for x in TRAIN_SLOPPY]
-    pool += [StylePrompt("rewrite", "", t.format(lines=lines, old=old, new=new))
-             for t in TRAIN_LONG_REWRITE_TEMPLATES if "{lines}" in t
-             for lines, old, new in TRAIN_LISTS]
+    pool += [StylePrompt("rewrite", "", t.format(**fill))
+             for t in TRAIN_LONG_REWRITE_TEMPLATES for fill in _fills(t)]
     pool += [StylePrompt("short", "", t.format(**{k: v}))
              for t in TRAIN_FACTS for k, vs in TRAIN_FACT_FILLERS.items() if "{" + k + "}" in t
              for v in vs]
@@ -501,6 +495,12 @@ def _fills(template: str) -> List[Dict[str, str]]:
         return [{"tone": t} for t in TRAIN_TONES]
     if "{language}" in template:
         return [{"language": lang} for lang in TRAIN_LANGUAGE_NAMES]
+    if "{paragraph}" in template:
+        return [{"paragraph": p} for p in TRAIN_PARAGRAPHS]
+    if "{sloppy}" in template:
+        return [{"sloppy": x} for x in TRAIN_SLOPPY]
+    if "{lines}" in template:
+        return [{"lines": lines, "old": old, "new": new} for lines, old, new in TRAIN_LISTS]
     return [{}]
 
 
