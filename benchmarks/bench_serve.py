@@ -36,6 +36,7 @@ clock as the server's on Linux) to the client's first text chunk.
 import argparse
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -144,6 +145,7 @@ def llama_server(bindir: str, args, log_dir: str) -> ServerProcess:
     cmd = [os.path.join(bindir, "llama-server"), "-m", model_file(args.model), "--port", "{port}",
            "--host", "127.0.0.1", "-a", NAME, "-t", str(threads), "-np", str(args.max_batch),
            "-c", str(args.max_len * args.max_batch), "-cb", "--no-webui"]
+    cmd += shlex.split(args.llamacpp_args)
     return ServerProcess("llama-server", cmd, log_dir)
 
 
@@ -291,6 +293,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="llama-server -t (default: cores)")
     p.add_argument("--llamacpp-bin", default=None, help="llama.cpp bin dir (default: build it)")
     p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--llamacpp-args", default="",
+                   help="more llama-server arguments, e.g. '-nr' (no weight repacking: "
+                        "0.3.36's AMX repack crashes at its first multi-row matmul on some "
+                        "AMX machines, llama.cpp issue 20824)")
     p.add_argument("--baseline", default=None, metavar="CHECKOUT",
                    help="also serve each method from this checkout of the repository (a "
                         "same-run A/B of a change: its rows are 'baseline METHOD')")
