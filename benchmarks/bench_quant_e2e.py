@@ -41,6 +41,7 @@ import argparse
 import os
 import re
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -141,11 +142,12 @@ def run_llamacpp(cmd, pattern):
     return float(m.group(1)), text
 
 
-def llamacpp_runs(bindir, target, draft, prompt_text, new_tokens, threads, n_draft):
+def llamacpp_runs(bindir, target, draft, prompt_text, new_tokens, threads, n_draft, extra=()):
     """{label: (tok/s, accepted fraction or None)} of llama.cpp's plain, draft-model and lookup
-    decoding on one prompt (greedy, eos ignored so every run makes new_tokens tokens)."""
+    decoding on one prompt (greedy, eos ignored so every run makes new_tokens tokens); extra:
+    more arguments for every run (--llamacpp-args)."""
     common = ["-p", prompt_text, "-n", str(new_tokens), "-t", str(threads), "--temp", "0",
-              "--ignore-eos", "-c", "2048"]
+              "--ignore-eos", "-c", "2048", *extra]
     res = {}
     rate, _ = run_llamacpp([os.path.join(bindir, "llama-completion"), "-m", target, "-no-cnv",
                             *common], r"(?<!prompt )eval time =\s+[\d.]+ ms /\s+\d+ runs.*?([\d.]+) tokens per second")
@@ -379,6 +381,10 @@ def main():
                    help="our quantized layers' activations (ops.quant.QuantActivation)")
     p.add_argument("--llamacpp-bin", default=None, help="llama.cpp bin dir (default: build it)")
     p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--llamacpp-args", default="",
+                   help="more arguments for every llama.cpp run, e.g. '-nr' (no weight "
+                        "repacking: 0.3.36's AMX repack crashes at its first multi-row matmul "
+                        "on some AMX machines, llama.cpp issue 20824)")
     p.add_argument("--min-accepted", type=float, default=None, metavar="A",
                    help="the acceptance gate's threshold for every method (0: always draft; "
                         "default: calibrated from the measured step costs)")
@@ -490,7 +496,8 @@ def main():
             if bindir:
                 for label, (rate, acc) in llamacpp_runs(bindir, target_file, draft_file, text,
                                                         args.max_new_tokens, threads,
-                                                        args.num_draft_tokens).items():
+                                                        args.num_draft_tokens,
+                                                        shlex.split(args.llamacpp_args)).items():
                     rates.setdefault(label, []).append(rate)
                     if acc is not None:
                         accepted[label] = f"{100 * acc:.0f}% of drafts"
