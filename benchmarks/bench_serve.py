@@ -352,7 +352,8 @@ def main() -> int:
           f"{args.requests_per_client} requests per client, max_tokens {args.max_tokens}, greedy, "
           f"stop at eos; max batch {args.max_batch}; tok/s medians of {args.repeats}; load "
           f"average {load0:.1f} before the runs, {os.getloadavg()[0]:.1f} after; server logs "
-          f"in {log_dir}")
+          f"in {log_dir}" + (f"; llama-server with {args.llamacpp_args}" if args.llamacpp_args
+                             else ""))
     print_table({label: {c: summarize(r) for c, r in rows.items()}
                  for label, rows in runs.items()}, args.concurrency)
     if args.trace:
