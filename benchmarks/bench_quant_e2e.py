@@ -132,6 +132,11 @@ def llamacpp_bin(explicit):
     return out.stdout.strip().splitlines()[-1]
 
 
+# --llamacpp-args' example, here and in bench_serve.py.
+LLAMACPP_ARGS_EXAMPLE = ("e.g. '-nr' (no weight repacking: 0.3.36's AMX repack crashes at its "
+                         "first multi-row matmul on some AMX machines, llama.cpp issue 20824)")
+
+
 def run_llamacpp(cmd, pattern):
     """Runs one llama.cpp command; returns (tokens/s from `pattern`, stdout+stderr)."""
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -382,9 +387,7 @@ def main():
     p.add_argument("--llamacpp-bin", default=None, help="llama.cpp bin dir (default: build it)")
     p.add_argument("--no-llamacpp", action="store_true")
     p.add_argument("--llamacpp-args", default="",
-                   help="more arguments for every llama.cpp run, e.g. '-nr' (no weight "
-                        "repacking: 0.3.36's AMX repack crashes at its first multi-row matmul "
-                        "on some AMX machines, llama.cpp issue 20824)")
+                   help=f"more arguments for every llama.cpp run, {LLAMACPP_ARGS_EXAMPLE}")
     p.add_argument("--min-accepted", type=float, default=None, metavar="A",
                    help="the acceptance gate's threshold for every method (0: always draft; "
                         "default: calibrated from the measured step costs)")

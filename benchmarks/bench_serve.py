@@ -51,7 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from bench_quant_e2e import llamacpp_bin, model_file  # noqa: E402
+from bench_quant_e2e import LLAMACPP_ARGS_EXAMPLE, llamacpp_bin, model_file  # noqa: E402
 from specdec_inductor.train.corpus import heldout_prompts  # noqa: E402
 
 NAME = "bench"  # the model name both servers answer to
@@ -294,9 +294,7 @@ def main() -> int:
     p.add_argument("--llamacpp-bin", default=None, help="llama.cpp bin dir (default: build it)")
     p.add_argument("--no-llamacpp", action="store_true")
     p.add_argument("--llamacpp-args", default="",
-                   help="more llama-server arguments, e.g. '-nr' (no weight repacking: "
-                        "0.3.36's AMX repack crashes at its first multi-row matmul on some "
-                        "AMX machines, llama.cpp issue 20824)")
+                   help=f"more llama-server arguments, {LLAMACPP_ARGS_EXAMPLE}")
     p.add_argument("--baseline", default=None, metavar="CHECKOUT",
                    help="also serve each method from this checkout of the repository (a "
                         "same-run A/B of a change: its rows are 'baseline METHOD')")
